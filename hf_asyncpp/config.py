@@ -1,0 +1,374 @@
+"""Typed recipe: YAML -> nested dataclasses, strictly validated.
+
+Field names follow ``transformers.TrainingArguments`` where one exists, so HF
+users can read a recipe without a manual. Every error names the dotted field and
+what is allowed, because a typo in a 10-hour run's recipe should cost seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+__all__ = [
+    "RecipeError",
+    "ModelConfig",
+    "DataConfig",
+    "PipelineConfig",
+    "OptimizerConfig",
+    "TrainingConfig",
+    "HubConfig",
+    "EvalConfig",
+    "Recipe",
+    "load_recipe",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "apply_overrides",
+    "save_recipe",
+]
+
+
+class RecipeError(ValueError):
+    """An invalid recipe. The message names the dotted field and what is allowed."""
+
+
+def _range(lo=None, hi=None, lo_open=False):
+    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    config: Optional[dict] = None
+    """Kwargs for ``AutoConfig.for_model`` (must contain ``model_type``): random init."""
+    name_or_path: Optional[str] = None
+    """Local directory or Hub id for ``from_pretrained`` (alternative to ``config``)."""
+    tokenizer_name_or_path: Optional[str] = None
+    """Tokenizer path or Hub id; when unset a byte-level BPE is trained on the corpus."""
+    vocab_size: int = field(default=4096, metadata=_range(lo=256))
+    """Vocabulary size of the tokenizer trained on the corpus."""
+    attn_implementation: Optional[str] = None
+    """``sdpa``, ``eager``, ... (None: the model's default)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dataset: Optional[str] = None
+    """Hub id or datasets builder name, streamed (``load_dataset(..., streaming=True)``)."""
+    dataset_config: Optional[str] = None
+    """Builder config name for ``dataset``."""
+    train_split: str = "train"
+    eval_split: Optional[str] = None
+    """Split of ``dataset`` held out for eval (None: ``eval_fraction`` of the stream's documents)."""
+    train_files: Optional[list[str]] = None
+    """Local text/jsonl/parquet files or globs; replace the default corpus."""
+    eval_files: Optional[list[str]] = None
+    """Local held-out files or globs."""
+    text_column: str = "text"
+    seq_len: int = field(default=128, metadata=_range(lo=2))
+    """Tokens per packed training block."""
+    shuffle_buffer: int = field(default=1000, metadata=_range(lo=0))
+    """Documents in the streaming shuffle buffer (0: no shuffle)."""
+    eval_blocks: int = field(default=32, metadata=_range(lo=1))
+    """Packed blocks of the held-out stream used for each evaluation."""
+    data_dir: str = "data/sotu"
+    """Where the default corpus (State of the Union addresses) is prepared."""
+
+
+SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "none")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    schedule: Literal["2bw", "1f1b", "gpipe", "pipedream", "none"] = "none"
+    """Pipeline schedule; ``none`` runs the whole model in each process."""
+    num_stages: int = field(default=1, metadata=_range(lo=1))
+    num_microbatches: int = field(default=4, metadata=_range(lo=1))
+    """Microbatches per optimizer step (gradients accumulated over them)."""
+    microbatch_size: int = field(default=4, metadata=_range(lo=1))
+    """Sequences per microbatch."""
+    layers_per_stage: Optional[list[int]] = None
+    """Explicit decoder layers per stage (None: balanced by the cost model)."""
+    p2p_timeout_s: float = field(default=60.0, metadata=_range(lo=0.0, lo_open=True))
+    """A peer silent for this long is declared dead and every rank exits."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["muon", "adamw", "nadam", "sgd"] = "adamw"
+    learning_rate: float = field(default=3e-4, metadata=_range(lo=0.0, lo_open=True))
+    """Peak learning rate (Muon's matrices when ``name: muon``)."""
+    weight_decay: float = field(default=0.1, metadata=_range(lo=0.0))
+    adam_beta1: float = field(default=0.9, metadata=_range(lo=0.0, hi=1.0))
+    adam_beta2: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
+    adam_epsilon: float = field(default=1e-8, metadata=_range(lo=0.0, lo_open=True))
+    momentum: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
+    """Muon (and SGD) momentum."""
+    nesterov: bool = True
+    ns_steps: int = field(default=5, metadata=_range(lo=1, hi=99))
+    adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Muon lr scaling: Keller Jordan's ``original`` or Moonshot's ``match_rms_adamw``."""
+    adamw_lr: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
+    """Muon hybrid: lr of the AdamW group (embeddings, head, norms, biases, routers); None: learning_rate."""
+    adamw_weight_decay: Optional[float] = field(default=None, metadata=_range(lo=0.0))
+    """Muon hybrid: weight decay of the AdamW group; None: weight_decay."""
+    delay_correction: Literal["none", "error_feedback"] = "none"
+    ef_lambda: float = field(default=1.0, metadata=_range(lo=0.0))
+    """Error-feedback extrapolation weight (1.0 is the paper's)."""
+    simulate_delay: Literal["0", "1", "pipedream"] = "0"
+    """Single-process research mode: 0 sync, 1 PipeDream-2BW delay, pipedream variable delay."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    output_dir: str = "runs/default"
+    max_steps: int = field(default=100, metadata=_range(lo=1))
+    warmup_ratio: float = field(default=0.1, metadata=_range(lo=0.0, hi=1.0))
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = field(default=0.1, metadata=_range(lo=0.0, hi=1.0))
+    """Final lr as a fraction of the peak (cosine and linear)."""
+    max_grad_norm: float = field(default=1.0, metadata=_range(lo=0.0))
+    """Global gradient-norm clip across all stages (0 disables)."""
+    seed: int = 42
+    bf16: bool = False
+    """bf16 autocast for forward and backward (weights and optimizer stay fp32)."""
+    logging_steps: int = field(default=10, metadata=_range(lo=1))
+    eval_steps: int = field(default=0, metadata=_range(lo=0))
+    """Evaluate every N steps (0: only at the end)."""
+    save_steps: int = field(default=0, metadata=_range(lo=0))
+    """Checkpoint every N steps (0: only at the end)."""
+    save_total_limit: Optional[int] = field(default=2, metadata=_range(lo=1))
+    resume_from_checkpoint: Optional[str] = None
+    """``latest`` or a checkpoint directory."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """accelerate trackers (tensorboard, wandb, ...); [] or [none] disables."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    torch_threads: Optional[int] = field(default=None, metadata=_range(lo=1))
+    """Intra-op threads per process (None: 1 per rank when several ranks share the CPU)."""
+    export: bool = True
+    """Export an HF folder (``output_dir/export``) and evaluate it at the end."""
+
+
+@dataclass(kw_only=True)
+class HubConfig:
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_strategy: Literal["end", "every_save"] = "end"
+    private: bool = True
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    tasks: list[str] = field(default_factory=list)
+    """Downstream tasks run on the export at the end (``perplexity``, ...)."""
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def tokens_per_step(self) -> int:
+        p = self.pipeline
+        return p.num_microbatches * p.microbatch_size * self.data.seq_len
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(value: Any, tp, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where)
+            except RecipeError as e:
+                errors.append(e)
+        raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        # YAML reads `simulate_delay: 1` as an int; the allowed values are strings.
+        cand = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else value
+        if cand not in allowed:
+            raise RecipeError(f"{where}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return cand
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and inner is str:
+            value = [value]  # `report_to: tensorboard` is a common shorthand
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise TypeError(f"unsupported recipe type {tp} at {where}")
+
+
+def _check_range(value, meta, where):
+    if value is None or not meta or "lo" not in meta:
+        return
+    lo, hi, lo_open = meta["lo"], meta["hi"], meta["lo_open"]
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        hi_s = "" if hi is None else f"<= {hi}"
+        allowed = " and ".join(s for s in (lo_s, hi_s) if s)
+        raise RecipeError(f"{where}: {value!r} is out of range; allowed: {allowed}")
+
+
+def _build(cls, data, where: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where or 'recipe'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise RecipeError(
+            f"{prefix}{unknown[0]}: unknown field; allowed fields{' of ' + where if where else ''}: "
+            + ", ".join(sorted(fields))
+        )
+    kwargs = {}
+    for name, value in data.items():
+        dotted = f"{where}.{name}" if where else name
+        kwargs[name] = _convert(value, hints[name], dotted)
+        _check_range(kwargs[name], fields[name].metadata, dotted)
+    return cls(**kwargs)
+
+
+def _cross_checks(r: Recipe) -> None:
+    """Constraints between fields, named by the field a user would change."""
+    if (r.model.config is None) == (r.model.name_or_path is None):
+        raise RecipeError("model: give exactly one of model.config (random init) or model.name_or_path")
+    if r.model.config is not None and "model_type" not in r.model.config:
+        raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
+    p = r.pipeline
+    if p.schedule == "none" and p.num_stages != 1:
+        raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of 2bw, 1f1b, gpipe, pipedream")
+    if p.schedule == "2bw" and p.num_microbatches < p.num_stages:
+        raise RecipeError(
+            f"pipeline.num_microbatches: 2bw needs num_microbatches >= num_stages ({p.num_microbatches} < {p.num_stages}); "
+            f"raise it to at least {p.num_stages}"
+        )
+    if p.layers_per_stage is not None and len(p.layers_per_stage) != p.num_stages:
+        raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
+    if r.optimizer.simulate_delay != "0" and p.schedule != "none":
+        raise RecipeError(
+            f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "
+            f"use it with pipeline.schedule 'none' (the {p.schedule!r} schedule produces its delay for real)"
+        )
+    if r.hub.push_to_hub and not r.hub.hub_model_id:
+        raise RecipeError("hub.hub_model_id: required when hub.push_to_hub is true (e.g. 'user/my-model')")
+    if r.data.train_files is not None and r.data.dataset is not None:
+        raise RecipeError("data: give data.train_files or data.dataset, not both")
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    r = _build(Recipe, data, "")
+    _cross_checks(r)
+    return r
+
+
+def recipe_to_dict(r: Recipe) -> dict:
+    return dataclasses.asdict(r)
+
+
+def _parse_scalar(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``--section.field=value`` overrides (values parsed as YAML) to a raw recipe dict."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for ov in overrides:
+        if not ov.startswith("--") or "=" not in ov:
+            raise RecipeError(f"override {ov!r}: expected --section.field=value, e.g. --training.max_steps=50")
+        key, value = ov[2:].split("=", 1)
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise RecipeError(f"override {ov!r}: {part} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(value)
+    return data
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file {str(path)!r} not found") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+    return recipe_from_dict(apply_overrides(data, overrides or []))
+
+
+def save_recipe(r: Recipe, path: str | os.PathLike) -> None:
+    """Write the resolved recipe (every default filled in) next to the run's outputs."""
+    with open(path, "w") as f:
+        yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
