@@ -1,0 +1,134 @@
+"""Atomic checkpoints: each process writes its part into a temp dir, the main
+process writes the manifest last and renames the dir into place.
+
+A checkpoint without ``manifest.json`` is never resumed from, so a run killed
+mid-write leaves the previous checkpoint the latest one. Tensors go through
+safetensors; other state through ``torch.load(weights_only=True)`` or JSON,
+so loading never unpickles arbitrary objects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:07d}"
+
+
+def temp_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f".tmp-{checkpoint_name(step)}"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, str(path), metadata=metadata)
+    _fsync_file(path)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def save_state(path: Path, obj) -> None:
+    torch.save(obj, path)
+    _fsync_file(path)
+
+
+def load_state(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def save_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_json(path: Path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def commit(tmp: Path, final: Path, manifest: dict) -> Path:
+    """Write the manifest last, then move the complete directory into place."""
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    save_json(tmp / MANIFEST, {**manifest, "files": files})
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (with a manifest), oldest first."""
+    out = []
+    root = Path(output_dir)
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def resolve_resume(output_dir: str | Path, resume: str | None) -> Path | None:
+    """``latest`` (None if there is none yet) or an explicit checkpoint directory."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1][1] if ckpts else None
+    path = Path(resume)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(
+            f"training.resume_from_checkpoint: {resume!r} is not a complete checkpoint (no {MANIFEST}); "
+            f"complete ones: {[str(p) for _, p in list_checkpoints(output_dir)]}"
+        )
+    return path
+
+
+def prune(output_dir: str | Path, limit: int | None) -> None:
+    """Keep the newest ``limit`` complete checkpoints; also clear stale temp dirs."""
+    root = Path(output_dir)
+    for p in root.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    if not limit:
+        return
+    ckpts = list_checkpoints(root)
+    for _, p in ckpts[:-limit]:
+        shutil.rmtree(p, ignore_errors=True)

