@@ -150,6 +150,9 @@ class TrainingConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     torch_threads: Optional[int] = field(default=None, metadata=_range(lo=1))
     """Intra-op threads per process (None: 1 per rank when several ranks share the CPU)."""
+    stop_after_steps: Optional[int] = field(default=None, metadata=_range(lo=1))
+    """Checkpoint and exit at this step without changing the schedule (like Megatron's --exit-interval);
+    continue later with ``resume_from_checkpoint: latest``."""
     export: bool = True
     """Export an HF folder (``output_dir/export``) and evaluate it at the end."""
 
@@ -302,7 +305,7 @@ def _cross_checks(r: Recipe) -> None:
     if r.model.config is not None and "model_type" not in r.model.config:
         raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
     p = r.pipeline
-    if p.schedule == "none" and p.num_stages != 1:
+    if p.schedule == "none" and p.num_stages != 1 and r.optimizer.simulate_delay != "pipedream":
         raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of 2bw, 1f1b, gpipe, pipedream")
     if p.schedule == "2bw" and p.num_microbatches < p.num_stages:
         raise RecipeError(
@@ -311,6 +314,11 @@ def _cross_checks(r: Recipe) -> None:
         )
     if p.layers_per_stage is not None and len(p.layers_per_stage) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
+    if p.schedule == "pipedream" and p.num_microbatches != 1:
+        raise RecipeError(
+            f"pipeline.num_microbatches: pipedream takes one optimizer step per microbatch, so it must be 1 "
+            f"(got {p.num_microbatches}); set pipeline.microbatch_size to the batch you want per update"
+        )
     if r.optimizer.simulate_delay != "0" and p.schedule != "none":
         raise RecipeError(
             f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "

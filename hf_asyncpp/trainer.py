@@ -98,11 +98,12 @@ class RunState:
 def chunk_ends(start: int, recipe: Recipe) -> list[int]:
     """Step indices after which the loop stops to log, eval or save (the pipeline drains there)."""
     t = recipe.training
-    ends = {t.max_steps}
+    stop = min(t.max_steps, t.stop_after_steps or t.max_steps)
+    ends = {stop}
     for every in (t.logging_steps, t.eval_steps, t.save_steps):
         if every:
             ends.update(range(every, t.max_steps, every))
-    return sorted(e for e in ends if e > start)
+    return sorted(e for e in ends if start < e <= stop)
 
 
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
@@ -193,13 +194,18 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         bar.set_postfix(loss=f"{results[-1].loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
         if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
             last_eval = evaluate(state.step)
-        if (t.save_steps and state.step % t.save_steps == 0) or state.step == t.max_steps:
+        if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
             _save(out, state, engine, stream, tokenizer, recipe, accelerator, topo)
     bar.close()
+    if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
+        accelerator.end_training()
+        return {"step": state.step, "tokens": state.tokens, "stopped_early": True}
     last_eval = evaluate(state.step)
     summary = {"step": state.step, "tokens": state.tokens, **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
-    if t.export and accelerator.is_main_process:
-        summary.update(_export(out, engine, tokenizer, recipe, state, held_out))
+    if t.export:
+        weights = engine.full_state_dict()  # collective under the pipeline: merged on the main process only
+        if accelerator.is_main_process:
+            summary.update(_export(out, weights, engine, tokenizer, recipe, state, held_out))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
@@ -278,7 +284,7 @@ def _load(path: Path, engine, stream, topo) -> RunState:
     return RunState(step=meta["step"], tokens=meta["tokens"])
 
 
-def _export(out: Path, engine, tokenizer, recipe: Recipe, state: RunState, held_out) -> dict:
+def _export(out: Path, weights, engine, tokenizer, recipe: Recipe, state: RunState, held_out) -> dict:
     from .evaluation import evaluate_model_dir
     from .export import export_hf_model
 
@@ -298,7 +304,7 @@ def _export(out: Path, engine, tokenizer, recipe: Recipe, state: RunState, held_
         "loss_curve": "loss_curve.png" if curve else None,
     }
     export_dir = out / "export"
-    export_hf_model(engine.full_state_dict(), config, export_dir, tokenizer=tokenizer, card=card)
+    export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
     if curve:
         shutil.copy(curve, export_dir / "loss_curve.png")
     reloaded = evaluate_model_dir(export_dir, held_out)
@@ -348,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if summary.get("export_dir"):
+    if summary.get("stopped_early"):
+        print(f"stopped after step {summary['step']} (training.stop_after_steps); resume with --training.resume_from_checkpoint=latest")
+    elif summary.get("export_dir"):
         print(f"exported {summary['export_dir']}: perplexity {summary['export_eval_ppl']:.2f} "
               f"(untrained {summary['untrained_eval_ppl']:.2f}), eval_loss {summary['export_eval_loss']:.4f}")
     else:

@@ -1,0 +1,501 @@
+"""Pipeline executor: runs this rank's action list with its stage over torch.distributed.
+
+One executor for every schedule (``schedules.py`` makes the action lists; the
+simulator checks them), so sync and async runs differ only in their lists.
+
+Weight versions. The optimizer owns the stage's ``nn.Parameter``s, whose storage
+always holds the newest version. Forward passes never use those Parameters
+directly: each version gets its own leaf tensors sharing storage with a version
+buffer, and ``functional_call`` runs the stage with them, so an update never
+touches a tensor that an in-flight microbatch saved for its backward. A buffer
+is reused as soon as its version has no microbatch in flight and no future
+forward needs it: 1 buffer for GPipe/1F1B (updates in place), 2 for 2BW (the
+current version and the shadow), up to p at stage 0 for PipeDream.
+
+Reductions. After the last backward of a step, its gradients are handed to a
+worker thread that all-reduces them in the stage's data-parallel group, sums the
+tied embedding gradient between the first and last stage and all-reduces the
+squared gradient norm across stages. The optimizer step waits for that result
+only when the schedule places it, so 2BW never stalls on a collective.
+
+No hangs. Every receive and every wait has ``pipeline.p2p_timeout_s``; a dead or
+silent peer becomes ``PeerFailure`` naming it, and the process exits non-zero.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from . import checkpoint as ckpt
+from .config import Recipe
+from .engine import NonFiniteError, StepResult, Topology, autocast
+from .lr import build_scheduler
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.float64]
+_HEADER = 64
+
+
+class PeerFailure(RuntimeError):
+    """A pipeline peer died, stalled past the timeout, or closed its connection."""
+
+
+# ---------------------------------------------------------------------------- groups
+
+
+@dataclass
+class Groups:
+    """Process groups, created collectively in the same order on every rank."""
+
+    dp: object = None  # this stage's data-parallel replicas
+    pipe: object = None  # the stages of this data-parallel replica
+    tie: object = None  # first + last stage of this replica (tied embeddings)
+    dp_ranks: list = field(default_factory=list)
+
+
+def make_groups(topo: Topology, tied: bool, timeout: timedelta) -> Groups:
+    g = Groups()
+    p, dp = topo.num_stages, topo.dp_size
+    for s in range(p):
+        ranks = [s * dp + d for d in range(dp)]
+        grp = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
+        if s == topo.stage:
+            g.dp, g.dp_ranks = grp, ranks
+    for d in range(dp):
+        ranks = [s * dp + d for s in range(p)]
+        grp = dist.new_group(ranks, timeout=timeout)
+        if d == topo.dp_rank:
+            g.pipe = grp
+    if tied and p > 1:
+        for d in range(dp):
+            ranks = [d, (p - 1) * dp + d]
+            grp = dist.new_group(ranks, timeout=timeout)
+            if d == topo.dp_rank and topo.stage in (0, p - 1):
+                g.tie = grp
+    return g
+
+
+# ---------------------------------------------------------------------------- p2p
+
+
+class P2P:
+    """Point-to-point transfers between adjacent stages; sends are async, receives block with a timeout."""
+
+    def __init__(self, topo: Topology, timeout_s: float):
+        self.topo, self.timeout = topo, timedelta(seconds=timeout_s)
+        self.pending: list = []  # (work, tensors) kept alive until the chunk ends
+
+    def peer_rank(self, stage: int) -> int:
+        return stage * self.topo.dp_size + self.topo.dp_rank
+
+    def _wait(self, work, peer: int, what: str):
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerFailure(
+                f"rank {self.topo.rank} (stage {self.topo.stage}): {what} rank {peer} failed or timed out after "
+                f"{self.timeout.total_seconds():.0f}s; the peer has probably died ({e})"
+            ) from None
+
+    def send(self, tensors: list[torch.Tensor], stage: int, with_header: bool) -> None:
+        peer = self.peer_rank(stage)
+        tensors = [t.detach().contiguous() for t in tensors]
+        if with_header:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            vals = [len(tensors)]
+            for t in tensors:
+                vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+            header[: len(vals)] = torch.tensor(vals)
+            tensors = [header] + tensors
+        for t in tensors:
+            self.pending.append((dist.isend(t, peer), t))
+
+    def recv(self, stage: int, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Receive from ``stage``: with ``like`` the shapes are known, otherwise a header comes first."""
+        peer = self.peer_rank(stage)
+        if like is None:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            self._wait(dist.irecv(header, peer), peer, "waiting for activations from")
+            vals = header.tolist()
+            n, i, bufs = vals[0], 1, []
+            for _ in range(n):
+                dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
+                bufs.append(torch.empty(vals[i + 2 : i + 2 + ndim], dtype=dtype))
+                i += 2 + ndim
+        else:
+            bufs = [torch.empty_like(t) for t in like]
+        for b in bufs:
+            self._wait(dist.irecv(b, peer), peer, "waiting for data from")
+        return bufs
+
+    def drain(self) -> None:
+        for work, _ in self.pending:
+            self._wait(work, -1, "completing a send to")
+        self.pending.clear()
+
+
+# ---------------------------------------------------------------------------- reductions
+
+
+class Reducer:
+    """Worker thread: per step, DP all-reduce, tied-gradient sum and the global grad-norm all-reduce, in order."""
+
+    def __init__(self, groups: Groups, topo: Topology, tied_names: list[str], timeout_s: float):
+        self.groups, self.topo, self.tied, self.timeout_s = groups, topo, tied_names, timeout_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: dict[int, object] = {}
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="hf_asyncpp-reducer")
+        self.thread.start()
+
+    def submit(self, key: int, grads: dict[str, torch.Tensor]) -> None:
+        self.jobs.put((key, grads))
+
+    def result(self, key: int):
+        with self.cond:
+            ok = self.cond.wait_for(lambda: key in self.results, timeout=self.timeout_s * 2)
+            if not ok:
+                raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} did not finish within {self.timeout_s * 2:.0f}s; a peer has probably died")
+            res = self.results.pop(key)
+        if isinstance(res, BaseException):
+            raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} failed: {res}") from res
+        return res
+
+    def _run(self):
+        while True:
+            key, grads = self.jobs.get()
+            if key is None:
+                return
+            try:
+                res = self._reduce(grads)
+            except BaseException as e:  # delivered to the main thread
+                res = e
+            with self.cond:
+                self.results[key] = res
+                self.cond.notify_all()
+
+    def _reduce(self, grads: dict[str, torch.Tensor]):
+        names = list(grads)
+        if self.groups.dp is not None:
+            flat = torch.cat([grads[n].reshape(-1) for n in names])
+            dist.all_reduce(flat, group=self.groups.dp)
+            flat /= self.topo.dp_size
+            off = 0
+            for n in names:
+                k = grads[n].numel()
+                grads[n] = flat[off : off + k].view_as(grads[n])
+                off += k
+        if self.groups.tie is not None:
+            for n in self.tied:
+                dist.all_reduce(grads[n], group=self.groups.tie)
+        sq = torch.zeros((), dtype=torch.float64)
+        last = self.topo.stage == self.topo.num_stages - 1 and self.topo.num_stages > 1
+        for n in names:
+            if last and n in self.tied:
+                continue  # counted once, on the first stage
+            sq += grads[n].double().pow(2).sum()
+        if self.topo.num_stages > 1:
+            dist.all_reduce(sq, group=self.groups.pipe)
+        return grads, float(sq.sqrt())
+
+    def close(self):
+        self.jobs.put((None, None))
+
+
+# ---------------------------------------------------------------------------- versions
+
+
+class Versions:
+    """Weight versions of one stage: version -> buffer; in-flight counts decide which buffers are free."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], lag: int):
+        self.params, self.lag = params, lag
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {0: {n: p.data for n, p in params.items()}}
+        self.leaves: dict[int, dict[str, torch.Tensor]] = {}
+        self.inflight: dict[int, int] = {0: 0}
+        self.latest = 0
+        self.peak = 1
+
+    def leaves_for(self, v: int) -> dict[str, torch.Tensor]:
+        if v not in self.buffers:
+            raise RuntimeError(f"weight version {v} is not held (held: {sorted(self.buffers)}, latest {self.latest})")
+        if v not in self.leaves:
+            self.leaves[v] = {n: b.detach().requires_grad_() for n, b in self.buffers[v].items()}
+        return self.leaves[v]
+
+    def _needed(self, v: int, latest: int) -> bool:
+        return self.inflight.get(v, 0) > 0 or v >= latest - self.lag
+
+    def prepare_update(self) -> None:
+        """Point the optimizer's Parameters at a buffer holding the newest weights that it may overwrite."""
+        new = self.latest + 1
+        src = self.buffers[self.latest]
+        free = [v for v in self.buffers if not self._needed(v, new)]
+        if self.latest in free:
+            dst = src  # nothing in flight uses it and no future forward will: update in place
+        elif free:
+            dst = self.buffers[free[0]]
+            for n, b in dst.items():
+                b.copy_(src[n])
+        else:
+            dst = {n: b.clone() for n, b in src.items()}
+        for v in free:
+            self.buffers.pop(v)
+            self.leaves.pop(v, None)
+            self.inflight.pop(v, None)
+        for n, p in self.params.items():
+            p.data = dst[n]
+        self.latest = new
+        self.buffers[new] = dst
+        self.inflight[new] = 0
+        self.peak = max(self.peak, len(self.buffers))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Held versions other than the newest (which is the module's state dict)."""
+        return {f"v{v}/{n}": b for v, buf in self.buffers.items() if v != self.latest for n, b in buf.items()}
+
+    def load(self, latest: int, older: dict[str, torch.Tensor]) -> None:
+        self.buffers = {latest: {n: p.data for n, p in self.params.items()}}
+        for key, t in older.items():
+            v, n = key[1:].split("/", 1)
+            self.buffers.setdefault(int(v), {})[n] = t.clone()
+        self.latest, self.leaves = latest, {}
+        self.inflight = {v: 0 for v in self.buffers}
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+@dataclass
+class _Micro:
+    """What a forwarded microbatch keeps until its backward."""
+
+    version: int
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    input_grads: list | None = None
+
+
+class PipelineEngine:
+    """This rank's stage of the pipeline; same interface as ``engine.LocalEngine``."""
+
+    def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
+        from .optim import apply_delay_correction, build_optimizer
+        from .partition import partition_model, tied_parameters
+
+        self.recipe, self.topo, self.config = recipe, topo, model.config
+        p = recipe.pipeline.num_stages
+        stages = partition_model(model, p, recipe.pipeline.layers_per_stage)
+        tied_pairs = tied_parameters(stages)
+        self.stage = stages[topo.stage]
+        del stages
+        self.first, self.last = topo.stage == 0, topo.stage == p - 1
+        self.params = dict(self.stage.named_parameters())
+        mine = set(self.params)
+        self.tied_names = [n for pair in tied_pairs for n in pair if n in mine]
+        self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, recipe.training)
+        timeout_s = recipe.pipeline.p2p_timeout_s
+        self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
+        self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s)
+        self.p2p = P2P(topo, timeout_s)
+        self.versions = Versions(self.params, lag=1 if recipe.pipeline.schedule == "2bw" else 0)
+        self.nonfinite_skipped = 0
+        self.peak_inflight = 0
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, micro: _Micro, ids: torch.Tensor | None, labels: torch.Tensor | None):
+        leaves = self.versions.leaves_for(micro.version)
+        if self.first:
+            arg = ids
+        else:
+            for t in micro.inputs:
+                if t.is_floating_point():
+                    t.requires_grad_()
+            arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
+        kwargs = {"labels": labels} if self.last and labels is not None else None
+        with autocast(self.recipe.training.bf16):
+            out = functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+        return out
+
+    def _backward(self, micro: _Micro, grads: list[torch.Tensor] | None, m: int) -> None:
+        if self.last:
+            (micro.loss / m).backward()
+        else:
+            floats = [o for o in micro.outputs if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.first:
+            micro.input_grads = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in micro.inputs if t.is_floating_point()
+            ]
+        micro.inputs, micro.outputs = [], [o.detach() for o in micro.outputs]
+
+    def _step(self, k: int, results: dict) -> None:
+        grads, norm = self.reducer.result(k)
+        cfg = self.recipe.training
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = math.isfinite(norm)
+        if not finite and cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"step {k}: non-finite gradient norm {norm}; stopping (training.on_nonfinite: stop). "
+                                 "The last checkpoint is intact; lower optimizer.learning_rate or set training.on_nonfinite: skip")
+        self.versions.prepare_update()
+        if finite:
+            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
+            for n, prm in self.params.items():
+                prm.grad = grads[n].mul_(coef) if coef != 1.0 else grads[n]
+            self.optimizer.step()
+            self.scheduler.step()
+            for prm in self.params.values():
+                prm.grad = None
+        else:
+            self.nonfinite_skipped += 1
+        results[k] = (norm, lr, finite)
+
+    def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
+        from .schedules import schedule_actions
+
+        rc = self.recipe.pipeline
+        m = batches[0].shape[0]
+        actions = schedule_actions(rc.schedule, rc.num_stages, m, len(batches), first_step=first_step)[self.topo.stage]
+        micro: dict[tuple[int, int], _Micro] = {}
+        step_version: dict[int, int] = {}
+        loss_sums = torch.zeros(len(batches), dtype=torch.float64)
+        results: dict[int, tuple] = {}
+        for a in actions:
+            kind = _kind(a)
+            if kind == "F":
+                k, i = a.step, a.microbatch
+                mb = micro.setdefault((k, i), _Micro(a.version))
+                mb.version = a.version
+                step_version.setdefault(k, a.version)
+                ids = batches[k - first_step][i]
+                out = self._forward(mb, ids, ids)
+                self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
+                if self.last:
+                    mb.loss = out
+                    loss_sums[k - first_step] += float(out.detach())
+                else:
+                    mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+                self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
+            elif kind == "B":
+                mb = micro[(a.step, a.microbatch)]
+                self._backward(mb, getattr(mb, "grads_in", None), m)
+                self.versions.inflight[mb.version] -= 1
+                if self.first:
+                    micro.pop((a.step, a.microbatch))
+            elif kind == "SEND_ACT":
+                self.p2p.send(micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=True)
+                if not self.last:
+                    pass
+            elif kind == "RECV_ACT":
+                mb = micro.setdefault((a.step, a.microbatch), _Micro(-1))
+                mb.inputs = self.p2p.recv(self.topo.stage - 1)
+            elif kind == "RECV_GRAD":
+                mb = micro[(a.step, a.microbatch)]
+                like = [o for o in mb.outputs if o.is_floating_point()]
+                mb.grads_in = self.p2p.recv(self.topo.stage + 1, like=like)
+            elif kind == "SEND_GRAD":
+                mb = micro.pop((a.step, a.microbatch))
+                self.p2p.send(mb.input_grads, self.topo.stage - 1, with_header=False)
+            elif kind == "REDUCE":
+                leaves = self.versions.leaves_for(step_version[a.step])
+                grads = {}
+                for n, leaf in leaves.items():
+                    grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    leaf.grad = None
+                self.reducer.submit(a.step, grads)
+            elif kind == "STEP":
+                self._step(a.step, results)
+            else:
+                raise ValueError(f"unknown pipeline action {a}")
+        self.p2p.drain()
+        return self._gather_results(first_step, len(batches), loss_sums / m, results)
+
+    def _gather_results(self, first_step, n, losses, results) -> list[StepResult]:
+        buf = losses if (self.last) else torch.zeros_like(losses)
+        dist.all_reduce(buf)
+        buf /= self.topo.dp_size
+        out = []
+        for j in range(n):
+            k = first_step + j
+            norm, lr, finite = results.get(k, (None, self.optimizer.param_groups[0]["lr"], False))
+            out.append(StepResult(k, float(buf[j]), norm, lr, k in results and finite, k in results and not finite))
+        return out
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]:
+        """Forward-only microbatches through the stages with the newest weights; NLL summed on the last stage."""
+        self.stage.eval()
+        mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
+        total = torch.zeros(2, dtype=torch.float64)
+        leaves = self.versions.leaves_for(self.versions.latest)
+        for i in range(0, len(mine), batch_size):
+            ids = mine[i : i + batch_size]
+            arg = ids
+            if not self.first:
+                inputs = self.p2p.recv(self.topo.stage - 1)
+                arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
+            with autocast(self.recipe.training.bf16):
+                out = functional_call(self.stage, leaves, (arg,), strict=False)
+            if self.last:
+                logits = out.float() if torch.is_tensor(out) else out.logits.float()
+                nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+                total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64)
+            else:
+                self.p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], self.topo.stage + 1, with_header=True)
+        self.p2p.drain()
+        dist.all_reduce(total)
+        self.stage.train()
+        return float(total[0]), int(total[1])
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Newest weights merged by name on the main process (collective: every rank calls it)."""
+        from .partition import merge_state_dicts
+
+        sd = {n: t.detach().clone() for n, t in self.stage.state_dict().items()} if self.topo.dp_rank == 0 else None
+        parts = [None] * self.topo.world_size if self.topo.is_main else None
+        dist.gather_object(sd, parts, dst=0)
+        if not self.topo.is_main:
+            return None
+        return merge_state_dicts([p for p in parts if p is not None])
+
+    def save(self, tmp: Path) -> None:
+        if self.topo.dp_rank != 0:
+            return
+        s = self.topo.stage
+        ckpt.save_tensors(tmp / f"stage-{s:02d}.safetensors", self.stage.state_dict())
+        older = self.versions.state()
+        if older:
+            ckpt.save_tensors(tmp / f"stage-{s:02d}-versions.safetensors", older)
+        ckpt.save_state(tmp / f"stage-{s:02d}-optimizer.pt", {
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "latest_version": self.versions.latest, "nonfinite_skipped": self.nonfinite_skipped,
+        })
+
+    def load(self, path: Path) -> None:
+        s = self.topo.stage
+        weights = ckpt.load_tensors(path / f"stage-{s:02d}.safetensors")
+        self.stage.load_state_dict(weights, strict=True)
+        state = ckpt.load_state(path / f"stage-{s:02d}-optimizer.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        vpath = path / f"stage-{s:02d}-versions.safetensors"
+        self.versions.load(state["latest_version"], ckpt.load_tensors(vpath) if vpath.exists() else {})
+        self.nonfinite_skipped = state["nonfinite_skipped"]
+
+
+def _kind(action) -> str:
+    """The action's type as a plain string (schedules.py uses a str Enum)."""
+    t = getattr(action, "type", None) or getattr(action, "kind", None) or getattr(action, "op", None)
+    return t.value if hasattr(t, "value") else str(t)
