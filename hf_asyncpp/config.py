@@ -76,6 +76,8 @@ class DataConfig:
     """Documents in the streaming shuffle buffer (0: no shuffle)."""
     eval_blocks: int = field(default=32, metadata=_range(lo=1))
     """Packed blocks of the held-out stream used for each evaluation."""
+    min_document_tokens: Optional[int] = field(default=None, metadata=_range(lo=0))
+    """Documents with fewer tokens are skipped and counted (None: ``seq_len``, a whole block; 0 keeps all)."""
     data_dir: str = "data/sotu"
     """Where the default corpus (State of the Union addresses) is prepared."""
 

@@ -108,7 +108,7 @@ def chunk_ends(start: int, recipe: Recipe) -> list[int]:
 
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
-    from .data import BlockStream, eval_blocks, next_batch, resolve_data_files
+    from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, train_hold_out
     from .tokenizer import load_or_train_tokenizer
 
     t = recipe.training
@@ -131,7 +131,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     with accelerator.main_process_first():
         train_files, eval_files = resolve_data_files(recipe.data)
         tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
-        held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks)
+        held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
     set_seed(t.seed)
     from .modeling import build_model
@@ -144,7 +144,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
 
         engine = PipelineEngine(recipe, model, topo, log=log.info)
     del model
-    stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed)
+    stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
+                         hold_out=train_hold_out(recipe.data, eval_files))
 
     state = RunState()
     resume = ckpt.resolve_resume(out, t.resume_from_checkpoint)

@@ -1,0 +1,212 @@
+"""Pipeline throughput on this machine: our gpipe / 1f1b / 2bw against torch.distributed.pipelining
+and against one process with no pipeline. Every row: the same model, microbatch size and microbatches
+per step; 2 processes with 1 thread each (the no-bubble limit is 2x the one-process, one-thread rate).
+
+    python bench/throughput.py [--steps 6] [--microbatches 4] [--write]
+
+Prints a table with ratios; ``--write`` replaces the throughput section of docs/benchmarks.md and
+writes the simulated timelines of the measured schedules to docs/schedules/measured-*.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
+         "tie_word_embeddings": True}
+SEQ, MBS = 128, 4
+
+
+def recipe(schedule: str, stages: int, m: int):
+    from hf_asyncpp.config import recipe_from_dict
+
+    return recipe_from_dict({
+        "model": {"config": dict(MODEL)}, "data": {"seq_len": SEQ},
+        "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": MBS},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3},
+        "training": {"max_steps": 1000, "warmup_ratio": 0.0, "report_to": []},
+    })
+
+
+def batches(n: int, m: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, MODEL["vocab_size"], (m, MBS, SEQ), generator=g) for _ in range(n)]
+
+
+def build(r):
+    from hf_asyncpp.modeling import build_model
+
+    torch.manual_seed(0)
+    return build_model(r.model)
+
+
+def single_process(steps: int, m: int) -> float:
+    from hf_asyncpp.engine import LocalEngine, Topology
+
+    torch.set_num_threads(1)
+    r = recipe("none", 1, m)
+    eng = LocalEngine(r, build(r), Topology(), log=lambda *a: None)
+    eng.train_steps(batches(1, m), 0)  # warm-up
+    bs = batches(steps, m)
+    t0 = time.perf_counter()
+    eng.train_steps(bs, 1)
+    return steps * m * MBS * SEQ / (time.perf_counter() - t0)
+
+
+def _ours(rank, world, schedule, steps, m):
+    from hf_asyncpp.engine import Topology
+    from hf_asyncpp.runtime import PipelineEngine
+
+    r = recipe(schedule, world, m)
+    eng = PipelineEngine(r, build(r), Topology(rank=rank, world_size=world, num_stages=world), log=lambda *a: None)
+    eng.train_steps(batches(2, m), 0)  # warm-up (fills both 2BW versions)
+    bs = batches(steps, m)
+    dist.barrier()
+    t0 = time.perf_counter()
+    eng.train_steps(bs, 2)
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    eng.reducer.close()
+    return {"tokens_per_s": steps * m * MBS * SEQ / dt, "peak_versions": eng.versions.peak,
+            "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb()}
+
+
+def _torch_pipelining(rank, world, schedule, steps, m):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hf_asyncpp.partition import partition_model
+
+    r = recipe("1f1b", world, m)
+    stage_mod = partition_model(build(r), world)[rank]
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+
+    def loss_fn(logits, target):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=m, loss_fn=loss_fn)
+
+    def one(batch):
+        flat = batch.reshape(m * MBS, SEQ)
+        if rank == 0:
+            sched.step(flat)
+        elif rank == world - 1:
+            sched.step(target=flat)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+
+    one(batches(1, m)[0])
+    bs = batches(steps, m)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in bs:
+        one(b)
+    dist.barrier()
+    return {"tokens_per_s": steps * m * MBS * SEQ / (time.perf_counter() - t0)}
+
+
+def _rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = fn(rank, world, *args)
+    torch.save(res, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def spawn(fn, world, *args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d), nprocs=world, start_method="spawn")
+        return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    p, m, n = 2, args.microbatches, args.steps
+    rows = []
+    single = single_process(n, m)
+    rows.append(("1 process, 1 thread, no pipeline", m, single, None))
+    ours = {}
+    for sched in ("gpipe", "1f1b", "2bw"):
+        res = spawn(_ours, p, sched, n, m)
+        ours[sched] = res
+        rows.append((f"hf_asyncpp {sched}", m, res[0]["tokens_per_s"], res))
+    torch_rows = {}
+    for sched in ("gpipe", "1f1b"):
+        for mm in sorted({m, p}):
+            res = spawn(_torch_pipelining, p, sched, n, mm)
+            torch_rows[(sched, mm)] = res[0]["tokens_per_s"]
+            rows.append((f"torch.distributed.pipelining Schedule{'GPipe' if sched == 'gpipe' else '1F1B'}", mm, res[0]["tokens_per_s"], None))
+    ours_mp = spawn(_ours, p, "2bw", n, p)[0]["tokens_per_s"] if m != p else ours["2bw"][0]["tokens_per_s"]
+    rows.append(("hf_asyncpp 2bw (m = p)", p, ours_mp, None)) if m != p else None
+
+    limit = 2 * single
+    t2 = ours["2bw"][0]["tokens_per_s"]
+    t1 = ours["1f1b"][0]["tokens_per_s"]
+    lines = [
+        "| run | microbatches | tokens/s | / no-bubble limit |",
+        "|---|---|---|---|",
+        *[f"| {name} | {mm} | {tps:,.0f} | {tps / limit:.2f} |" for name, mm, tps, _ in rows],
+        "",
+        f"- no-bubble limit = 2 x one-process tokens/s = {limit:,.0f} tokens/s",
+        f"- 2bw / limit = {t2 / limit:.2f} (target >= 0.85)",
+        f"- 2bw / our 1f1b = {t2 / t1:.2f}; (m+p-1)/m = {(m + p - 1) / m:.2f}; target >= 0.95 x that = {0.95 * (m + p - 1) / m:.2f}",
+        f"- 2bw / torch Schedule1F1B at m = p = {p}: {ours_mp / torch_rows[('1f1b', p)]:.2f} (target >= 1.15)",
+        "",
+        "Per-stage memory (2bw): " + ", ".join(
+            f"stage {s}: peak weight versions {r['peak_versions']}, peak in-flight microbatches {r['peak_inflight']}, max RSS {r['rss_mb']:.0f} MB"
+            for s, r in enumerate(ours["2bw"])),
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        _write(table, n, m)
+
+
+def _write(table: str, n: int, m: int) -> None:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
+    start, end = "<!-- throughput:start -->", "<!-- throughput:end -->"
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = (f"{start}\n## Pipeline throughput (2 processes x 1 thread, CPU)\n\n"
+               f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --write` "
+               f"(Llama h128 x 4 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n"
+               f"{table}\n{end}")
+    if start in text:
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    open(path, "w").write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""End-to-end single-process training through the real trainer loop.
+
+Resume must be invisible: 2N steps straight equal N steps, stop, resume, N steps
+(identical losses and weights). The loop writes the metrics, checkpoints and the
+export the README promises.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.config import recipe_from_dict
+from hf_asyncpp.lr import lr_factor
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def tiny(out: Path, **overrides) -> dict:
+    files = sorted(str(p) for p in FIXTURES.glob("*.jsonl")) or sorted(str(p) for p in FIXTURES.glob("*.txt"))
+    assert files, "tests/fixtures holds the corpus slice"
+    d = {
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                             "tie_word_embeddings": True}, "vocab_size": 320},
+        "data": {"train_files": files, "eval_files": files[:1], "seq_len": 32, "shuffle_buffer": 50, "eval_blocks": 8},
+        "pipeline": {"num_microbatches": 2, "microbatch_size": 2},
+        "optimizer": {"name": "adamw", "learning_rate": 0.003},
+        "training": {"output_dir": str(out), "max_steps": 6, "logging_steps": 2, "save_steps": 3, "report_to": [],
+                     "export": False},
+    }
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        d[section][field] = value
+    return d
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def weights(out: Path, step: int) -> dict:
+    return ckpt.load_tensors(out / ckpt.checkpoint_name(step) / "model.safetensors")
+
+
+@pytest.mark.parametrize("opt,delay,ef", [("adamw", "0", "none"), ("muon", "1", "error_feedback")])
+def test_resume_equals_uninterrupted(tmp_path, opt, delay, ef):
+    from hf_asyncpp.trainer import train
+
+    common = dict(optimizer__name=opt, optimizer__simulate_delay=delay, optimizer__delay_correction=ef)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(recipe_from_dict(tiny(straight, **common)))
+    summary = train(recipe_from_dict(tiny(split, training__stop_after_steps=3, **common)))
+    assert summary.get("stopped_early") and summary["step"] == 3
+    assert not (split / ckpt.checkpoint_name(6)).exists()
+    train(recipe_from_dict(tiny(split, training__resume_from_checkpoint="latest", **common)))
+    a, b = losses(straight), losses(split)
+    assert len(a) == 6 and a == b  # bitwise: same data position, RNG, optimizer, EF and delay state
+    for k, v in weights(straight, 6).items():
+        assert torch.equal(v, weights(split, 6)[k]), k
+    assert a[-1] < a[0]
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__max_steps=8, training__save_steps=2, training__save_total_limit=2)))
+    steps = [s for s, _ in ckpt.list_checkpoints(out)]
+    assert steps == [6, 8]
+    manifest = ckpt.load_json(out / ckpt.checkpoint_name(8) / "manifest.json")
+    assert "model.safetensors" in manifest["files"] and "trainer_state.json" in manifest["files"]
+    # a half-written checkpoint (no manifest) is never resumed from
+    broken = out / ckpt.checkpoint_name(10)
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    assert ckpt.resolve_resume(out, "latest") == out / ckpt.checkpoint_name(8)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 9))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"):
+        assert key in train_rows[-1]
+    assert train_rows[-1]["tokens"] == 8 * 2 * 2 * 32
+    assert any("eval_ppl" in r for r in rows)
+
+
+def test_export_and_perplexity_at_the_end(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    summary = train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=20, optimizer__learning_rate=0.01)))
+    export = Path(summary["export_dir"])
+    assert (export / "config.json").exists() and (export / "README.md").exists()
+    model = AutoModelForCausalLM.from_pretrained(export)
+    ids = torch.randint(0, 300, (1, 16))
+    ref = ckpt.load_tensors(out / ckpt.checkpoint_name(20) / "model.safetensors")
+    for k, v in ref.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+    assert summary["export_eval_ppl"] < summary["untrained_eval_ppl"]
+    assert model(ids).logits.shape[-1] >= 300
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    r = recipe_from_dict(tiny(Path("/tmp/x"), training__max_steps=100, training__warmup_ratio=0.1, training__min_lr_ratio=0.1))
+    t = r.training
+    assert lr_factor(0, t) == pytest.approx(0.1) and lr_factor(9, t) == pytest.approx(1.0)
+    assert lr_factor(10, t) == pytest.approx(1.0)
+    assert lr_factor(55, t) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(100, t) == pytest.approx(0.1) and lr_factor(500, t) == pytest.approx(0.1)
+
+
+def test_too_few_processes_prints_the_command_that_works():
+    from hf_asyncpp.config import RecipeError
+    from hf_asyncpp.trainer import check_topology
+
+    r = recipe_from_dict(tiny(Path("/tmp/x"), pipeline__schedule="2bw", pipeline__num_stages=2))
+    with pytest.raises(RecipeError, match=r"2 stages need a multiple of 2 processes, but 1 was started[\s\S]*recipes/accelerate/cpu-2proc.yaml"):
+        check_topology(r, 1, "recipes/x.yaml")
+    check_topology(r, 4, "recipes/x.yaml")
