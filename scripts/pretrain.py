@@ -6,7 +6,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # repo root, not scripts/ (scripts/evaluate.py would shadow `evaluate`)
 
 from hf_asyncpp.trainer import main  # noqa: E402
 
