@@ -307,7 +307,9 @@ class PipelineEngine:
         self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
         self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s)
         self.p2p = P2P(topo, timeout_s)
-        self.versions = Versions(self.params, lag=1 if recipe.pipeline.schedule == "2bw" else 0)
+        from .schedules import version_lag
+
+        self.versions = Versions(self.params, lag=version_lag(recipe.pipeline.schedule, topo.stage, p))
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
 
