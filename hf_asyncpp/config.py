@@ -113,6 +113,8 @@ class OptimizerConfig:
     """Muon (and SGD) momentum."""
     nesterov: bool = True
     ns_steps: int = field(default=5, metadata=_range(lo=1, hi=99))
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Newton-Schulz precision (bfloat16 as torch.optim.Muon; float32 for bit-level comparisons)."""
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     """Muon lr scaling: Keller Jordan's ``original`` or Moonshot's ``match_rms_adamw``."""
     adamw_lr: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))

@@ -22,6 +22,10 @@ MIXTRAL = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 32, 
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
            "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}
+LLAMA_UNTIED = {**LLAMA, "tie_word_embeddings": False}  # see test below: pipedream's tied head is stage-local
+# the router aux loss is a per-batch statistic, so data parallelism (the mean of per-replica aux losses)
+# equals the global batch only without it: the data-parallel MoE case turns it off
+MIXTRAL_NO_AUX = {**MIXTRAL, "output_router_logits": False}
 STEPS, SEQ = 4, 16
 
 
@@ -31,7 +35,9 @@ def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0"
         "data": {"seq_len": SEQ},
         "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": mbs},
         "optimizer": {"name": opt, "learning_rate": 0.01, "delay_correction": "error_feedback" if ef else "none",
-                      "simulate_delay": delay},
+                      "simulate_delay": delay, "ns_dtype": "float32", "adam_epsilon": 1e-6},
+        # float32 Newton-Schulz and a non-tiny Adam epsilon: bf16 rounding and g/sqrt(v) of near-zero gradients
+        # would amplify summation-order noise (data-parallel mean vs global batch) past the 1e-5 tolerance
         "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": 0.5, "report_to": []},
     })
 
@@ -93,7 +99,9 @@ def _check(scenarios, results, tol=1e-5):
         assert set(sd) >= {k for k in ref_sd if k != "lm_head.weight"}, name
         for k, v in ref_sd.items():
             if k in sd:
-                torch.testing.assert_close(sd[k], v, rtol=tol, atol=1e-6, msg=f"{name}: {k}")
+                # atol 1e-5 (an update is ~1e-2 here): Adam/Muon turn summation-order noise of near-zero
+                # gradients into 1e-6..1e-5 weight noise; a wrong version, lr or delay is 1000x that
+                torch.testing.assert_close(sd[k], v, rtol=tol, atol=1e-5, msg=lambda m, k=k, name=name: f"{name}: {k}: {m}")
         assert peak <= {"2bw": 2, "pipedream": rec.pipeline.num_stages}.get(rec.pipeline.schedule, 1), name
 
 
@@ -103,7 +111,7 @@ TWO = [
     (LLAMA, "2bw", 2, 2, 2, "muon", False),
     (LLAMA, "2bw", 2, 3, 2, "muon", True),
     (LLAMA, "2bw", 2, 2, 2, "adamw", True),
-    (LLAMA, "pipedream", 2, 1, 2, "adamw", False),
+    (LLAMA_UNTIED, "pipedream", 2, 1, 2, "adamw", False),
     (MIXTRAL, "1f1b", 2, 2, 2, "muon", False),
     (MIXTRAL, "2bw", 2, 2, 2, "adamw", True),
     (MIXTRAL, "2bw", 2, 2, 2, "muon", False),
@@ -121,9 +129,9 @@ FOUR = [
     (LLAMA, "1f1b", 4, 4, 1, "adamw", False, 1),
     (LLAMA, "2bw", 4, 4, 1, "muon", True, 1),
     (MIXTRAL, "gpipe", 4, 2, 2, "adamw", False, 1),
-    (LLAMA, "pipedream", 4, 1, 2, "muon", False, 1),
+    (LLAMA_UNTIED, "pipedream", 4, 1, 2, "muon", False, 1),
     (LLAMA, "2bw", 2, 2, 2, "muon", True, 2),   # data parallel 2 x pipeline 2
-    (MIXTRAL, "1f1b", 2, 2, 1, "adamw", False, 2),
+    (MIXTRAL_NO_AUX, "1f1b", 2, 2, 1, "adamw", False, 2),
 ]
 
 

@@ -51,6 +51,7 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
         adam = dict(use_muon=False, lr=adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
         pg = [dict(params=groups["muon"], use_muon=True, lr=cfg.learning_rate, momentum=cfg.momentum,
                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr,
+                   ns_dtype=cfg.ns_dtype,
                    name="muon"),
               dict(params=groups["adamw"], weight_decay=wd_adam, name="adamw", **adam),
               dict(params=groups["adamw_no_decay"], weight_decay=0.0, name="adamw_no_decay", **adam)]

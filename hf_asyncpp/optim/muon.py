@@ -18,14 +18,15 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
 
 
-def zeropower_via_newtonschulz(g: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = EPS) -> Tensor:
+def zeropower_via_newtonschulz(g: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = EPS,
+                               dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate orthogonalization of the last two dims of ``g`` (batched over leading dims), in bfloat16.
 
     The quintic iteration does not converge to U V^T but to roughly U S' V^T with S' in [0.5, 1.5], which
     does not hurt training (Keller Jordan). Rows > cols are transposed first so the Gram matrix is small.
     """
     a, b, c = coefficients
-    x = g.bfloat16()
+    x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
@@ -51,10 +52,11 @@ def adjusted_lr(lr: float, shape: torch.Size, how: str) -> float:
     raise ValueError(f"optimizer.adjust_lr: {how!r} is not one of 'original', 'match_rms_adamw'")
 
 
-def muon_update(p: Tensor, grad: Tensor, buf: Tensor, *, lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr) -> None:
+def muon_update(p: Tensor, grad: Tensor, buf: Tensor, *, lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr,
+                ns_dtype: torch.dtype = torch.bfloat16) -> None:
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if nesterov else buf
-    update = zeropower_via_newtonschulz(update, ns_steps)
+    update = zeropower_via_newtonschulz(update, ns_steps, dtype=ns_dtype)
     p.mul_(1 - lr * weight_decay)
     p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, p.shape, adjust_lr))
 
@@ -78,7 +80,7 @@ def adamw_update(p: Tensor, grad: Tensor, state: dict, *, lr, betas, eps, weight
 class Muon(torch.optim.Optimizer):
     """Hybrid optimizer: groups with ``use_muon=True`` get Muon, the others AdamW.
 
-    Muon groups: lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr (2-D or 3-D params only).
+    Muon groups: lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr, ns_dtype (2-D or 3-D params only).
     AdamW groups: lr, betas, eps, weight_decay.
     """
 
@@ -109,7 +111,7 @@ class Muon(torch.optim.Optimizer):
                         state["momentum_buffer"] = torch.zeros_like(p)
                     muon_update(p, p.grad, state["momentum_buffer"], lr=g["lr"], momentum=g["momentum"],
                                 nesterov=g["nesterov"], weight_decay=g["weight_decay"], ns_steps=g["ns_steps"],
-                                adjust_lr=g["adjust_lr"])
+                                adjust_lr=g["adjust_lr"], ns_dtype=getattr(torch, g.get("ns_dtype", "bfloat16")))
                     self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + (p.shape[0] if p.dim() == 3 else 1)
                 else:
                     adamw_update(p, p.grad, state, lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
