@@ -200,9 +200,10 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     bar.close()
     if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
         accelerator.end_training()
-        return {"step": state.step, "tokens": state.tokens, "stopped_early": True}
+        return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
     last_eval = evaluate(state.step)
-    summary = {"step": state.step, "tokens": state.tokens, **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
+    summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
+               **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
     if t.export:
         weights = engine.full_state_dict()  # collective under the pipeline: merged on the main process only
         if accelerator.is_main_process:
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not summary.get("is_main", True):
+        return 0
     if summary.get("stopped_early"):
         print(f"stopped after step {summary['step']} (training.stop_after_steps); resume with --training.resume_from_checkpoint=latest")
     elif summary.get("export_dir"):
