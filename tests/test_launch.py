@@ -1,0 +1,98 @@
+"""The real entry point under accelerate launch: 2 processes, 2 pipeline stages, 2BW + Muon + EF.
+
+Also: a SIGKILLed pipelined run resumed from its last checkpoint gives exactly the losses and weights
+of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"
+
+
+def write_recipe(path: Path, out: Path, **training) -> Path:
+    recipe = {
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                             "tie_word_embeddings": True}, "vocab_size": 320},
+        "data": {"train_files": [str(FIXTURE)], "eval_files": [str(FIXTURE)], "seq_len": 32, "eval_blocks": 4},
+        "pipeline": {"schedule": "2bw", "num_stages": 2, "num_microbatches": 2, "microbatch_size": 2},
+        "optimizer": {"name": "muon", "learning_rate": 0.01, "delay_correction": "error_feedback"},
+        "training": {"output_dir": str(out), "max_steps": 8, "logging_steps": 2, "save_steps": 4, "report_to": [],
+                     "export": False, **training},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def launch(recipe: Path, *overrides: str, wait=True):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/cpu-2proc.yaml"),
+           "--main_process_port", str(free_port()), str(ROOT / "scripts/pretrain.py"), str(recipe), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_two_stage_2bw_run_exports_and_evaluates(tmp_path):
+    out = tmp_path / "run"
+    rc, log = launch(write_recipe(tmp_path / "r.yaml", out), "--training.export=true")
+    assert rc == 0, log[-3000:]
+    final = json.loads((out / "final_eval.json").read_text())
+    assert final["export_eval_ppl"] < final["untrained_eval_ppl"]
+    assert (out / "export" / "README.md").exists() and "exported" in log
+    ckpt = out / "checkpoint-0000008"
+    assert {"stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors"} <= {p.name for p in ckpt.iterdir()}
+
+
+def test_too_few_processes_prints_the_working_command(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "scripts/pretrain.py", str(write_recipe(tmp_path / "r.yaml", tmp_path / "o"))],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "2 stages need a multiple of 2 processes, but 1 was started" in r.stderr
+    assert "accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml scripts/pretrain.py" in r.stderr
+
+
+def test_sigkill_then_resume_is_exact(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    steps = dict(max_steps=24, save_steps=4)
+    rc, log = launch(write_recipe(tmp_path / "a.yaml", straight, **steps))
+    assert rc == 0, log[-3000:]
+    proc = launch(write_recipe(tmp_path / "b.yaml", killed, **steps), wait=False)
+    deadline = time.time() + 300
+    while not list(killed.glob("checkpoint-*/manifest.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    proc.wait()
+    done = sorted(killed.glob("checkpoint-*/manifest.json"))
+    assert done, "no checkpoint was written before the kill"
+    assert not (killed / "checkpoint-0000024").exists(), "the run finished before it could be killed"
+    rc, log = launch(tmp_path / "b.yaml", "--training.resume_from_checkpoint=latest")
+    assert rc == 0, log[-3000:]
+    assert losses(killed) == losses(straight)  # bitwise
+    for s in ("00", "01"):
+        a = load_file(str(straight / "checkpoint-0000024" / f"stage-{s}.safetensors"))
+        b = load_file(str(killed / "checkpoint-0000024" / f"stage-{s}.safetensors"))
+        assert all((a[k] == b[k]).all() for k in a)
