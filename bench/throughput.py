@@ -22,10 +22,13 @@ import torch.multiprocessing as mp
 
 sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
-MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
          "tie_word_embeddings": True}
 SEQ, MBS = 128, 4
+
+
+LAYERS_PER_STAGE = None  # set by --layers-per-stage; None: the partitioner's cost model
 
 
 def recipe(schedule: str, stages: int, m: int):
@@ -33,7 +36,8 @@ def recipe(schedule: str, stages: int, m: int):
 
     return recipe_from_dict({
         "model": {"config": dict(MODEL)}, "data": {"seq_len": SEQ},
-        "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": MBS},
+        "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": MBS,
+                     "layers_per_stage": LAYERS_PER_STAGE if stages > 1 else None},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
         "training": {"max_steps": 1000, "warmup_ratio": 0.0, "report_to": []},
     })
@@ -64,7 +68,9 @@ def single_process(steps: int, m: int) -> float:
     return steps * m * MBS * SEQ / (time.perf_counter() - t0)
 
 
-def _ours(rank, world, schedule, steps, m):
+def _ours(rank, world, schedule, steps, m, split=None):
+    global LAYERS_PER_STAGE
+    LAYERS_PER_STAGE = split
     from hf_asyncpp.engine import Topology
     from hf_asyncpp.runtime import PipelineEngine
 
@@ -72,23 +78,24 @@ def _ours(rank, world, schedule, steps, m):
     eng = PipelineEngine(r, build(r), Topology(rank=rank, world_size=world, num_stages=world), log=lambda *a: None)
     eng.train_steps(batches(2, m), 0)  # warm-up (fills both 2BW versions)
     bs = batches(steps, m)
+    eng.action_seconds.clear()
     dist.barrier()
     t0 = time.perf_counter()
     eng.train_steps(bs, 2)
     dist.barrier()
     dt = time.perf_counter() - t0
-    eng.reducer.close()
+    eng.close()
     return {"tokens_per_s": steps * m * MBS * SEQ / dt, "peak_versions": eng.versions.peak,
-            "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb()}
+            "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb(), "seconds": dict(eng.action_seconds), "wall": dt}
 
 
-def _torch_pipelining(rank, world, schedule, steps, m):
+def _torch_pipelining(rank, world, schedule, steps, m, split=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hf_asyncpp.partition import partition_model
 
     r = recipe("1f1b", world, m)
-    stage_mod = partition_model(build(r), world)[rank]
+    stage_mod = partition_model(build(r), world, split)[rank]
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
 
@@ -151,23 +158,25 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--layers-per-stage", default=None, help="e.g. 6,2 (default: the partitioner's cost model)")
     args = ap.parse_args()
+    split = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else None
     p, m, n = 2, args.microbatches, args.steps
     rows = []
     single = single_process(n, m)
     rows.append(("1 process, 1 thread, no pipeline", m, single, None))
     ours = {}
     for sched in ("gpipe", "1f1b", "2bw"):
-        res = spawn(_ours, p, sched, n, m)
+        res = spawn(_ours, p, sched, n, m, split)
         ours[sched] = res
         rows.append((f"hf_asyncpp {sched}", m, res[0]["tokens_per_s"], res))
     torch_rows = {}
     for sched in ("gpipe", "1f1b"):
         for mm in sorted({m, p}):
-            res = spawn(_torch_pipelining, p, sched, n, mm)
+            res = spawn(_torch_pipelining, p, sched, n, mm, split)
             torch_rows[(sched, mm)] = res[0]["tokens_per_s"]
             rows.append((f"torch.distributed.pipelining Schedule{'GPipe' if sched == 'gpipe' else '1F1B'}", mm, res[0]["tokens_per_s"], None))
-    ours_mp = spawn(_ours, p, "2bw", n, p)[0]["tokens_per_s"] if m != p else ours["2bw"][0]["tokens_per_s"]
+    ours_mp = spawn(_ours, p, "2bw", n, p, split)[0]["tokens_per_s"] if m != p else ours["2bw"][0]["tokens_per_s"]
     rows.append(("hf_asyncpp 2bw (m = p)", p, ours_mp, None)) if m != p else None
 
     limit = 2 * single
@@ -187,6 +196,13 @@ def main():
             f"stage {s}: peak weight versions {r['peak_versions']}, peak in-flight microbatches {r['peak_inflight']}, max RSS {r['rss_mb']:.0f} MB"
             for s, r in enumerate(ours["2bw"])),
     ]
+    for sched, res in ours.items():
+        for s, r in enumerate(res):
+            sec = r["seconds"]
+            busy = sum(v for k, v in sec.items() if k in ("F", "B", "STEP", "REDUCE"))
+            wait = sec.get("RECV_ACT", 0) + sec.get("RECV_GRAD", 0)
+            lines.append(f"- {sched} stage {s}: compute {busy:.2f}s (F {sec.get('F', 0):.2f}, B {sec.get('B', 0):.2f}, "
+                         f"step {sec.get('STEP', 0):.2f}), waiting on receives {wait:.2f}s, of {r['wall']:.2f}s wall")
     table = "\n".join(lines)
     print(table)
     if args.write:
@@ -199,7 +215,7 @@ def _write(table: str, n: int, m: int) -> None:
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     section = (f"{start}\n## Pipeline throughput (2 processes x 1 thread, CPU)\n\n"
                f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --write` "
-               f"(Llama h128 x 4 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n"
+               f"(Llama h128 x 8 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n"
                f"{table}\n{end}")
     if start in text:
         text = text[: text.index(start)] + section + text[text.index(end) + len(end):]

@@ -147,6 +147,9 @@ class LocalEngine:
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         return [self._one_step(first_step + i, b) for i, b in enumerate(batches)]
 
+    def close(self) -> None:
+        """Nothing to release (the pipeline engine stops its reduction worker here)."""
+
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]:

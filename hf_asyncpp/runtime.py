@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -207,6 +208,7 @@ class Reducer:
 
     def close(self):
         self.jobs.put((None, None))
+        self.thread.join(timeout=self.timeout_s)
 
 
 # ---------------------------------------------------------------------------- versions
@@ -312,6 +314,8 @@ class PipelineEngine:
         self.versions = Versions(self.params, lag=version_lag(recipe.pipeline.schedule, topo.stage, p))
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
+        self.action_seconds: dict[str, float] = {}  # measured time per action kind (feeds the simulator)
+        self.action_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------ compute
     def _forward(self, micro: _Micro, ids: torch.Tensor | None, labels: torch.Tensor | None):
@@ -372,55 +376,61 @@ class PipelineEngine:
         step_version: dict[int, int] = {}
         loss_sums = torch.zeros(len(batches), dtype=torch.float64)
         results: dict[int, tuple] = {}
+        clock = time.perf_counter
         for a in actions:
             kind = _kind(a)
-            if kind == "F":
-                k, i = a.step, a.microbatch
-                mb = micro.setdefault((k, i), _Micro(a.version))
-                mb.version = a.version
-                step_version.setdefault(k, a.version)
-                ids = batches[k - first_step][i]
-                out = self._forward(mb, ids, ids)
-                self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
-                if self.last:
-                    mb.loss = out
-                    loss_sums[k - first_step] += float(out.detach())
-                else:
-                    mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-                self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
-            elif kind == "B":
-                mb = micro[(a.step, a.microbatch)]
-                self._backward(mb, getattr(mb, "grads_in", None), m)
-                self.versions.inflight[mb.version] -= 1
-                if self.first:
-                    micro.pop((a.step, a.microbatch))
-            elif kind == "SEND_ACT":
-                self.p2p.send(micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=True)
-                if not self.last:
-                    pass
-            elif kind == "RECV_ACT":
-                mb = micro.setdefault((a.step, a.microbatch), _Micro(-1))
-                mb.inputs = self.p2p.recv(self.topo.stage - 1)
-            elif kind == "RECV_GRAD":
-                mb = micro[(a.step, a.microbatch)]
-                like = [o for o in mb.outputs if o.is_floating_point()]
-                mb.grads_in = self.p2p.recv(self.topo.stage + 1, like=like)
-            elif kind == "SEND_GRAD":
-                mb = micro.pop((a.step, a.microbatch))
-                self.p2p.send(mb.input_grads, self.topo.stage - 1, with_header=False)
-            elif kind == "REDUCE":
-                leaves = self.versions.leaves_for(step_version[a.step])
-                grads = {}
-                for n, leaf in leaves.items():
-                    grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                    leaf.grad = None
-                self.reducer.submit(a.step, grads)
-            elif kind == "STEP":
-                self._step(a.step, results)
-            else:
-                raise ValueError(f"unknown pipeline action {a}")
+            t0 = clock()
+            self._run_action(a, kind, batches, first_step, micro, step_version, loss_sums, results, m)
+            self.action_seconds[kind] = self.action_seconds.get(kind, 0.0) + clock() - t0
+            self.action_counts[kind] = self.action_counts.get(kind, 0) + 1
         self.p2p.drain()
         return self._gather_results(first_step, len(batches), loss_sums / m, results)
+
+    def _run_action(self, a, kind, batches, first_step, micro, step_version, loss_sums, results, m) -> None:
+        """Execute one action of this stage's list (state lives in the dicts the caller owns)."""
+        if kind == "F":
+            k, i = a.step, a.microbatch
+            mb = micro.setdefault((k, i), _Micro(a.version))
+            mb.version = a.version
+            step_version.setdefault(k, a.version)
+            ids = batches[k - first_step][i]
+            out = self._forward(mb, ids, ids)
+            self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
+            if self.last:
+                mb.loss = out
+                loss_sums[k - first_step] += float(out.detach())
+            else:
+                mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+            self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
+        elif kind == "B":
+            mb = micro[(a.step, a.microbatch)]
+            self._backward(mb, getattr(mb, "grads_in", None), m)
+            self.versions.inflight[mb.version] -= 1
+            if self.first:
+                micro.pop((a.step, a.microbatch))
+        elif kind == "SEND_ACT":
+            self.p2p.send(micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=True)
+        elif kind == "RECV_ACT":
+            mb = micro.setdefault((a.step, a.microbatch), _Micro(-1))
+            mb.inputs = self.p2p.recv(self.topo.stage - 1)
+        elif kind == "RECV_GRAD":
+            mb = micro[(a.step, a.microbatch)]
+            like = [o for o in mb.outputs if o.is_floating_point()]
+            mb.grads_in = self.p2p.recv(self.topo.stage + 1, like=like)
+        elif kind == "SEND_GRAD":
+            mb = micro.pop((a.step, a.microbatch))
+            self.p2p.send(mb.input_grads, self.topo.stage - 1, with_header=False)
+        elif kind == "REDUCE":
+            leaves = self.versions.leaves_for(step_version[a.step])
+            grads = {}
+            for n, leaf in leaves.items():
+                grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                leaf.grad = None
+            self.reducer.submit(a.step, grads)
+        elif kind == "STEP":
+            self._step(a.step, results)
+        else:
+            raise ValueError(f"unknown pipeline action {a}")
 
     def _gather_results(self, first_step, n, losses, results) -> list[StepResult]:
         buf = losses if (self.last) else torch.zeros_like(losses)
@@ -432,6 +442,12 @@ class PipelineEngine:
             norm, lr, finite = results.get(k, (None, self.optimizer.param_groups[0]["lr"], False))
             out.append(StepResult(k, float(buf[j]), norm, lr, k in results and finite, k in results and not finite))
         return out
+
+    def close(self) -> None:
+        """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""
+        self.reducer.close()
+        for g in {id(x): x for x in (self.groups.dp, self.groups.pipe, self.groups.tie) if x is not None}.values():
+            dist.destroy_process_group(g)
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()

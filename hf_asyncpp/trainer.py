@@ -199,6 +199,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             _save(out, state, engine, stream, tokenizer, recipe, accelerator, topo)
     bar.close()
     if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
+        engine.close()
         accelerator.end_training()
         return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
     last_eval = evaluate(state.step)
@@ -209,6 +210,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         if accelerator.is_main_process:
             summary.update(_export(out, weights, engine, tokenizer, recipe, state, held_out))
     accelerator.wait_for_everyone()
+    engine.close()
     accelerator.end_training()
     return summary
 

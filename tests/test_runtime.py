@@ -76,7 +76,7 @@ def pipeline_worker(rank, world, scenarios):
         res = eng.train_steps(batches[:half], 0) + eng.train_steps(batches[half:], half)
         sd = eng.full_state_dict()
         out.append(([r.loss for r in res], sd, eng.versions.peak))
-        eng.reducer.close()
+        eng.close()
     return out
 
 
