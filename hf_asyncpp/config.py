@@ -63,13 +63,15 @@ class DataConfig:
     dataset_config: Optional[str] = None
     """Builder config name for ``dataset``."""
     train_split: str = "train"
+    """Split of ``dataset`` to train on."""
     eval_split: Optional[str] = None
-    """Split of ``dataset`` held out for eval (None: ``eval_fraction`` of the stream's documents)."""
+    """Split of ``dataset`` for evaluation (None: 1 in 50 documents of the training stream, chosen by hash, are held out)."""
     train_files: Optional[list[str]] = None
     """Local text/jsonl/parquet files or globs; replace the default corpus."""
     eval_files: Optional[list[str]] = None
     """Local held-out files or globs."""
     text_column: str = "text"
+    """Column holding the document text (jsonl, parquet, Hub datasets)."""
     seq_len: int = field(default=128, metadata=_range(lo=2))
     """Tokens per packed training block."""
     shuffle_buffer: int = field(default=1000, metadata=_range(lo=0))
