@@ -284,6 +284,7 @@ class _Micro:
     outputs: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     input_grads: list | None = None
+    saved_bytes: int = 0
 
 
 class PipelineEngine:
@@ -295,7 +296,7 @@ class PipelineEngine:
 
         self.recipe, self.topo, self.config = recipe, topo, model.config
         p = recipe.pipeline.num_stages
-        stages = partition_model(model, p, recipe.pipeline.layers_per_stage)
+        stages = partition_model(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
         tied_pairs = tied_parameters(stages)
         self.stage = stages[topo.stage]
         del stages
@@ -314,6 +315,7 @@ class PipelineEngine:
         self.versions = Versions(self.params, lag=version_lag(recipe.pipeline.schedule, topo.stage, p))
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
+        self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1}
         self.action_seconds: dict[str, float] = {}  # measured time per action kind (feeds the simulator)
         self.action_counts: dict[str, int] = {}
 
@@ -328,7 +330,17 @@ class PipelineEngine:
                     t.requires_grad_()
             arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
         kwargs = {"labels": labels} if self.last and labels is not None else None
-        with autocast(self.recipe.training.bf16):
+        weights = self._weight_ptrs
+        seen: set = set()
+
+        def pack(t):  # count the activation bytes autograd keeps for this microbatch's backward
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key[0] not in weights and key not in seen:
+                seen.add(key)
+                micro.saved_bytes += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
             out = functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
         return out
 
@@ -394,7 +406,10 @@ class PipelineEngine:
             mb.version = a.version
             step_version.setdefault(k, a.version)
             ids = batches[k - first_step][i]
+            self._weight_ptrs = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
             out = self._forward(mb, ids, ids)
+            self.mem["activations"] += mb.saved_bytes
+            self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
             self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
             if self.last:
                 mb.loss = out
@@ -405,6 +420,9 @@ class PipelineEngine:
         elif kind == "B":
             mb = micro[(a.step, a.microbatch)]
             self._backward(mb, getattr(mb, "grads_in", None), m)
+            self.mem["activations"] -= mb.saved_bytes
+            self.mem["accumulating"] = 1
+            self._count_grad_sets()
             self.versions.inflight[mb.version] -= 1
             if self.first:
                 micro.pop((a.step, a.microbatch))
@@ -427,8 +445,11 @@ class PipelineEngine:
                 grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 leaf.grad = None
             self.reducer.submit(a.step, grads)
+            self.mem["accumulating"], self.mem["pending_grads"] = 0, self.mem["pending_grads"] + 1
+            self._count_grad_sets()
         elif kind == "STEP":
             self._step(a.step, results)
+            self.mem["pending_grads"] -= 1
         else:
             raise ValueError(f"unknown pipeline action {a}")
 
@@ -442,6 +463,22 @@ class PipelineEngine:
             norm, lr, finite = results.get(k, (None, self.optimizer.param_groups[0]["lr"], False))
             out.append(StepResult(k, float(buf[j]), norm, lr, k in results and finite, k in results and not finite))
         return out
+
+    def _count_grad_sets(self) -> None:
+        """Gradient sets alive: one accumulating + those reduced and waiting for their STEP (2BW: up to 2)."""
+        self.mem["peak_grad_sets"] = max(self.mem["peak_grad_sets"], self.mem["accumulating"] + self.mem["pending_grads"])
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes this stage really held at its peak: weight versions, gradients, optimizer state, EF buffer, activations."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        param_bytes = nbytes(self.params.values())
+        ef = getattr(self.optimizer, "error_feedback", None)
+        opt_state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        rep = {"weights": param_bytes * self.versions.peak, "grads": param_bytes * self.mem["peak_grad_sets"],
+               "optimizer": nbytes(opt_state), "ef": nbytes(ef["prev"].values()) if ef else 0,
+               "activations": self.mem["peak_activations"]}
+        rep["total"] = sum(rep.values())
+        return rep
 
     def close(self) -> None:
         """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""

@@ -1,0 +1,129 @@
+"""Will it fit, and how fast: per-stage memory and simulated step time of a recipe, without allocating it.
+
+Memory per stage (bytes):
+  weights      = params x 4 x versions     (fp32 masters; 2 for 2BW, p - s at stage s for PipeDream, else 1)
+  gradients    = params x 4 x (2 for 2BW: one step accumulating while the previous waits for its update)
+  optimizer    = AdamW 8 B/param; Muon 4 B/param (momentum) on its matrices, AdamW on the rest
+  EF buffer    = params x 4 when optimizer.delay_correction is error_feedback
+  activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes, where a
+                 decoder layer keeps about (10 h + 2 kv + 4 I_active) values per token (I_active: the MLP width,
+                 top-k x expert width for MoE) and the last stage keeps one vocab-sized value per token for the loss
+                 (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``).
+Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import Recipe
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: str
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    ef: float
+    activations: float
+    inflight: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.ef + self.activations
+
+
+def meta_model(recipe: Recipe):
+    from transformers import AutoModelForCausalLM
+
+    from .modeling import build_config
+
+    config = build_config(recipe.model)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def activation_values_per_token(config, layer_ids: list[int], last: bool) -> float:
+    h = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    dense_i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    moe_i = getattr(config, "moe_intermediate_size", None) or dense_i
+    k = getattr(config, "num_experts_per_tok", 1) or 1
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    total = 0.0
+    for i in layer_ids:
+        width = dense_i if (not experts or i < first_dense) else k * moe_i + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        total += 10 * h + 2 * kv + 4 * width + (experts or 0)
+    if last:
+        total += config.vocab_size + 2 * h
+    return total
+
+
+def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tuple[object, list[StageMemory], object]:
+    """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
+    from .optim import classify_parameters
+    from .partition import partition_plan
+    from .schedules import schedule_actions
+    from .simulator import Costs, simulate
+
+    p = num_stages or recipe.pipeline.num_stages
+    sched = recipe.pipeline.schedule if recipe.pipeline.schedule != "none" else "1f1b"
+    model = model or meta_model(recipe)
+    layers_per_stage = recipe.pipeline.layers_per_stage if p == recipe.pipeline.num_stages else None
+    plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
+    m = 1 if sched == "pipedream" else max(recipe.pipeline.num_microbatches, p if sched == "2bw" else 1)
+    sim = simulate(schedule_actions(sched, p, m, 3 if sched != "pipedream" else 3 * p), Costs(
+        forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched)
+    kinds = classify_parameters(model)
+    sizes = {n: q.numel() for n, q in model.named_parameters()}
+    per_stage_names: list[list[str]] = [[] for _ in range(p)]
+    for n in sizes:
+        per_stage_names[plan.stage_of(n)].append(n)
+    if plan.tied and p > 1:
+        head = f"{plan.anatomy.head}.weight"
+        per_stage_names[-1].append(head)
+        sizes[head] = sizes[f"{plan.anatomy.embed[0]}.weight"]
+        kinds[head] = "adamw"
+    opt = recipe.optimizer
+    act_bytes = 2 if recipe.training.bf16 else 4
+    tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
+    out = []
+    for s, st in enumerate(plan.stages):
+        n_params = sum(sizes[n] for n in per_stage_names[s])
+        versions = {"2bw": 2, "pipedream": p - s}.get(sched, 1)
+        if opt.name == "muon":
+            opt_bytes = sum(sizes[n] * (4 if kinds.get(n) == "muon" else 8) for n in per_stage_names[s])
+        elif opt.name in ("adamw", "nadam"):
+            opt_bytes = 8 * n_params
+        else:
+            opt_bytes = 4 * n_params
+        inflight = sim.peak_inflight[s]
+        act = inflight * tokens_mb * act_bytes * activation_values_per_token(model.config, list(st.layers), s == p - 1)
+        out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
+                               4.0 * n_params * (2 if sched == "2bw" else 1), float(opt_bytes),
+                               4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0, act, inflight))
+    return plan, out, sim
+
+
+def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float) -> dict[str, object]:
+    """Step time and bubble of 2bw, 1f1b and gpipe for this partition (costs from the plan's FLOPs)."""
+    from .schedules import schedule_actions
+    from .simulator import Costs, simulate
+
+    tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
+    m = max(recipe.pipeline.num_microbatches, num_stages)
+    fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
+    costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
+    steps = 8
+    res = {}
+    for sched in ("2bw", "1f1b", "gpipe"):
+        r = simulate(schedule_actions(sched, num_stages, m, steps), costs, sched)
+        res[sched] = r
+    return res

@@ -1,0 +1,76 @@
+"""Plan a run before launching it: partition, per-stage memory, whether it fits, simulated step time and
+bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (meta device).
+
+    python scripts/plan.py recipes/moe-10b.yaml --num-stages 16 --gpu-memory 80GB
+    python scripts/plan.py recipes/smollm2-360m.yaml --num-stages 4
+"""
+import argparse
+import os
+import sys
+
+sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def parse_bytes(text: str) -> float:
+    t = text.strip().upper().replace("IB", "B")
+    for unit, mult in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if t.endswith(unit):
+            return float(t[: -len(unit)]) * mult
+    return float(t)
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="--section.field=value")
+    ap.add_argument("--num-stages", type=int, default=None)
+    ap.add_argument("--gpu-memory", default="80GB")
+    ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
+    ap.add_argument("--png", default=None, help="timeline PNG (default docs/plans/<recipe>-<p>.png)")
+    args = ap.parse_args()
+    from hf_asyncpp.config import load_recipe
+    from hf_asyncpp.planner import plan_memory, simulate_schedules
+    from hf_asyncpp.simulator import plot_timeline
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    p = args.num_stages or recipe.pipeline.num_stages
+    plan, mem, _ = plan_memory(recipe, p)
+    cap = parse_bytes(args.gpu_memory)
+    total_params = sum(m.params for m in mem)
+    print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
+          f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
+          f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
+    print(plan.format() + "\n")
+    print(f"{'stage':>5} {'layers':>7} {'weights':>8} {'grads':>7} {'optim':>7} {'EF':>6} {'activ.':>7} {'in-flight':>9} {'total GB':>9}  fits {args.gpu_memory}?")
+    worst = max(mem, key=lambda m: m.total)
+    for m in mem:
+        ok = "yes" if m.total <= cap * 0.9 else "NO"
+        print(f"{m.stage:>5} {m.layers:>7} {gb(m.weights):>8} {gb(m.grads):>7} {gb(m.optimizer):>7} {gb(m.ef):>6} "
+              f"{gb(m.activations):>7} {m.inflight:>9} {gb(m.total):>9}  {ok}")
+    if worst.total > cap * 0.9:
+        act_share = worst.activations / worst.total
+        hint = ("lower pipeline.microbatch_size (activations dominate)" if act_share > 0.4 else
+                f"use more stages (--num-stages {p * 2}) or data parallelism with fewer weights per stage")
+        print(f"\nstage {worst.stage} needs {gb(worst.total)} GB > 90% of {args.gpu_memory}: {hint}; "
+              "optimizer.delay_correction: none saves the EF buffer; training.bf16 halves activations")
+    else:
+        print(f"\nfits: the largest stage needs {gb(worst.total)} GB of {args.gpu_memory} (90% budget)")
+    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12)
+    steps = 8
+    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per step:")
+    base = sims["1f1b"].makespan
+    for name, r in sims.items():
+        print(f"  {name:>5}: {r.makespan / steps:.3f} s/step, bubble {r.bubble:.1%} ({base / r.makespan:.2f}x the speed of 1f1b)")
+    name = os.path.splitext(os.path.basename(args.recipe))[0]
+    png = args.png or f"docs/plans/{name}-{p}stages.png"
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
+    print(f"\ntimeline: {png}")
+
+
+if __name__ == "__main__":
+    main()
