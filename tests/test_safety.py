@@ -1,0 +1,203 @@
+"""Bad input gets a clear error and loses nothing: Hub push (network edge replaced by a recorder),
+non-finite steps, unwritable output, a kill during a checkpoint write, and bad inputs across recipe,
+data, topology, model and checkpoint."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.config import RecipeError, recipe_from_dict
+from hf_asyncpp.hub import push_folder
+from test_trainer import tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Recorder:
+    """Stands in for huggingface_hub.HfApi (the network edge); checks files exist when uploaded."""
+
+    calls: list = []
+    fail_times = 0
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def create_repo(self, repo_id, **kw):
+        Recorder.calls.append(("create_repo", repo_id, kw))
+
+    def upload_folder(self, *, repo_id, folder_path, **kw):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        Recorder.calls.append(("upload_folder", repo_id, {**kw, "files": files}))
+        if Recorder.fail_times > 0:
+            Recorder.fail_times -= 1
+            raise ConnectionError(f"503 from the Hub for token {os.environ.get('HF_TOKEN')}")
+        return type("CommitInfo", (), {"commit_url": f"https://hub/{repo_id}/commit/1"})()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    Recorder.calls, Recorder.fail_times = [], 0
+    monkeypatch.setattr(huggingface_hub, "HfApi", Recorder)
+    monkeypatch.setenv("HF_TOKEN", "hf_SeCrEtToKeN1234567890")
+    return Recorder
+
+
+def test_push_at_end_and_every_save(tmp_path, hub, caplog):
+    from hf_asyncpp.trainer import train
+
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=4, training__save_steps=2,
+                                hub__push_to_hub=True, hub__hub_model_id="me/tiny", hub__hub_strategy="every_save",
+                                hub__private=True)))
+    creates = [c for c in hub.calls if c[0] == "create_repo"]
+    uploads = [c for c in hub.calls if c[0] == "upload_folder"]
+    assert all(c[1] == "me/tiny" and c[2]["private"] and c[2]["exist_ok"] for c in creates)
+    assert [u[2]["path_in_repo"] for u in uploads] == ["last-checkpoint", "last-checkpoint", None]
+    assert {"model.safetensors", "manifest.json", "config.json"} <= set(uploads[0][2]["files"])
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "generation_config.json"} <= set(uploads[-1][2]["files"])
+    assert json.loads((out / "final_eval.json").read_text())["hub_commit"].endswith("/commit/1")
+    assert "hf_SeCrEtToKeN" not in caplog.text
+
+
+def test_failed_push_is_retried_then_reported_and_the_export_kept(tmp_path, hub, caplog):
+    from hf_asyncpp.config import HubConfig
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    cfg = HubConfig(push_to_hub=True, hub_model_id="me/x")
+    hub.fail_times = 2
+    assert push_folder(folder, cfg, backoff_s=0).endswith("/commit/1")
+    hub.fail_times = 10
+    assert push_folder(folder, cfg, retries=3, backoff_s=0) is None
+    assert folder.exists() and "giving up" in caplog.text and "hf_SeCrEtToKeN" not in caplog.text
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_steps(tmp_path, policy):
+    from hf_asyncpp.engine import NonFiniteError
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    rec = recipe_from_dict(tiny(out, optimizer__name="sgd", optimizer__learning_rate=1e30, training__max_grad_norm=0.0,
+                                training__save_steps=1, training__max_steps=4, training__on_nonfinite=policy,
+                                training__logging_steps=1))
+    if policy == "stop":
+        with pytest.raises(NonFiniteError, match=r"non-finite .*training.on_nonfinite: stop"):
+            train(rec)
+        good = ckpt.resolve_resume(out, "latest")
+        assert good is not None and torch.isfinite(ckpt.load_tensors(good / "model.safetensors")["model.norm.weight"]).all()
+    else:
+        train(rec)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        skipped = [r["step"] for r in rows if r.get("skipped_nonfinite")]
+        assert skipped and len([r for r in rows if "loss" in r]) == 4
+
+
+def test_unwritable_output_dir_fails_before_training(tmp_path):
+    from hf_asyncpp.trainer import train
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RecipeError, match=r"training.output_dir: .* cannot be written"):
+        train(recipe_from_dict(tiny(blocker / "run")))
+
+
+WRITER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from hf_asyncpp import checkpoint as ckpt
+out = Path(sys.argv[1])
+step = 0
+while True:
+    step += 1
+    tmp = ckpt.temp_dir(out, step)
+    tmp.mkdir(parents=True)
+    ckpt.save_tensors(tmp / "model.safetensors", {"w": torch.full((2_000_000,), float(step))})
+    ckpt.save_json(tmp / "trainer_state.json", {"step": step})
+    ckpt.commit(tmp, out / ckpt.checkpoint_name(step), {"step": step})
+    ckpt.prune(out, 2)
+"""
+
+
+def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    for delay in (0.4, 0.7, 1.1):
+        out = tmp_path / f"k{delay}"
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(ROOT)])
+        deadline = time.time() + 60
+        while len(ckpt.list_checkpoints(out)) < 1 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = ckpt.resolve_resume(out, "latest")
+        step = ckpt.load_json(latest / "trainer_state.json")["step"]
+        w = ckpt.load_tensors(latest / "model.safetensors")["w"]
+        assert torch.equal(w, torch.full((2_000_000,), float(step)))
+
+
+def _bad(tmp_path, **kw):
+    from hf_asyncpp.trainer import train
+
+    return lambda: train(recipe_from_dict(tiny(tmp_path / "run", **kw)))
+
+
+BAD_RUNS = [
+    (dict(data__train_files=["/nonexistent/*.jsonl"]), FileNotFoundError, r"data.train_files: '/nonexistent/\*.jsonl' matches no file"),
+    (dict(data__eval_files=["/nope.txt"]), FileNotFoundError, r"data.eval_files: '/nope.txt' matches no file"),
+    (dict(model__config={"model_type": "not-a-model"}), RecipeError, r"model.config.model_type: 'not-a-model' is not a model type"),
+    (dict(pipeline__schedule="1f1b", pipeline__num_stages=2), RecipeError, r"2 stages need a multiple of 2 processes, but 1 was started"),
+    (dict(training__resume_from_checkpoint="/tmp"), FileNotFoundError, r"resume_from_checkpoint: '/tmp' is not a complete checkpoint"),
+    (dict(optimizer__simulate_delay="pipedream", pipeline__num_stages=9, pipeline__num_microbatches=1), ValueError,
+     r"num_stages: 9 stages for 2 decoder layers"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", BAD_RUNS, ids=[str(i) for i in range(len(BAD_RUNS))])
+def test_bad_runs_name_the_problem(tmp_path, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _bad(tmp_path, **kw)()
+
+
+def test_bad_data_files(tmp_path):
+    from hf_asyncpp.trainer import train
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"no usable document in .*empty.jsonl"):
+        train(recipe_from_dict(tiny(tmp_path / "r1", data__train_files=[str(empty)], data__eval_files=[str(empty)],
+                                    model__tokenizer_name_or_path=None)))
+    mixed = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.csv")]
+    for f in mixed:
+        Path(f).write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match=r"data files must all be one of"):
+        from hf_asyncpp.config import DataConfig
+        from hf_asyncpp.data import load_stream
+
+        load_stream(DataConfig(), mixed)
+
+
+def test_resume_with_another_topology_is_refused_clearly(tmp_path):
+    from hf_asyncpp.trainer import _load
+
+    from hf_asyncpp.engine import Topology
+
+    out = tmp_path / "c"
+    out.mkdir()
+    ckpt.save_json(out / "trainer_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": []})
+    with pytest.raises(RecipeError, match=r"was written by 2 processes with 2 stages; this run has 1 and 1"):
+        _load(out, None, None, Topology())
