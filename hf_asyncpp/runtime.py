@@ -525,6 +525,11 @@ class PipelineEngine:
             return None
         return merge_state_dicts([p for p in parts if p is not None])
 
+    def _param_names(self) -> list[str]:
+        """Parameter names in the optimizer's order (checkpoints key optimizer state by name, not position)."""
+        name_of = {id(p): n for n, p in self.stage.named_parameters()}
+        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
     def save(self, tmp: Path) -> None:
         if self.topo.dp_rank != 0:
             return
@@ -534,20 +539,56 @@ class PipelineEngine:
         if older:
             ckpt.save_tensors(tmp / f"stage-{s:02d}-versions.safetensors", older)
         ckpt.save_state(tmp / f"stage-{s:02d}-optimizer.pt", {
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "latest_version": self.versions.latest, "nonfinite_skipped": self.nonfinite_skipped,
+            "optimizer": self.optimizer.state_dict(), "param_names": self._param_names(),
+            "scheduler": self.scheduler.state_dict(), "latest_version": self.versions.latest,
+            "nonfinite_skipped": self.nonfinite_skipped,
         })
 
     def load(self, path: Path) -> None:
-        s = self.topo.stage
-        weights = ckpt.load_tensors(path / f"stage-{s:02d}.safetensors")
-        self.stage.load_state_dict(weights, strict=True)
-        state = ckpt.load_state(path / f"stage-{s:02d}-optimizer.pt")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        vpath = path / f"stage-{s:02d}-versions.safetensors"
-        self.versions.load(state["latest_version"], ckpt.load_tensors(vpath) if vpath.exists() else {})
-        self.nonfinite_skipped = state["nonfinite_skipped"]
+        """Restore this stage from a checkpoint of any number of stages: everything is matched by parameter name."""
+        weights, older, by_name, ef_by_name, groups = {}, {}, {}, {}, {}
+        files = sorted(p for p in path.glob("stage-*.safetensors") if not p.name.endswith("-versions.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no stage-XX.safetensors; it was not written by a pipelined run "
+                                    "(resume it with pipeline.schedule: none)")
+        for f in files:
+            weights.update(ckpt.load_tensors(f))
+            v = f.with_name(f.stem + "-versions.safetensors")
+            if v.exists():
+                older.update(ckpt.load_tensors(v))
+            state = ckpt.load_state(f.with_name(f.stem + "-optimizer.pt"))
+            osd, names = state["optimizer"], state["param_names"]
+            for i, n in enumerate(names):
+                if i in osd["state"]:
+                    by_name[n] = osd["state"][i]
+            for i, t in (osd.get("error_feedback") or {}).get("prev", {}).items():
+                ef_by_name[names[int(i)]] = t
+            for g in osd["param_groups"]:
+                groups.setdefault(g.get("name"), g)
+            meta = state
+        mine = self.stage.state_dict()
+        missing = [k for k in mine if k not in weights]
+        if missing:
+            raise KeyError(f"{path}: the checkpoint has no {missing[:5]}; was it written for another model?")
+        self.stage.load_state_dict({k: weights[k] for k in mine}, strict=True)
+        sd = self.optimizer.state_dict()
+        names = self._param_names()
+        sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
+        for g in sd["param_groups"]:  # the lr the schedule had reached, not the fresh optimizer's
+            saved = groups.get(g.get("name"))
+            if saved is not None:
+                g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        if ef_by_name:
+            sd["error_feedback"] = {"lam": self.recipe.optimizer.ef_lambda,
+                                    "prev": {i: ef_by_name[n] for i, n in enumerate(names) if n in ef_by_name}}
+        self.optimizer.load_state_dict(sd)
+        sched = self.scheduler.state_dict()  # per-group lists differ between stages: keep ours, take the position
+        sched.update({k: meta["scheduler"][k] for k in ("last_epoch", "_step_count") if k in meta["scheduler"]})
+        sched["_last_lr"] = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.load_state_dict(sched)
+        mine_older = {k: t for k, t in older.items() if k.split("/", 1)[1] in self.params}
+        self.versions.load(meta["latest_version"], mine_older)
+        self.nonfinite_skipped = meta["nonfinite_skipped"]
 
 
 def _kind(action) -> str:

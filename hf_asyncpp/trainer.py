@@ -157,7 +157,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     state = RunState()
     resume = ckpt.resolve_resume(out, t.resume_from_checkpoint)
     if resume is not None:
-        state = _load(resume, engine, stream, topo)
+        state = _load(resume, engine, stream, topo, recipe.pipeline.schedule)
         log.info("resumed from %s at step %d", resume, state.step)
 
     metrics_path = out / "metrics.jsonl"
@@ -274,7 +274,7 @@ def _save(out, state: RunState, engine, stream, tokenizer, recipe, accelerator, 
         save_recipe(recipe, tmp / "recipe.yaml")
         ckpt.save_json(tmp / "trainer_state.json", {"step": state.step, "tokens": state.tokens,
                                                    "data": data_states, "world_size": topo.world_size,
-                                                   "num_stages": topo.num_stages})
+                                                   "num_stages": topo.num_stages, "schedule": recipe.pipeline.schedule})
         ckpt.commit(tmp, out / ckpt.checkpoint_name(state.step), {"step": state.step, "world_size": topo.world_size,
                                                                  "num_stages": topo.num_stages})
         ckpt.prune(out, recipe.training.save_total_limit)
@@ -287,16 +287,31 @@ def _save(out, state: RunState, engine, stream, tokenizer, recipe, accelerator, 
     accelerator.wait_for_everyone()
 
 
-def _load(path: Path, engine, stream, topo) -> RunState:
+def _load(path: Path, engine, stream, topo, schedule: str = "none") -> RunState:
+    """Restore engine, data position and RNG. A pipelined checkpoint may resume on another number of stages
+    (weights, optimizer/EF state and weight versions are matched by parameter name); with another
+    data-parallel size the data order cannot be the uninterrupted one, which is logged."""
     meta = ckpt.load_json(path / "trainer_state.json")
-    if meta["world_size"] != topo.world_size or meta["num_stages"] != topo.num_stages:
-        raise RecipeError(
-            f"training.resume_from_checkpoint: {path} was written by {meta['world_size']} processes with "
-            f"{meta['num_stages']} stages; this run has {topo.world_size} and {topo.num_stages}. Resume with the same topology"
-        )
+    written = meta.get("schedule", schedule)
+    if written != schedule:
+        raise RecipeError(f"pipeline.schedule: {path} was written by a {written!r} run; resume it with the same schedule "
+                          f"(this run uses {schedule!r}; their update semantics differ)")
+    same = meta["world_size"] == topo.world_size and meta["num_stages"] == topo.num_stages
     engine.load(path)
-    stream.load_state_dict(meta["data"][topo.rank])
-    set_rng_state(ckpt.load_state(path / f"rng-rank{topo.rank:03d}.pt"))
+    old_dp = meta["world_size"] // meta["num_stages"]
+    if old_dp == topo.dp_size:
+        stream.load_state_dict(meta["data"][topo.dp_rank])
+    else:
+        states = meta["data"][:old_dp]
+        blocks = sum(s["blocks"] for s in states) // topo.dp_size
+        stream.load_state_dict({"epoch": max(s["epoch"] for s in states), "blocks": blocks})
+        log.warning("resumed with %d data-parallel ranks instead of %d: each rank skips %d blocks of its new shard; the data "
+                    "order differs from an uninterrupted run", topo.dp_size, old_dp, blocks)
+    rng = path / f"rng-rank{topo.rank:03d}.pt"
+    set_rng_state(ckpt.load_state(rng if rng.exists() else path / "rng-rank000.pt"))
+    if not same:
+        log.info("resumed a %d-process, %d-stage checkpoint on %d processes, %d stages", meta["world_size"],
+                 meta["num_stages"], topo.world_size, topo.num_stages)
     return RunState(step=meta["step"], tokens=meta["tokens"])
 
 

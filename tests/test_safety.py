@@ -191,13 +191,13 @@ def test_bad_data_files(tmp_path):
         load_stream(DataConfig(), mixed)
 
 
-def test_resume_with_another_topology_is_refused_clearly(tmp_path):
-    from hf_asyncpp.trainer import _load
-
+def test_resume_with_another_schedule_is_refused_clearly(tmp_path):
     from hf_asyncpp.engine import Topology
+    from hf_asyncpp.trainer import _load
 
     out = tmp_path / "c"
     out.mkdir()
-    ckpt.save_json(out / "trainer_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": []})
-    with pytest.raises(RecipeError, match=r"was written by 2 processes with 2 stages; this run has 1 and 1"):
-        _load(out, None, None, Topology())
+    ckpt.save_json(out / "trainer_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": [],
+                                                "schedule": "2bw"})
+    with pytest.raises(RecipeError, match=r"pipeline.schedule: .* was written by a '2bw' run; resume it with the same schedule"):
+        _load(out, None, None, Topology(), "none")
