@@ -91,8 +91,30 @@ def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0):
     return rec, replica, ref_rec, ref_batches
 
 
-def _check(scenarios, results, tol=1e-5):
-    for (rec, _, ref_rec, ref_batches), (losses, sd, peak) in zip(scenarios, results):
+def _check_export(sd, recipe, tmp_dir):
+    """The merged pipeline weights export to an HF folder whose from_pretrained logits equal the stages' chain."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.export import export_hf_model
+    from hf_asyncpp.partition import partition_model
+
+    model = build(recipe)
+    model.load_state_dict({k: v for k, v in sd.items() if k in model.state_dict()}, strict=False)
+    out = export_hf_model(sd, model.config, tmp_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    stages = partition_model(model.eval(), recipe.pipeline.num_stages)
+    ids = torch.randint(0, 128, (2, SEQ))
+    with torch.no_grad():
+        a = stages[0](ids)
+        for st in stages[1:-1]:
+            a = st(a)
+        torch.testing.assert_close(reloaded(ids).logits, stages[-1](a), rtol=1e-5, atol=1e-5)
+
+
+def _check(scenarios, results, tol=1e-5, export_dir=None):
+    for n, ((rec, _, ref_rec, ref_batches), (losses, sd, peak)) in enumerate(zip(scenarios, results)):
+        if export_dir is not None and rec.pipeline.schedule in ("2bw", "gpipe"):
+            _check_export(sd, rec, export_dir / f"export-{n}")
         ref_losses, ref_sd = reference(ref_rec, ref_batches)
         name = f"{rec.model.config['model_type']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:STEPS]), rtol=tol, atol=1e-6, msg=name)
@@ -119,10 +141,10 @@ TWO = [
 ]
 
 
-def test_two_stage_schedules_match_single_process_reference():
+def test_two_stage_schedules_match_single_process_reference(tmp_path):
     scenarios = [_scenario(*s, seed=i) for i, s in enumerate(TWO)]
     results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
-    _check(scenarios, results[0])
+    _check(scenarios, results[0], export_dir=tmp_path)
 
 
 FOUR = [
@@ -135,7 +157,7 @@ FOUR = [
 ]
 
 
-def test_four_processes_deeper_pipelines_and_data_parallel():
+def test_four_processes_deeper_pipelines_and_data_parallel(tmp_path):
     scenarios = [_scenario(*s[:7], dp=s[7], seed=50 + i) for i, s in enumerate(FOUR)]
     results = run_distributed(pipeline_worker, 4, [(s[0], s[1]) for s in scenarios])
-    _check(scenarios, results[0])
+    _check(scenarios, results[0], export_dir=tmp_path)
