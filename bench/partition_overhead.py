@@ -73,14 +73,11 @@ def main():
     table = "\n".join(["| model | run | median fwd+bwd (ms) | overhead vs plain |", "|---|---|---|---|", *rows])
     print(table)
     if args.write:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
-        start, end = "<!-- partition:start -->", "<!-- partition:end -->"
-        text = open(path).read()
-        section = (f"{start}\n## Partition overhead (single process, 1 thread)\n\nCommand: `python bench/partition_overhead.py "
-                   f"--repeats {args.repeats} --write` ({time.strftime('%Y-%m-%d')}; batch 4 x 128 tokens; medians of "
-                   f"interleaved runs). Target: at most 3%.\n\n{table}\n{end}")
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end):] if start in text else text.rstrip() + "\n\n" + section + "\n"
-        open(path, "w").write(text)
+        from bench.report import write_section
+
+        write_section("partition", f"## Partition overhead (single process, 1 thread)\n\nCommand: `python bench/partition_overhead.py "
+                      f"--repeats {args.repeats} --write` ({time.strftime('%Y-%m-%d')}; batch 4 x 128 tokens; medians of "
+                      f"interleaved runs). Target: at most 3%.\n\n{table}")
 
 
 if __name__ == "__main__":

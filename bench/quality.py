@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[0] = str(ROOT)
 MODEL = ("--model.config={model_type: llama, hidden_size: 128, intermediate_size: 384, num_hidden_layers: 8, "
          "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}")
 
@@ -156,17 +157,11 @@ def _plot(results, path: Path) -> None:
 
 
 def write_section(table: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    start, end = "<!-- quality:start -->", "<!-- quality:end -->"
-    text = path.read_text()
-    section = (f"{start}\n## Delay tolerance: the paper's table at our scale\n\nCommand: `python bench/quality.py "
-               f"{' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; Llama h128 x 8 layers, 2.6M parameters, "
-               f"default corpus, single-process exact delay simulation)\n\n{table}\n{end}")
-    if start in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
+    from bench.report import write_section as write
+
+    write("quality", f"## Delay tolerance: the paper's table at our scale\n\nCommand: `python bench/quality.py "
+          f"{' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; Llama h128 x 8 layers, 2.6M parameters, "
+          f"default corpus, single-process exact delay simulation)\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -210,18 +210,11 @@ def main():
 
 
 def _write(table: str, n: int, m: int) -> None:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
-    start, end = "<!-- throughput:start -->", "<!-- throughput:end -->"
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = (f"{start}\n## Pipeline throughput (2 processes x 1 thread, CPU)\n\n"
-               f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --write` "
-               f"(Llama h128 x 8 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n"
-               f"{table}\n{end}")
-    if start in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    open(path, "w").write(text)
+    from bench.report import write_section
+
+    write_section("throughput", f"## Pipeline throughput (2 processes x 1 thread, CPU)\n\n"
+                  f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --write` "
+                  f"(Llama h128 x 8 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -29,15 +29,8 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f".tmp-{checkpoint_name(step)}"
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (so a rename survives a crash), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,7 +41,7 @@ def _fsync_dir(path: Path) -> None:
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(tensors, str(path), metadata=metadata)
-    _fsync_file(path)
+    _fsync(path)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -57,7 +50,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def save_state(path: Path, obj) -> None:
     torch.save(obj, path)
-    _fsync_file(path)
+    _fsync(path)
 
 
 def load_state(path: Path):
@@ -80,7 +73,7 @@ def commit(tmp: Path, final: Path, manifest: dict) -> Path:
     """Write the manifest last, then move the complete directory into place."""
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     save_json(tmp / MANIFEST, {**manifest, "files": files})
-    _fsync_dir(tmp)
+    _fsync(tmp)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -89,7 +82,7 @@ def commit(tmp: Path, final: Path, manifest: dict) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
     return final
 
 
