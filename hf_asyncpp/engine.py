@@ -60,6 +60,15 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient under ``training.on_nonfinite: stop``."""
 
 
+def local_device() -> torch.device:
+    """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def autocast(enabled: bool):
     return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
@@ -85,7 +94,8 @@ class LocalEngine:
     def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
         from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 
-        self.recipe, self.model, self.topo = recipe, model, topo
+        self.recipe, self.topo, self.device = recipe, topo, local_device()
+        self.model = model.to(self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
@@ -97,7 +107,7 @@ class LocalEngine:
         if self.topo.dp_size == 1:
             return loss_sum
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)])
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1).to(grads[0])])
         dist.all_reduce(flat)
         flat /= self.topo.dp_size
         offset = 0
@@ -113,7 +123,8 @@ class LocalEngine:
         m = batch.shape[0]
         self.model.train()
         self.delay.before_forward()
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=self.device)
+        batch = batch.to(self.device)
         for i in range(m):
             ids = batch[i]
             with autocast(cfg.training.bf16):
@@ -157,15 +168,15 @@ class LocalEngine:
         was_training = self.model.training
         self.model.eval()
         mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i in range(0, len(mine), batch_size):
-            ids = mine[i : i + batch_size]
+            ids = mine[i : i + batch_size].to(self.device)
             with autocast(self.recipe.training.bf16):
                 logits = self.model(input_ids=ids).logits.float()
             nll = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
             )
-            total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64)
+            total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64, device=self.device)
         if self.topo.dp_size > 1:
             dist.all_reduce(total)
         self.model.train(was_training)

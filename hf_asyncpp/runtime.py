@@ -89,8 +89,8 @@ def make_groups(topo: Topology, tied: bool, timeout: timedelta) -> Groups:
 class P2P:
     """Point-to-point transfers between adjacent stages; sends are async, receives block with a timeout."""
 
-    def __init__(self, topo: Topology, timeout_s: float):
-        self.topo, self.timeout = topo, timedelta(seconds=timeout_s)
+    def __init__(self, topo: Topology, timeout_s: float, device: torch.device):
+        self.topo, self.timeout, self.device = topo, timedelta(seconds=timeout_s), device
         self.pending: list = []  # (work, tensors) kept alive until the chunk ends
 
     def peer_rank(self, stage: int) -> int:
@@ -109,11 +109,10 @@ class P2P:
         peer = self.peer_rank(stage)
         tensors = [t.detach().contiguous() for t in tensors]
         if with_header:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
             vals = [len(tensors)]
             for t in tensors:
                 vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-            header[: len(vals)] = torch.tensor(vals)
+            header = torch.tensor(vals + [0] * (_HEADER - len(vals)), dtype=torch.int64, device=self.device)
             tensors = [header] + tensors
         for t in tensors:
             self.pending.append((dist.isend(t, peer), t))
@@ -122,13 +121,13 @@ class P2P:
         """Receive from ``stage``: with ``like`` the shapes are known, otherwise a header comes first."""
         peer = self.peer_rank(stage)
         if like is None:
-            header = torch.empty(_HEADER, dtype=torch.int64)
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self._wait(dist.irecv(header, peer), peer, "waiting for activations from")
             vals = header.tolist()
             n, i, bufs = vals[0], 1, []
             for _ in range(n):
                 dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
-                bufs.append(torch.empty(vals[i + 2 : i + 2 + ndim], dtype=dtype))
+                bufs.append(torch.empty(vals[i + 2 : i + 2 + ndim], dtype=dtype, device=self.device))
                 i += 2 + ndim
         else:
             bufs = [torch.empty_like(t) for t in like]
@@ -184,6 +183,9 @@ class Reducer:
 
     def _reduce(self, grads: dict[str, torch.Tensor]):
         names = list(grads)
+        device = grads[names[0]].device
+        if device.type == "cuda":  # NCCL collectives from this thread need its current device set
+            torch.cuda.set_device(device)
         if self.groups.dp is not None:
             flat = torch.cat([grads[n].reshape(-1) for n in names])
             dist.all_reduce(flat, group=self.groups.dp)
@@ -196,7 +198,7 @@ class Reducer:
         if self.groups.tie is not None:
             for n in self.tied:
                 dist.all_reduce(grads[n], group=self.groups.tie)
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
         last = self.topo.stage == self.topo.num_stages - 1 and self.topo.num_stages > 1
         for n in names:
             if last and n in self.tied:
@@ -294,11 +296,13 @@ class PipelineEngine:
         from .optim import apply_delay_correction, build_optimizer
         from .partition import partition_model, tied_parameters
 
-        self.recipe, self.topo, self.config = recipe, topo, model.config
+        from .engine import local_device
+
+        self.recipe, self.topo, self.config, self.device = recipe, topo, model.config, local_device()
         p = recipe.pipeline.num_stages
         stages = partition_model(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
         tied_pairs = tied_parameters(stages)
-        self.stage = stages[topo.stage]
+        self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
         del stages
         self.first, self.last = topo.stage == 0, topo.stage == p - 1
         self.params = dict(self.stage.named_parameters())
@@ -309,7 +313,7 @@ class PipelineEngine:
         timeout_s = recipe.pipeline.p2p_timeout_s
         self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
         self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s)
-        self.p2p = P2P(topo, timeout_s)
+        self.p2p = P2P(topo, timeout_s, self.device)
         from .schedules import version_lag
 
         self.versions = Versions(self.params, lag=version_lag(recipe.pipeline.schedule, topo.stage, p))
@@ -454,8 +458,9 @@ class PipelineEngine:
             raise ValueError(f"unknown pipeline action {a}")
 
     def _gather_results(self, first_step, n, losses, results) -> list[StepResult]:
-        buf = losses if (self.last) else torch.zeros_like(losses)
+        buf = (losses if self.last else torch.zeros_like(losses)).to(self.device)
         dist.all_reduce(buf)
+        buf = buf.cpu()
         buf /= self.topo.dp_size
         out = []
         for j in range(n):
@@ -492,10 +497,10 @@ class PipelineEngine:
         """Forward-only microbatches through the stages with the newest weights; NLL summed on the last stage."""
         self.stage.eval()
         mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         leaves = self.versions.leaves_for(self.versions.latest)
         for i in range(0, len(mine), batch_size):
-            ids = mine[i : i + batch_size]
+            ids = mine[i : i + batch_size].to(self.device)
             arg = ids
             if not self.first:
                 inputs = self.p2p.recv(self.topo.stage - 1)
@@ -505,7 +510,7 @@ class PipelineEngine:
             if self.last:
                 logits = out.float() if torch.is_tensor(out) else out.logits.float()
                 nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-                total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64)
+                total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64, device=self.device)
             else:
                 self.p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], self.topo.stage + 1, with_header=True)
         self.p2p.drain()
@@ -518,7 +523,7 @@ class PipelineEngine:
         """Newest weights merged by name on the main process (collective: every rank calls it)."""
         from .partition import merge_state_dicts
 
-        sd = {n: t.detach().clone() for n, t in self.stage.state_dict().items()} if self.topo.dp_rank == 0 else None
+        sd = {n: t.detach().cpu().clone() for n, t in self.stage.state_dict().items()} if self.topo.dp_rank == 0 else None
         parts = [None] * self.topo.world_size if self.topo.is_main else None
         dist.gather_object(sd, parts, dst=0)
         if not self.topo.is_main:
