@@ -1,43 +1,74 @@
-"""Perplexity of an exported (or any AutoModelForCausalLM) folder on local text/jsonl/parquet files.
+"""Evaluate exported (or any AutoModelForCausalLM) folders: zero-shot multiple-choice tasks and perplexity,
+several models side by side.
 
-    python scripts/evaluate.py runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl [--seq-len 128] [--max-blocks 64] [--out ppl.json]
+    python scripts/evaluate.py runs/sync/export runs/async/export --tasks hellaswag,piqa,arc_easy,mmlu --limit 500
+    python scripts/evaluate.py runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl            # perplexity
+    python scripts/evaluate.py MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
+
+Prints a table, writes JSON (--out) and a bar chart PNG next to it, and adds the results to each model's card.
 """
 import argparse
 import json
 import os
 import sys
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # repo root, not scripts/ (scripts/evaluate.py would shadow `evaluate`)
+sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # repo root, not scripts/ (this file would shadow `evaluate`)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model_dir")
-    ap.add_argument("--data", nargs="+", required=True, help="files or globs")
+    ap.add_argument("model_dirs", nargs="+")
+    ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, perplexity")
+    ap.add_argument("--task-file", action="append", default=[], help="TASK=FILE: local data in the Hub record format")
+    ap.add_argument("--limit", type=int, default=None, help="items per task")
+    ap.add_argument("--data", nargs="+", default=None, help="text/jsonl/parquet files or globs for perplexity")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--max-blocks", type=int, default=64)
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--out", default=None, help="JSON results (default: MODEL_DIR/eval_results.json)")
+    ap.add_argument("--out", default=None, help="JSON results (default: FIRST_MODEL_DIR/eval_results.json)")
+    ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
     args = ap.parse_args()
-    from transformers import AutoTokenizer
+    from hf_asyncpp.downstream import add_to_model_card, check_model_dir, evaluate_models, plot_results, results_table
 
-    from hf_asyncpp.config import DataConfig
-    from hf_asyncpp.data import eval_blocks, expand_files
-    from hf_asyncpp.evaluation import evaluate_model_dir
+    tasks = args.tasks.split(",") if args.tasks else (["perplexity"] if args.data else [])
+    if not tasks:
+        ap.error("give --tasks or --data")
+    try:
+        task_files = dict(tf.split("=", 1) for tf in args.task_file)
+    except ValueError:
+        ap.error("--task-file takes TASK=FILE")
+    blocks = None
+    try:
+        for d in args.model_dirs:
+            check_model_dir(d)
+        if "perplexity" in tasks:
+            from transformers import AutoTokenizer
 
-    for needed in ("config.json",):
-        if not os.path.exists(os.path.join(args.model_dir, needed)):
-            sys.exit(f"error: {args.model_dir} has no {needed}; is it a model folder?")
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    cfg = DataConfig(seq_len=args.seq_len, text_column=args.text_column, shuffle_buffer=0, min_document_tokens=0)
-    blocks = eval_blocks(cfg, tok, expand_files(args.data, "--data"), args.max_blocks)
-    res = evaluate_model_dir(args.model_dir, blocks, args.batch_size)
-    res.update(model_dir=args.model_dir, data=args.data, seq_len=args.seq_len, blocks=len(blocks))
-    out = args.out or os.path.join(args.model_dir, "eval_results.json")
+            from hf_asyncpp.config import DataConfig
+            from hf_asyncpp.data import eval_blocks, expand_files
+
+            if not args.data:
+                ap.error("task perplexity needs --data FILES")
+            tok = AutoTokenizer.from_pretrained(args.model_dirs[0])
+            cfg = DataConfig(seq_len=args.seq_len, text_column=args.text_column, shuffle_buffer=0, min_document_tokens=0)
+            blocks = eval_blocks(cfg, tok, expand_files(args.data, "--data"), args.max_blocks)
+        results = evaluate_models(args.model_dirs, tasks, task_files=task_files, limit=args.limit, perplexity_blocks=blocks,
+                                  batch_size=args.batch_size)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(results_table(results))
+    out = args.out or os.path.join(args.model_dirs[0], "eval_results.json")
+    single = len(args.model_dirs) == 1 and tasks == ["perplexity"]
+    payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": len(blocks)} if single else results
     with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"{args.model_dir}: eval_loss {res['eval_loss']:.4f} perplexity {res['eval_ppl']:.2f} over {res['num_tokens']} tokens -> {out}")
+        json.dump(payload, f, indent=1)
+    if any(t != "perplexity" for t in tasks):
+        print(f"chart: {plot_results(results, os.path.splitext(out)[0] + '.png')}")
+    if not args.no_card:
+        for d, r in results.items():
+            add_to_model_card(d, r)
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":
