@@ -174,7 +174,11 @@ class HubConfig:
 @dataclass(kw_only=True)
 class EvalConfig:
     tasks: list[str] = field(default_factory=list)
-    """Downstream tasks run on the export at the end (``perplexity``, ...)."""
+    """Tasks run on the export at the end: hellaswag, piqa, arc_easy, arc_challenge, mmlu, perplexity."""
+    task_files: Optional[dict] = None
+    """Local task data by task name (the Hub record format); tasks without a file stream from the Hub."""
+    limit: Optional[int] = field(default=None, metadata=_range(lo=1))
+    """Items per task (None: all)."""
 
 
 @dataclass(kw_only=True)

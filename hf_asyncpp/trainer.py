@@ -341,6 +341,14 @@ def _export(out: Path, weights, engine, tokenizer, recipe: Recipe, state: RunSta
     reloaded = evaluate_model_dir(export_dir, held_out)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+    if recipe.eval.tasks:
+        from .downstream import add_to_model_card, evaluate_models, results_table
+
+        res = evaluate_models([str(export_dir)], recipe.eval.tasks, task_files=recipe.eval.task_files,
+                              limit=recipe.eval.limit, perplexity_blocks=held_out)[str(export_dir)]
+        add_to_model_card(export_dir, res)
+        result["downstream"] = res
+        log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
     if recipe.hub.push_to_hub:
         from .hub import push_folder
 

@@ -117,3 +117,17 @@ def test_bad_inputs(tmp_path, folders):
     (empty / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"no tokenizer_config.json; the tokenizer is missing"):
         evaluate_models([str(empty)], ["arc_easy"], task_files=FILES)
+
+
+def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
+    import json
+
+    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.trainer import train
+    from test_trainer import tiny
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=2,
+                                eval__tasks=["arc_easy", "perplexity"], eval__task_files={"arc_easy": FILES["arc_easy"]})))
+    final = json.loads((out / "final_eval.json").read_text())
+    assert set(final["downstream"]) == {"arc_easy", "perplexity"} and final["downstream"]["arc_easy"]["n"] == 12
