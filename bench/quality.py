@@ -119,7 +119,8 @@ def report(results, lrs, args, out_root: Path) -> str:
               f"- EF closes >= 60% of AdamW's gap: {(a_gap - gaps['adamw delay-1 + EF']) / a_gap:.0%}" if a_gap > 0 else "- AdamW shows no delay gap",
               f"- Muon delayed within 0.5% of Muon sync: {m_gap / mean['muon sync']:+.2%}",
               f"- constant delay better than PipeDream's variable delay (8 stages): muon delay-1 {mean['muon delay-1']:.4f} vs pipedream {mean['muon pipedream p=8']:.4f}",
-              "", f"Learning rates (sync-tuned, shared by each optimizer's arms): {lrs}; seeds {args.seeds}; {args.steps} steps of 4,096 tokens."]
+              "", f"Learning rates ({'tuned on the sync arms over ' + args.sweep if args.sweep else 'given, not swept'}; "
+              f"shared by each optimizer's arms): {lrs}; seeds {args.seeds}; {args.steps} steps of 4,096 tokens."]
     _plot(results, out_root / "quality_curves.png")
     docs_png = ROOT / "docs" / "quality_curves.png"
     docs_png.write_bytes((out_root / "quality_curves.png").read_bytes())
