@@ -84,8 +84,11 @@ def _ours(rank, world, schedule, steps, m, split=None):
     eng.train_steps(bs, 2)
     dist.barrier()
     dt = time.perf_counter() - t0
+    eng.track_memory = True  # after timing: count the bytes really held, for the planner comparison
+    eng.train_steps(batches(3, m), 2 + steps)
+    memory = eng.memory_report()
     eng.close()
-    return {"tokens_per_s": steps * m * MBS * SEQ / dt, "peak_versions": eng.versions.peak,
+    return {"tokens_per_s": steps * m * MBS * SEQ / dt, "peak_versions": eng.versions.peak, "memory": memory,
             "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb(), "seconds": dict(eng.action_seconds), "wall": dt}
 
 
@@ -179,6 +182,9 @@ def main():
     ours_mp = spawn(_ours, p, "2bw", n, p, split)[0]["tokens_per_s"] if m != p else ours["2bw"][0]["tokens_per_s"]
     rows.append(("hf_asyncpp 2bw (m = p)", p, ours_mp, None)) if m != p else None
 
+    from hf_asyncpp.planner import plan_memory
+
+    _, plan, _ = plan_memory(recipe("2bw", p, m))
     limit = 2 * single
     t2 = ours["2bw"][0]["tokens_per_s"]
     t1 = ours["1f1b"][0]["tokens_per_s"]
@@ -192,9 +198,14 @@ def main():
         f"- 2bw / our 1f1b = {t2 / t1:.2f}; (m+p-1)/m = {(m + p - 1) / m:.2f}; target >= 0.95 x that = {0.95 * (m + p - 1) / m:.2f}",
         f"- 2bw / torch Schedule1F1B at m = p = {p}: {ours_mp / torch_rows[('1f1b', p)]:.2f} (target >= 1.15)",
         "",
-        "Per-stage memory (2bw): " + ", ".join(
-            f"stage {s}: peak weight versions {r['peak_versions']}, peak in-flight microbatches {r['peak_inflight']}, max RSS {r['rss_mb']:.0f} MB"
-            for s, r in enumerate(ours["2bw"])),
+        "Per-stage memory of 2bw: measured (the executor's weight versions, gradients, optimizer state, EF buffer and "
+        "saved activations at their peak) against the planner's formula (`hf_asyncpp/planner.py`):",
+        "",
+        "| stage | weight versions | in-flight microbatches | measured MB | planned MB | planned / measured | process RSS MB |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {s} | {r['peak_versions']} | {r['peak_inflight']} | {r['memory']['total'] / 1e6:.1f} | {plan[s].total / 1e6:.1f} | "
+          f"{plan[s].total / r['memory']['total']:.2f} | {r['rss_mb']:.0f} |" for s, r in enumerate(ours["2bw"])],
+        "",
     ]
     for sched, res in ours.items():
         for s, r in enumerate(res):

@@ -319,6 +319,7 @@ class PipelineEngine:
         self.versions = Versions(self.params, lag=version_lag(recipe.pipeline.schedule, topo.stage, p))
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
+        self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
         self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1}
         self.action_seconds: dict[str, float] = {}  # measured time per action kind (feeds the simulator)
         self.action_counts: dict[str, int] = {}
@@ -334,7 +335,10 @@ class PipelineEngine:
                     t.requires_grad_()
             arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
         kwargs = {"labels": labels} if self.last and labels is not None else None
-        weights = self._weight_ptrs
+        if not self.track_memory:
+            with autocast(self.recipe.training.bf16):
+                return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+        weights = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
         seen: set = set()
 
         def pack(t):  # count the activation bytes autograd keeps for this microbatch's backward
@@ -410,7 +414,6 @@ class PipelineEngine:
             mb.version = a.version
             step_version.setdefault(k, a.version)
             ids = batches[k - first_step][i]
-            self._weight_ptrs = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
             out = self._forward(mb, ids, ids)
             self.mem["activations"] += mb.saved_bytes
             self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])

@@ -53,6 +53,7 @@ def _measure_stage_bytes(rank, world, recipe):
     eng = PipelineEngine(recipe, build_model(recipe.model), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
     p = recipe.pipeline
     batches = [torch.randint(0, 4096, (p.num_microbatches, p.microbatch_size, recipe.data.seq_len)) for _ in range(3)]
+    eng.track_memory = True
     eng.train_steps(batches, 0)
     out = eng.memory_report()
     eng.close()
