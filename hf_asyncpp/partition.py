@@ -171,7 +171,7 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     Accepts a model (any device, meta included) or a config (a meta model is built from it). Automatic
     balance uses forward FLOPs per token: 2 x parameters of each layer (experts weighted by top-k / E),
     attention 4 x seq_len x hidden per layer, and on the last stage the lm_head's 2 x vocab x hidden plus
-    64 x vocab for the softmax/cross-entropy (memory-bound; calibrated on CPU).
+    128 x vocab for the softmax/cross-entropy (memory-bound; calibrated on the CPU pipeline).
     """
     model = model_or_config
     if not isinstance(model, nn.Module):
@@ -203,9 +203,10 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     first_cost = 2 * hidden  # embedding lookup (+ scale / positions)
     vocab = getattr(cfg, "vocab_size", 0) or 0
-    # lm_head matmul + the softmax / cross-entropy over the vocabulary, which is memory-bound: measured on CPU
-    # at 1.25-1.35x the matmul's FLOPs for vocab 4k-32k (64 FLOP-equivalents per logit)
-    last_cost = 2 * _numel(head) + 64 * vocab + 2 * _numel(_get(model, a.norm))
+    # lm_head matmul + the softmax / cross-entropy over the vocabulary, which is memory-bound. Calibrated from the
+    # per-stage compute times of bench/throughput.py (2 pipeline processes sharing the memory bus): about 128
+    # FLOP-equivalents per logit (a lone process measures about 64: the loss suffers most from contention)
+    last_cost = 2 * _numel(head) + 128 * vocab + 2 * _numel(_get(model, a.norm))
     if layers_per_stage is None:
         sizes = _balanced(costs, first_cost, last_cost, num_stages)
     else:
