@@ -28,7 +28,8 @@ MODEL = ("--model.config={model_type: llama, hidden_size: 128, intermediate_size
 
 def arms(adamw_lr: float, muon_lr: float) -> dict[str, list[str]]:
     a = ["--optimizer.name=adamw", f"--optimizer.learning_rate={adamw_lr}"]
-    m = ["--optimizer.name=muon", f"--optimizer.learning_rate={muon_lr}", f"--optimizer.adamw_lr={adamw_lr}"]
+    # Muon's AdamW side (embeddings, norms) shares Muon's lr: with match_rms_adamw scaling one lr serves both
+    m = ["--optimizer.name=muon", f"--optimizer.learning_rate={muon_lr}", f"--optimizer.adamw_lr={muon_lr}"]
     d1, ef = ["--optimizer.simulate_delay=1"], ["--optimizer.delay_correction=error_feedback"]
     # PipeDream: one update per microbatch, so the microbatch is the whole step's batch (same tokens per update)
     pd = ["--optimizer.simulate_delay=pipedream", "--pipeline.num_stages=8", "--pipeline.num_microbatches=1",
@@ -38,7 +39,9 @@ def arms(adamw_lr: float, muon_lr: float) -> dict[str, list[str]]:
 
 
 def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Path) -> dict:
-    out = out_root / f"{name.replace(' ', '_').replace('+', 'plus').replace('=', '')}-seed{seed}"
+    lr = next(o.split("=", 1)[1] for o in overrides if o.startswith("--optimizer.learning_rate="))
+    # the directory names the arm, its lr and seed: a finished arm is reused by the sweep and by later runs
+    out = out_root / f"{name.replace(' ', '_').replace('+', 'plus').replace('=', '')}-lr{float(lr):g}-seed{seed}"
     final = out / "final_eval.json"
     if not final.exists():
         cmd = [sys.executable, str(ROOT / "scripts/pretrain.py"), str(ROOT / "recipes/cpu-tiny.yaml"), MODEL,
@@ -76,13 +79,14 @@ def main():
     lrs = {"adamw": args.adamw_lr, "muon": args.muon_lr}
     if args.sweep:
         grid = [float(x) for x in args.sweep.split(",")]
-        jobs = [(f"{opt} sync lr={lr:g}", arms(lr, lr)[f"{opt} sync"], args.steps, seeds[0], out_root / "sweep")
+        jobs = [(f"{opt} sync", arms(lr, lr)[f"{opt} sync"], args.steps, seeds[0], out_root)
                 for opt in ("adamw", "muon") for lr in grid]
         with ThreadPoolExecutor(args.parallel) as ex:
             res = list(ex.map(lambda j: run_arm(*j), jobs))
         for opt in ("adamw", "muon"):
-            best = min((r for r in res if r["name"].startswith(opt)), key=lambda r: r["final"])
-            lrs[opt] = float(best["name"].split("lr=")[1])
+            tried = [(r["final"], lr) for r, (name, *_), lr in zip(res, jobs, grid * 2) if name.startswith(opt)]
+            lrs[opt] = min(tried)[1]
+            print(f"{opt} sync: " + ", ".join(f"lr {lr:g} -> {f:.4f}" for f, lr in tried), flush=True)
         print(f"tuned on the sync arms: {lrs}")
     jobs = [(name, ov, args.steps, seed, out_root) for seed in seeds for name, ov in arms(lrs["adamw"], lrs["muon"]).items()]
     with ThreadPoolExecutor(args.parallel) as ex:
