@@ -285,7 +285,8 @@ class _Micro:
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     loss: torch.Tensor | None = None
-    input_grads: list | None = None
+    input_grads: list | None = None  # to send back to the previous stage
+    grads_in: list | None = None  # received from the next stage
     saved_bytes: int = 0
 
 
@@ -426,7 +427,7 @@ class PipelineEngine:
             self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
         elif kind == "B":
             mb = micro[(a.step, a.microbatch)]
-            self._backward(mb, getattr(mb, "grads_in", None), m)
+            self._backward(mb, mb.grads_in, m)
             self.mem["activations"] -= mb.saved_bytes
             self.mem["accumulating"] = 1
             self._count_grad_sets()

@@ -16,7 +16,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -99,7 +99,6 @@ def set_rng_state(state: dict) -> None:
 class RunState:
     step: int = 0
     tokens: int = 0
-    history: list = field(default_factory=list)
 
 
 def chunk_ends(start: int, recipe: Recipe) -> list[int]:
@@ -183,7 +182,6 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
 
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
     bar = _progress(accelerator.is_main_process, t.max_steps, state.step)
-    last_eval = None
     for end in chunk_ends(state.step, recipe):
         batches = [next_batch(stream, recipe.pipeline.num_microbatches, recipe.pipeline.microbatch_size) for _ in range(end - state.step)]
         t0 = time.perf_counter()
@@ -197,11 +195,10 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             if r.skipped_nonfinite:
                 rec["skipped_nonfinite"] = True
             record(rec)
-            state.history.append((state.step, r.loss))
         bar.update(len(results))
         bar.set_postfix(loss=f"{results[-1].loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
         if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
-            last_eval = evaluate(state.step)
+            evaluate(state.step)
         if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
             _save(out, state, engine, stream, tokenizer, recipe, accelerator, topo)
     bar.close()
