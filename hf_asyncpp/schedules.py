@@ -1,38 +1,73 @@
 """Pipeline schedules as data: one list of actions per stage, made by pure functions.
 
-Actions: ``F``/``B`` (forward/backward of microbatch ``i`` of step ``k`` with weight ``version``),
-``SEND_ACT``/``RECV_ACT`` (activations to/from the next/previous stage), ``SEND_GRAD``/``RECV_GRAD``
-(gradients to/from the previous/next stage), ``REDUCE`` (hand step k's gradients to the reduction
-worker: data-parallel all-reduce, tied-embedding sum, global norm) and ``STEP`` (the optimizer update
-that applies step k's gradient). Sends are asynchronous; receives block where they stand; per
-channel, receives come in the order of the sends (the simulator checks it).
+Every schedule is a pure function ``(num_stages, num_microbatches, num_steps, first_step=0)`` returning
+``lists[s]``, the actions stage ``s`` executes in order (data parallelism is the executor's business: every
+replica of stage ``s`` runs ``lists[s]``). ``simulator.simulate`` runs the lists without processes.
 
-Versions: v = the weights after v optimizer updates at that stage (v = 0: initial weights).
+Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`` = step, ``i`` = microbatch in the step):
 
-- ``gpipe`` / ``1f1b``: synchronous, flushed every step; step k uses version k; REDUCE(k), STEP(k)
-  right after the stage's last backward of step k.
-- ``2bw`` (PipeDream-2BW): 1F1B over the continuous stream of microbatches, no flush; step k uses
-  version max(0, k-1) everywhere, so ``x[t+1] = x[t] - U(g(x[t-1]))``; STEP(k) (applying step k's
-  gradient, producing version k+1) is placed as late as possible -- just before the stage's first
-  forward of step k+2 -- so no stage waits on a reduction. Needs ``m >= p``.
-- ``pipedream``: 1F1B over the stream, one optimizer step per microbatch (m = 1), weight stashing;
-  at stage s microbatch k uses version max(0, k-(p-1-s)).
+==========================  ============================================================================
+``F{k}.{i}@v{v}``           forward of microbatch (k, i) with weight version v
+``B{k}.{i}@v{v}``           backward of (k, i) with the same version v as its forward (weight stashing);
+                            gradients accumulate over the step's microbatches (all use one version)
+``SEND_ACT{k}.{i}>{s+1}``   after F on s < p-1: isend the outputs to stage s+1 (non-blocking)
+``RECV_ACT{k}.{i}<{s-1}``   before F on s > 0: the inputs from stage s-1 (blocks until they are here)
+``SEND_GRAD{k}.{i}>{s-1}``  after B on s > 0: isend the input gradients to stage s-1 (non-blocking)
+``RECV_GRAD{k}.{i}<{s+1}``  before B on s < p-1: the output gradients from stage s+1 (blocks)
+``REDUCE{k}``               after the stage's last B of step k (and its SEND_GRAD): post step k's gradient
+                            reductions (data-parallel all-reduce, tied-embedding sum, global grad norm),
+                            a collective every stage issues in the same step order
+``STEP{k}``                 the optimizer update applying step k's (reduced, clipped) gradient; it waits
+                            for REDUCE{k} to complete and produces the stage's next version
+==========================  ============================================================================
 
-A window of steps [first_step, first_step + num_steps) starts with an empty pipeline and ends drained;
-the version of every microbatch is given by the formulas above, so chunking changes no numerics
-(the executor keeps the ``version_lag`` older versions alive across windows).
+Executor contract: a send may not wait for its completion before the stage's next receive (gloo completes
+an ``isend`` of a large tensor only once the peer receives it; keep the tensor alive and ``wait()`` later,
+e.g. at the end of the window). Receives may be posted early (``irecv``) but per (source, destination)
+pair the messages arrive in send order -- the simulator checks that the lists receive them in that order,
+so no tags are needed. All microbatches of one step use one version at a stage.
+
+Versions: v = the stage's weights after v optimizer updates (v = 0: the initial weights); STEP{k} produces
+v = k + 1 for every schedule (one update per step), so the k-th update uses lr(k).
+
+- ``gpipe`` / ``1f1b``: synchronous, flushed every step: step k uses version k; REDUCE{k} and STEP{k}
+  right after the stage's last backward of step k: ``x[k+1] = x[k] - U(g(x[k]))``.
+- ``2bw`` (PipeDream-2BW): 1F1B over the continuous stream of microbatches (global index j = k*m + i),
+  no flush, two versions per stage. Reference (single process): batch k is computed at x[k], x[1] = x[0],
+  and the update applying g(batch k) produces x[k+2], i.e. ``x[t+1] = x[t] - U(g(x[t-1]))``. In versions
+  (x[t] = version max(0, t-1)): step k uses version max(0, k-1) at every stage and STEP{k} (applying
+  g(batch k)) produces version k+1. STEP{k} is placed as late as that allows -- just before the stage's
+  first forward of step k+2 (at the end of the list for the window's last two steps) -- so the reduction
+  has at least (m-p+1) forward/backward pairs to complete at stage 0 before anyone waits for it. Needs
+  m >= p (with m = p-1 stage 0 would stall for the whole reduction every step).
+- ``pipedream`` (original): one optimizer step per microbatch, so a step *is* a microbatch (m must be 1;
+  run m*n steps of one microbatch for the same data). 1F1B over the stream with weight stashing: at stage
+  s, microbatch j's forward follows the backward of microbatch j-(p-s) and its update, so it uses version
+  max(0, j-(p-1-s)): stage s applies gradients computed with weights p-1-s versions old. REDUCE and STEP
+  right after each backward; up to p versions are alive at stage 0.
+
+A window of steps [first_step, first_step + num_steps) starts with an empty pipeline and ends drained (all
+its STEPs done, so the stage holds version first_step + num_steps). Versions follow from the formulas
+above, never from timing, so the chunking changes no numerics; a window's first forwards may use versions
+older than the newest by ``version_lag``, which the executor keeps across windows.
 """
 from __future__ import annotations
 
+import re
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable, Optional
 
-__all__ = ["Op", "Action", "schedule_actions", "version_of", "version_lag", "SCHEDULES"]
+__all__ = [
+    "SCHEDULES", "ActionType", "Action", "schedule_actions", "gpipe", "one_f_one_b", "pipedream_2bw",
+    "pipedream", "version_of", "version_lag", "format_actions", "parse_actions",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 
 
-class Op(str, Enum):
+class ActionType(str, Enum):
     F = "F"
     B = "B"
     SEND_ACT = "SEND_ACT"
@@ -42,38 +77,86 @@ class Op(str, Enum):
     REDUCE = "REDUCE"
     STEP = "STEP"
 
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionType.SEND_ACT, ActionType.SEND_GRAD)
 
-@dataclass(frozen=True)
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionType.RECV_ACT, ActionType.RECV_GRAD)
+
+
+_COMPUTE = (ActionType.F, ActionType.B)
+_PATTERN = re.compile(r"([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@v(\d+))?(?:([<>])(\d+))?")
+
+
+@dataclass(frozen=True, slots=True)
 class Action:
-    type: Op
+    """One thing a stage does. Fields that do not apply to the type are None (checked on construction)."""
+
+    type: ActionType
     step: int
-    microbatch: int = -1
-    version: int = -1
-    peer: int = -1
+    microbatch: Optional[int] = None
+    """Index inside the step (0..m-1) for F, B and the four transfers."""
+    version: Optional[int] = None
+    """Weight version of F and B."""
+    peer: Optional[int] = None
+    """The other stage of a transfer (destination of a send, source of a receive)."""
+
+    def __post_init__(self):
+        t = ActionType(self.type)
+        object.__setattr__(self, "type", t)
+        fields = (self.microbatch, self.version, self.peer)
+        want = (t in _COMPUTE or t.is_send or t.is_recv, t in _COMPUTE, t.is_send or t.is_recv)
+        if want != tuple(x is not None for x in fields) or min((x for x in (self.step, *fields) if x is not None)) < 0:
+            raise ValueError(f"malformed action {t.value}: step={self.step} microbatch={self.microbatch} "
+                             f"version={self.version} peer={self.peer}")
 
     def __str__(self) -> str:
         s = f"{self.type.value}{self.step}"
-        if self.microbatch >= 0:
+        if self.microbatch is not None:
             s += f".{self.microbatch}"
-        if self.version >= 0:
+        if self.version is not None:
             s += f"@v{self.version}"
-        if self.peer >= 0:
-            s += f">{self.peer}"
+        if self.peer is not None:
+            s += f"{'>' if self.type.is_send else '<'}{self.peer}"
         return s
+
+    __repr__ = __str__
 
     @staticmethod
     def from_str(text: str) -> "Action":
-        import re
+        m = _PATTERN.fullmatch(text.strip())
+        if not m or m.group(1) not in ActionType.__members__:
+            raise ValueError(f"not an action: {text!r} (e.g. F3.1@v2, SEND_ACT3.1>2, RECV_GRAD3.1<2, STEP3)")
+        op, k, i, v, arrow, peer = m.groups()
+        t = ActionType(op)
+        if arrow is not None and arrow != (">" if t.is_send else "<"):
+            raise ValueError(f"not an action: {text!r} (sends name their peer with '>', receives with '<')")
+        num = lambda x: None if x is None else int(x)
+        return Action(t, int(k), num(i), num(v), num(peer))
 
-        m = re.fullmatch(r"([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@v(\d+))?(?:>(\d+))?", text)
-        if not m:
-            raise ValueError(f"not an action: {text!r}")
-        op, k, i, v, peer = m.groups()
-        return Action(Op(op), int(k), int(i) if i else -1, int(v) if v else -1, int(peer) if peer else -1)
+
+def format_actions(lists: list[list[Action]]) -> str:
+    """One line per stage (``stage s: a a a``), for logs and for ``parse_actions``."""
+    return "\n".join(f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(lists))
+
+
+def parse_actions(text: str) -> list[list[Action]]:
+    out = []
+    for line in filter(None, map(str.strip, text.splitlines())):
+        head, _, body = line.partition(":")
+        if head != f"stage {len(out)}":
+            raise ValueError(f"expected 'stage {len(out)}: ...', got {line[:40]!r}")
+        out.append([Action.from_str(w) for w in body.split()])
+    return out
+
+
+# ---------------------------------------------------------------------------- semantics
 
 
 def version_of(schedule: str, step: int, stage: int, num_stages: int) -> int:
-    """The weight version every microbatch of ``step`` uses at ``stage`` (the semantics, not timing)."""
+    """The weight version every microbatch of ``step`` uses at ``stage`` (semantics, not timing)."""
     if schedule in ("gpipe", "1f1b"):
         return step
     if schedule == "2bw":
@@ -84,82 +167,116 @@ def version_of(schedule: str, step: int, stage: int, num_stages: int) -> int:
 
 
 def version_lag(schedule: str, stage: int, num_stages: int) -> int:
-    """How many versions older than the newest a future forward may still need (kept across windows)."""
+    """How many versions older than the newest a later window's forward may still need (kept across windows)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
     return {"2bw": 1, "pipedream": num_stages - 1 - stage}.get(schedule, 0)
 
 
-def _one_f_one_b(stage: int, p: int, n: int) -> list[tuple[str, int]]:
-    """1F1B compute order of ``n`` microbatches at ``stage``: warm-up forwards, steady F/B pairs, cool-down."""
+# ---------------------------------------------------------------------------- compute orders
+
+Order = list[tuple[ActionType, int]]  # (F or B, microbatch index counted from the window's start)
+
+
+def _order_1f1b(stage: int, p: int, n: int) -> Order:
+    """1F1B at ``stage`` over ``n`` microbatches: p-1-stage warm-up forwards, F/B pairs, cool-down backwards."""
     w = min(p - 1 - stage, n)
-    order = [("F", j) for j in range(w)]
+    order = [(ActionType.F, j) for j in range(w)]
     for j in range(n - w):
-        order += [("F", j + w), ("B", j)]
-    order += [("B", j) for j in range(n - w, n)]
-    return order
+        order += [(ActionType.F, j + w), (ActionType.B, j)]
+    return order + [(ActionType.B, j) for j in range(n - w, n)]
 
 
-def _gpipe(n: int) -> list[tuple[str, int]]:
-    return [("F", j) for j in range(n)] + [("B", j) for j in range(n)]
+def _order_gpipe(stage: int, p: int, n: int) -> Order:
+    return [(ActionType.F, j) for j in range(n)] + [(ActionType.B, j) for j in range(n)]
 
 
-def schedule_actions(schedule: str, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
-    """One action list per stage for steps [first_step, first_step + num_steps)."""
-    p, m = num_stages, num_microbatches
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline.schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if p < 1 or m < 1 or num_steps < 0:
-        raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {p}, {m}")
-    if schedule == "2bw" and m < p:
-        raise ValueError(f"2bw needs num_microbatches >= num_stages ({m} < {p}): a step's gradient must be complete at "
-                         f"every stage before the next-but-one step starts; raise pipeline.num_microbatches to {p}")
-    if schedule == "pipedream" and m != 1:
-        raise ValueError(f"pipedream takes one optimizer step per microbatch: num_microbatches must be 1 (got {m})")
-    return [_stage_actions(schedule, s, p, m, num_steps, first_step) for s in range(p)]
+def _per_step(local: Callable[[int, int, int], Order], m: int, n: int) -> Callable[[int, int], Order]:
+    """A flushed schedule: ``local`` applied to each step's m microbatches in turn."""
+    return lambda s, p: [(t, k * m + j) for k in range(n) for t, j in local(s, p, m)]
 
 
-def _stage_actions(schedule: str, s: int, p: int, m: int, n: int, k0: int) -> list[Action]:
-    if schedule in ("gpipe", "1f1b"):
-        order = []
-        for k in range(n):
-            local = _gpipe(m) if schedule == "gpipe" else _one_f_one_b(s, p, m)
-            order += [(op, k * m + j) for op, j in local] + [("END", k)]
-    else:
-        order = _one_f_one_b(s, p, n * m)
+def _lower(order: Order, s: int, p: int, m: int, k0: int, version: Callable[[int, int], int], late_step: bool) -> list[Action]:
+    """Turn a compute order into actions: transfers around F/B, REDUCE after a step's last B, and STEP."""
+    A, T = Action, ActionType
     out: list[Action] = []
-    remaining_b = {k: m for k in range(n)}
-    pending_steps: list[int] = []  # 2bw: reduced, not yet stepped
-
-    def emit_step(k):
-        out.append(Action(Op.STEP, k0 + k))
-
-    for op, j in order:
-        if op == "END":
-            continue
-        k, i = divmod(j, m)
-        step = k0 + k
-        v = version_of(schedule, step, s, p)
-        if op == "F":
-            if schedule == "2bw":
-                while pending_steps and pending_steps[0] <= k - 2:  # STEP(k-2) just before step k's first forward
-                    emit_step(pending_steps.pop(0))
+    b_done: dict[int, int] = {}
+    pending: deque[int] = deque()  # late_step: reduced steps whose STEP is not placed yet
+    for t, j in order:
+        k, i = k0 + j // m, j % m
+        v = version(k, i)
+        if t == T.F:
+            while pending and pending[0] <= k - 2:  # 2bw: STEP(k-2) just before the first forward of step k
+                out.append(A(T.STEP, pending.popleft()))
             if s > 0:
-                out.append(Action(Op.RECV_ACT, step, i, peer=s - 1))
-            out.append(Action(Op.F, step, i, v))
+                out.append(A(T.RECV_ACT, k, i, peer=s - 1))
+            out.append(A(T.F, k, i, v))
             if s < p - 1:
-                out.append(Action(Op.SEND_ACT, step, i, peer=s + 1))
+                out.append(A(T.SEND_ACT, k, i, peer=s + 1))
         else:
             if s < p - 1:
-                out.append(Action(Op.RECV_GRAD, step, i, peer=s + 1))
-            out.append(Action(Op.B, step, i, v))
+                out.append(A(T.RECV_GRAD, k, i, peer=s + 1))
+            out.append(A(T.B, k, i, v))
             if s > 0:
-                out.append(Action(Op.SEND_GRAD, step, i, peer=s - 1))
-            remaining_b[k] -= 1
-            if remaining_b[k] == 0:
-                out.append(Action(Op.REDUCE, step))
-                if schedule == "2bw":
-                    pending_steps.append(k)
+                out.append(A(T.SEND_GRAD, k, i, peer=s - 1))
+            b_done[k] = b_done.get(k, 0) + 1
+            if b_done[k] == m:  # the stage's last backward of step k
+                out.append(A(T.REDUCE, k))
+                if late_step:
+                    pending.append(k)
                 else:
-                    emit_step(k)
-    for k in pending_steps:
-        emit_step(k)
+                    out.append(A(T.STEP, k))
+    out += [A(T.STEP, k) for k in pending]
     return out
+
+
+def _check(name: str, p: int, m: int, n: int, k0: int) -> None:
+    for what, val, lo in (("num_stages", p, 1), ("num_microbatches", m, 1), ("num_steps", n, 0), ("first_step", k0, 0)):
+        if not isinstance(val, int) or val < lo:
+            raise ValueError(f"{name}: {what} must be an integer >= {lo}, got {val!r}")
+
+
+def gpipe(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+    """GPipe: per step all forwards then all backwards, flush; step k uses version k."""
+    p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
+    _check("gpipe", p, m, n, k0)
+    return [_lower(_per_step(_order_gpipe, m, n)(s, p), s, p, m, k0, lambda k, i: k, False) for s in range(p)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+    """1F1B with a flush every step (PipeDream-Flush); step k uses version k."""
+    p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
+    _check("1f1b", p, m, n, k0)
+    return [_lower(_per_step(_order_1f1b, m, n)(s, p), s, p, m, k0, lambda k, i: k, False) for s in range(p)]
+
+
+def pipedream_2bw(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+    """PipeDream-2BW: 1F1B over the stream, no flush; step k uses version max(0, k-1); STEP(k) placed late."""
+    p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
+    _check("2bw", p, m, n, k0)
+    if m < p:
+        raise ValueError(f"2bw needs num_microbatches >= num_stages ({m} < {p}): a step's gradient must be reduced "
+                         f"at every stage before the next-but-one step starts; raise pipeline.num_microbatches to {p} "
+                         f"or use fewer stages")
+    return [_lower(_order_1f1b(s, p, n * m), s, p, m, k0, lambda k, i: max(0, k - 1), True) for s in range(p)]
+
+
+def pipedream(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+    """Original PipeDream: one update per microbatch (m = 1), weight stashing; stage s lags p-1-s versions."""
+    p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
+    _check("pipedream", p, m, n, k0)
+    if m != 1:
+        raise ValueError(f"pipedream takes one optimizer step per microbatch: num_microbatches must be 1 (got {m}); "
+                         f"run {m * max(n, 1)} steps of one microbatch for the same data")
+    return [_lower(_order_1f1b(s, p, n), s, p, 1, k0, lambda k, i, s=s: max(0, k - (p - 1 - s)), False) for s in range(p)]
+
+
+_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "2bw": pipedream_2bw, "pipedream": pipedream}
+
+
+def schedule_actions(name: str, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+    """One action list per stage for steps [first_step, first_step + num_steps), empty at the start, drained at the end."""
+    if name not in _BUILDERS:
+        raise ValueError(f"pipeline.schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
+    return _BUILDERS[name](num_stages, num_microbatches, num_steps, first_step)
+

@@ -1,175 +1,444 @@
-"""Run schedule action lists without processes: deadlocks, FIFO order, timelines, bubbles, memory.
+"""Run schedule action lists without processes: deadlocks, FIFO order, coverage, timelines, bubbles, memory.
 
-Each stage executes its list in order. Compute actions take their cost; sends are asynchronous and
-cost nothing to the sender; a receive waits until the matching send happened plus ``comm`` latency.
-The same simulator draws the timeline pictures and feeds the planner, so every schedule is judged by
-one clock.
+Model (one clock per stage, each stage runs its list in order; an action starts when the stage is free and
+its inputs are ready):
+
+- ``F``, ``B``, ``STEP`` take their cost on the stage.
+- A send costs the sender nothing (``isend``). A receive waits until the matching send happened plus the
+  ``comm`` latency. Messages between two stages are matched in FIFO order per (source, destination) pair
+  -- type, step and microbatch must equal the head of the queue -- so an executor needs no tags.
+  ``blocking_sends=True`` models a send that is waited for in place (gloo completes a large ``isend``
+  only when the peer receives): the sender also waits until the receiver reaches the matching receive.
+- ``REDUCE{k}`` costs the stage nothing: it posts step k's reduction, a collective of all stages (global
+  grad norm, tied embeddings, data parallel) that runs off the compute stream, starts when the last stage
+  posts it and takes ``reduce``. Every stage must post the reductions in the same step order.
+  ``STEP{k}`` waits for that reduction to finish.
+
+Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action, ``<-- ERROR HERE``), a
+receive out of send order, a message never received, a microbatch not forwarded and backwarded exactly
+once on every stage, a backward with another version than its forward, microbatches of one step on
+different versions at one stage, a forward on a version not produced yet, a step's REDUCE before its last
+backward, STEPs out of order or missing, collectives out of order; with ``schedule``, also every forward's
+version against ``schedules.version_of``.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
-from .schedules import Action, Op, version_lag
+from .schedules import Action, ActionType, version_of
 
-COMPUTE = {Op.F: "forward", Op.B: "backward", Op.STEP: "step", Op.REDUCE: "reduce"}
-_SEND_OF = {Op.RECV_ACT: Op.SEND_ACT, Op.RECV_GRAD: Op.SEND_GRAD}
+__all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate", "plot_timeline"]
+
+T = ActionType
+Number = Union[float, Sequence[float]]
 
 
 class ScheduleError(RuntimeError):
-    """A deadlock, an out-of-order receive, or a microbatch not forwarded/backwarded exactly once."""
+    """An action list that would hang, mismatch messages or compute the wrong thing."""
 
 
 @dataclass
 class Costs:
-    forward: float | list[float] = 1.0
-    backward: float | list[float] = 1.0
-    step: float = 0.0
-    reduce: float = 0.0
-    comm: float = 0.0
+    """Per-action costs in any time unit; a list gives one value per stage."""
 
-    def of(self, op: Op, stage: int) -> float:
-        v = {Op.F: self.forward, Op.B: self.backward, Op.STEP: self.step, Op.REDUCE: self.reduce}.get(op, 0.0)
-        return v[stage] if isinstance(v, (list, tuple)) else v
+    forward: Number = 1.0
+    backward: Number = 1.0
+    step: Number = 0.0
+    """Optimizer update, on the stage."""
+    reduce: Number = 0.0
+    """Latency of a step's gradient reduction (off the compute stream; STEP waits for it)."""
+    comm: Number = 0.0
+    """Latency of one transfer (send to matching receive)."""
+
+    _KEYS = {"F": "forward", "B": "backward", "STEP": "step", "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
+
+    def of(self, action: Action, stage: int) -> float:
+        name = self._KEYS.get(action.type.value)
+        if name is None:  # sends
+            return 0.0
+        v = getattr(self, name)
+        return float(v[stage] if isinstance(v, (list, tuple)) else v)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Number]) -> "Costs":
+        """``{"forward": 1, "backward": 2}`` or by action type: ``{"F": 1, "B": 2, "STEP": 0.1}``."""
+        names = {f.name for f in fields(cls)}
+        out = {}
+        for k, v in d.items():
+            name = cls._KEYS.get(k, k)
+            if name not in names:
+                raise ValueError(f"unknown cost {k!r}; use {sorted(names)} or {sorted(cls._KEYS)}")
+            out[name] = v
+        return cls(**out)
+
+    @classmethod
+    def from_measured(cls, seconds, counts, *, comm: Number = 0.0, reduce: Number = 0.0) -> "Costs":
+        """Mean seconds per F, B and STEP from a run (``PipelineEngine.action_seconds``/``action_counts``;
+        one dict per stage gives per-stage costs). A measured STEP includes any wait for its reduction and
+        a measured receive includes waiting for the peer, so ``comm`` and ``reduce`` are given, not measured."""
+        per_stage = isinstance(seconds, (list, tuple))
+        secs, cnts = (seconds, counts) if per_stage else ([seconds], [counts])
+        mean = lambda kind: [sc.get(kind, 0.0) / max(1, c.get(kind, 0)) for sc, c in zip(secs, cnts)]
+        vals = {name: (mean(kind) if per_stage else mean(kind)[0]) for kind, name in (("F", "forward"), ("B", "backward"), ("STEP", "step"))}
+        return cls(**vals, comm=comm, reduce=reduce)
+
+
+CostsLike = Union[Costs, Mapping[str, Number], Callable[[Action, int], float], None]
+
+
+def _cost_fn(costs: CostsLike) -> Callable[[Action, int], float]:
+    if costs is None:
+        return Costs().of
+    if isinstance(costs, Costs):
+        return costs.of
+    if isinstance(costs, Mapping):
+        return Costs.from_dict(costs).of
+    if callable(costs):
+        return costs  # (action, stage) -> cost; for a receive: its latency, for REDUCE: the reduction's
+    raise TypeError(f"costs must be Costs, a dict or a callable (action, stage) -> float, not {type(costs).__name__}")
+
+
+class Interval(NamedTuple):
+    start: float
+    end: float
+    action: Action
 
 
 @dataclass
 class SimResult:
-    timeline: list[list[tuple[float, float, Action]]]  # per stage: (start, end, action) of compute actions
+    timeline: list[list[Interval]]
+    """Per stage, every action in list order; receives are points at the time their data is there."""
     makespan: float
-    bubble: float  # idle share of stage-time over the whole run
-    steady_bubble: float  # idle share between the end of the first step and the start of the last
-    throughput: float  # microbatches per unit time
-    peak_inflight: list[int] = field(default_factory=list)  # forwarded, not yet backwarded
-    peak_versions: list[int] = field(default_factory=list)  # weight versions held at once
+    num_steps: int
+    num_microbatches: int
+    bubble: float
+    """Idle share of stage-time over the whole run: 1 - busy / (stages x makespan)."""
+    steady_bubble: float
+    """Idle share between every stage finishing the first step's F/B and the last step's first forward (nan if empty)."""
+    throughput: float
+    """Microbatches per unit time."""
+    peak_inflight: list[int] = field(default_factory=list)
+    """Per stage: most microbatches forwarded and not yet backwarded (activations held)."""
+    peak_versions: list[int] = field(default_factory=list)
+    """Per stage: most weight versions alive at once (the newest + older ones a later F/B of this list uses)."""
+
+    @property
+    def step_time(self) -> float:
+        return self.makespan / self.num_steps if self.num_steps else 0.0
 
 
-def _grid(actions, ptr, reason) -> str:
+def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4) -> str:
+    """Each stage's last actions, the one it stands at in brackets, and why it cannot go on."""
     lines = []
     for s, acts in enumerate(actions):
-        cur = acts[ptr[s]] if ptr[s] < len(acts) else "done"
-        lines.append(f"stage {s}: ... {' '.join(map(str, acts[max(0, ptr[s] - 3):ptr[s]]))} [{cur}] <-- {reason.get(s, 'done')}")
+        words = (["..."] if ptr[s] > width else []) + [str(a) for a in acts[max(0, ptr[s] - width):ptr[s]]]
+        words.append(f"[{acts[ptr[s]]}]" if ptr[s] < len(acts) else "(done)")
+        if s in notes:
+            words.append(f" <-- ERROR HERE: {notes[s]}")
+        lines.append(f"stage {s} @{ptr[s]:>4}: " + " ".join(words))
     return "\n".join(lines)
 
 
-def simulate(actions: list[list[Action]], costs: Costs | None = None, schedule: str | None = None,
-             num_microbatches: int | None = None) -> SimResult:
-    costs = costs or Costs()
+def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Optional[str] = None,
+             num_microbatches: Optional[int] = None, *, blocking_sends: bool = False,
+             reduce_scope: str = "global") -> SimResult:
+    """Run one window's action lists (``actions[s]`` for stage s); raise ``ScheduleError`` on any defect.
+
+    Args:
+        actions: per stage, its actions in order (``schedules.schedule_actions``).
+        costs: ``Costs``, a dict (``{"forward": 1, "B": 2, ...}``) or a callable ``(action, stage) -> cost``.
+        schedule: if given, every forward's version is checked against ``schedules.version_of``.
+        num_microbatches: if given, every step must have exactly these microbatches.
+        blocking_sends: a send waits until its receiver reaches the matching receive.
+        reduce_scope: ``"global"`` (the executor's: STEP{k} waits until every stage posted REDUCE{k}, for the
+            global grad norm) or ``"stage"`` (a stage's reduction only needs its own post, e.g. per-stage clipping).
+    """
+    if reduce_scope not in ("global", "stage"):
+        raise ValueError(f"reduce_scope must be 'global' or 'stage', got {reduce_scope!r}")
+    sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global")
+    sim.run()
+    sim.check_complete(num_microbatches)
+    return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
+
+
+class _Message:
+    __slots__ = ("type", "step", "microbatch", "sent", "done")
+
+    def __init__(self, a: Action, sent: float):
+        self.type, self.step, self.microbatch, self.sent, self.done = a.type, a.step, a.microbatch, sent, None
+
+
+_SEND_OF = {T.RECV_ACT: T.SEND_ACT, T.RECV_GRAD: T.SEND_GRAD}
+
+
+class _Run:
+    """The simulation state; ``run`` advances every stage as far as it can until all are done or stuck."""
+
+    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce):
+        p = self.p = len(actions)
+        self.actions, self.cost, self.schedule = actions, cost, schedule
+        self.blocking_sends, self.global_reduce = blocking_sends, global_reduce
+        self.steps = sorted({a.step for acts in actions for a in acts})
+        self.k0 = self.steps[0] if self.steps else 0  # the window's first step: every stage holds version k0
+        self.ptr, self.clock, self.latest = [0] * p, [0.0] * p, [self.k0] * p
+        self.timeline: list[list[Interval]] = [[] for _ in range(p)]
+        self.chan: dict[tuple[int, int], deque[_Message]] = defaultdict(deque)  # (src, dst) -> in send order
+        self.sending: dict[int, _Message] = {}  # blocking sends: the message a stage waits on
+        self.reduce_at: dict[int, dict[int, float]] = defaultdict(dict)  # step -> stage -> time posted
+        self.reduce_seq: list[list[int]] = [[] for _ in range(p)]
+        self.reduce_idx: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of REDUCE
+        self.fwd: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]  # (k, i) -> version
+        self.bwd: list[set] = [set() for _ in range(p)]
+        self.step_version: list[dict[int, int]] = [{} for _ in range(p)]
+        self.last_b: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of its last B
+        self.inflight, self.peak_inflight = [0] * p, [0] * p
+
+    def fail(self, s: int, msg: str, note: str):
+        raise ScheduleError(f"stage {s}: {msg}\n" + _grid(self.actions, self.ptr, {s: note}))
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for s, acts in enumerate(self.actions):
+                while self.ptr[s] < len(acts) and self.execute(s, acts[self.ptr[s]]):
+                    self.ptr[s] += 1
+                    progress = True
+        stuck = {s: self.why_blocked(s, acts[self.ptr[s]]) for s, acts in enumerate(self.actions) if self.ptr[s] < len(acts)}
+        if stuck:
+            raise ScheduleError("deadlock: no stage can go on\n" + _grid(self.actions, self.ptr, stuck))
+
+    def execute(self, s: int, a: Action) -> bool:
+        """Run ``a`` on stage s if it can start now (False: blocked); record it on the timeline."""
+        t = a.type
+        if (t.is_send or t.is_recv) and (not 0 <= a.peer < self.p or a.peer == s):
+            self.fail(s, f"{a} names no other stage", "bad peer")
+        handler = {T.F: self.forward, T.B: self.backward, T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
+        handler = handler or (self.recv if t.is_recv else self.send)
+        if not handler(s, a):
+            return False
+        dur = self.cost(a, s) if t in (T.F, T.B, T.STEP) else 0.0
+        self.timeline[s].append(Interval(self.clock[s] - dur, self.clock[s], a))
+        return True
+
+    def recv(self, s: int, a: Action) -> bool:
+        q = self.chan[(a.peer, s)]
+        if not q:
+            return False
+        msg = q[0]
+        if (_SEND_OF[a.type], a.step, a.microbatch) != (msg.type, msg.step, msg.microbatch):
+            self.fail(s, f"{a}, but the next message from stage {a.peer} is {msg.type.value}{msg.step}.{msg.microbatch} "
+                         f"(receives out of send order)", "out of send order")
+        q.popleft()
+        self.clock[s] = msg.done = max(self.clock[s], msg.sent) + self.cost(a, s)
+        return True
+
+    def send(self, s: int, a: Action) -> bool:
+        if s not in self.sending:
+            self.sending[s] = _Message(a, self.clock[s])
+            self.chan[(s, a.peer)].append(self.sending[s])
+        if self.blocking_sends:
+            if self.sending[s].done is None:
+                return False
+            self.clock[s] = max(self.clock[s], self.sending[s].done)
+        del self.sending[s]
+        return True
+
+    def reduce(self, s: int, a: Action) -> bool:
+        n = len(self.reduce_seq[s])
+        for o, seq in enumerate(self.reduce_seq):
+            if len(seq) > n and seq[n] != a.step:
+                self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on stage {o} "
+                             f"(collectives out of order)", "collective out of order")
+        if a.step in self.reduce_idx[s]:
+            self.fail(s, f"{a} twice", "duplicate")
+        self.reduce_seq[s].append(a.step)
+        self.reduce_idx[s][a.step] = self.ptr[s]
+        self.reduce_at[a.step][s] = self.clock[s]
+        return True
+
+    def step(self, s: int, a: Action) -> bool:
+        if a.step != self.latest[s]:
+            self.fail(s, f"{a} but the stage holds version {self.latest[s]}: STEP{self.latest[s]} must come next",
+                      "STEP out of order")
+        if a.step not in self.reduce_idx[s]:
+            self.fail(s, f"{a} before REDUCE{a.step}", "no reduction posted")
+        posted = self.reduce_at[a.step] if self.global_reduce else {s: self.reduce_at[a.step][s]}
+        if len(posted) < (self.p if self.global_reduce else 1):
+            return False
+        ready = max(posted.values()) + max(self.cost(Action(T.REDUCE, a.step), o) for o in posted)
+        self.clock[s] = max(self.clock[s], ready) + self.cost(a, s)
+        self.latest[s] += 1
+        return True
+
+    def forward(self, s: int, a: Action) -> bool:
+        key, p = (a.step, a.microbatch), self.p
+        if key in self.fwd[s]:
+            self.fail(s, f"forward of {key} twice", "duplicate forward")
+        if a.version > self.latest[s]:
+            self.fail(s, f"{a} uses version {a.version}, only {self.latest[s]} exists yet", "future version")
+        if self.step_version[s].setdefault(a.step, a.version) != a.version:
+            self.fail(s, f"{a}: step {a.step} already uses version {self.step_version[s][a.step]} here "
+                         f"(gradients of one step accumulate in one version)", "mixed versions")
+        if self.schedule is not None and a.version != version_of(self.schedule, a.step, s, p):
+            self.fail(s, f"{a}: {self.schedule} prescribes version {version_of(self.schedule, a.step, s, p)}", "wrong version")
+        self.fwd[s][key] = a.version
+        self.inflight[s] += 1
+        self.peak_inflight[s] = max(self.peak_inflight[s], self.inflight[s])
+        self.clock[s] += self.cost(a, s)
+        return True
+
+    def backward(self, s: int, a: Action) -> bool:
+        key = (a.step, a.microbatch)
+        if key not in self.fwd[s]:
+            self.fail(s, f"backward of {key} before its forward", "no forward")
+        if key in self.bwd[s]:
+            self.fail(s, f"backward of {key} twice", "duplicate backward")
+        if self.fwd[s][key] != a.version:
+            self.fail(s, f"{a} but its forward used version {self.fwd[s][key]}", "version mismatch")
+        if a.step in self.reduce_idx[s]:
+            self.fail(s, f"{a} after REDUCE{a.step}", "backward after its step's reduction")
+        self.bwd[s].add(key)
+        self.last_b[s][a.step] = self.ptr[s]
+        self.inflight[s] -= 1
+        self.clock[s] += self.cost(a, s)
+        return True
+
+    def why_blocked(self, s: int, a: Action) -> str:
+        if a.type.is_recv:
+            return f"waits for {_SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {a.peer}"
+        if a.type.is_send:
+            return f"blocking send waits for stage {a.peer} to receive it"
+        missing = sorted(set(range(self.p)) - set(self.reduce_at[a.step]))
+        return f"waits for REDUCE{a.step} of stage(s) {missing}"
+
+    def check_complete(self, m: Optional[int]) -> None:
+        """After a run without deadlock: every message received, every microbatch done, one update per step."""
+        for (src, dst), q in self.chan.items():
+            if q:
+                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
+                                    f"{q[0].type.value}{q[0].step}.{q[0].microbatch}")
+        ref = set(self.fwd[0]) if self.p else set()
+        sizes: dict[int, list[int]] = defaultdict(list)
+        for k, i in sorted(ref):
+            sizes[k].append(i)
+        counts = {len(v) for v in sizes.values()}
+        for k, v in sizes.items():
+            if v != list(range(len(v))) or len(counts) > 1 or (m is not None and len(v) != m):
+                raise ScheduleError(f"step {k} has microbatches {v} on stage 0, expected 0..{(m or max(counts)) - 1}")
+        for s in range(self.p):
+            for what, got in (("forwards", set(self.fwd[s])), ("backwards", self.bwd[s])):
+                if got != ref:
+                    raise ScheduleError(f"stage {s} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
+                                        f"extra {sorted(got - ref)[:4]}, missing {sorted(ref - got)[:4]}")
+            for k in sizes:
+                if k not in self.reduce_idx[s]:
+                    raise ScheduleError(f"stage {s}: step {k} has no REDUCE")
+                if self.reduce_idx[s][k] < self.last_b[s][k]:
+                    raise ScheduleError(f"stage {s}: REDUCE{k} comes before the step's last backward")
+            if self.latest[s] != self.k0 + len(sizes):
+                raise ScheduleError(f"stage {s} ends with version {self.latest[s]}, expected {self.k0 + len(sizes)} "
+                                    f"(one STEP per step, {len(sizes)} steps from step {self.k0})")
+
+
+def _peak_versions(acts: list[Action], k0: int) -> int:
+    """Most versions alive at once: the newest, plus older ones an F/B later in the list still uses."""
+    last_use: dict[int, int] = {}
+    for idx, a in enumerate(acts):
+        if a.type in (T.F, T.B):
+            last_use[a.version] = idx
+    latest = k0
+    live = lambda idx: len({latest} | {v for v, u in last_use.items() if v < latest and u >= idx})
+    peak = live(0)
+    for idx, a in enumerate(acts):
+        if a.type == T.STEP:
+            latest += 1
+            peak = max(peak, live(idx + 1))
+    return peak
+
+
+def _metrics(actions, timeline, fwd, peak_inflight, k0, steps) -> SimResult:
     p = len(actions)
-    ptr, clock = [0] * p, [0.0] * p
-    sent: dict[tuple, deque] = defaultdict(deque)  # (src, dst, op) -> (step, mb, time)
-    timeline: list[list] = [[] for _ in range(p)]
-    inflight, peak_inflight = [0] * p, [0] * p
-    seen: dict[tuple, int] = defaultdict(int)
-    versions_live: list[dict[int, int]] = [defaultdict(int) for _ in range(p)]
-    latest, peak_versions = [0] * p, [1] * p
-    fwd_version: dict[tuple, int] = {}
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while ptr[s] < len(actions[s]):
-                a = actions[s][ptr[s]]
-                if a.type in _SEND_OF:
-                    q = sent[(a.peer, s, _SEND_OF[a.type])]
-                    if not q:
-                        break  # blocked on a receive
-                    k, i, t = q[0]
-                    if (k, i) != (a.step, a.microbatch):
-                        raise ScheduleError(f"stage {s}: {a} but the next message from stage {a.peer} is {k}.{i} "
-                                            f"(receives out of send order)\n" + _grid(actions, ptr, {s: "out of order"}))
-                    q.popleft()
-                    clock[s] = max(clock[s], t + costs.comm)
-                elif a.type in (Op.SEND_ACT, Op.SEND_GRAD):
-                    sent[(s, a.peer, a.type)].append((a.step, a.microbatch, clock[s]))
-                else:
-                    start = clock[s]
-                    clock[s] += costs.of(a.type, s)
-                    timeline[s].append((start, clock[s], a))
-                    if a.type == Op.F:
-                        seen[("F", s, a.step, a.microbatch)] += 1
-                        fwd_version[(s, a.step, a.microbatch)] = a.version
-                        inflight[s] += 1
-                        versions_live[s][a.version] += 1
-                        peak_inflight[s] = max(peak_inflight[s], inflight[s])
-                    elif a.type == Op.B:
-                        seen[("B", s, a.step, a.microbatch)] += 1
-                        if fwd_version.get((s, a.step, a.microbatch)) != a.version:
-                            raise ScheduleError(f"stage {s}: {a} uses another version than its forward")
-                        inflight[s] -= 1
-                        versions_live[s][a.version] -= 1
-                    elif a.type == Op.STEP:
-                        latest[s] += 1
-                    lag = version_lag(schedule, s, p) if schedule else 0
-                    held = {v for v, c in versions_live[s].items() if c > 0} | {v for v in range(max(0, latest[s] - lag), latest[s] + 1)}
-                    peak_versions[s] = max(peak_versions[s], len(held))
-                ptr[s] += 1
-                progress = True
-    if any(ptr[s] < len(actions[s]) for s in range(p)):
-        blocked = {s: "blocked: nothing was sent" for s in range(p) if ptr[s] < len(actions[s])}
-        raise ScheduleError("deadlock\n" + _grid(actions, ptr, blocked))
-    for key, n in seen.items():
-        if n != 1:
-            raise ScheduleError(f"{key[0]} of step {key[2]} microbatch {key[3]} ran {n} times on stage {key[1]}")
-    fwd = {(k, i) for (op, s, k, i) in seen if op == "F" and s == 0}
-    for s in range(p):
-        for op in ("F", "B"):
-            mine = {(k, i) for (o, st, k, i) in seen if o == op and st == s}
-            if mine != fwd:
-                raise ScheduleError(f"stage {s}: {op} covers {len(mine)} microbatches, stage 0 forwards {len(fwd)}")
-    makespan = max(clock) if p else 0.0
-    busy = [sum(e - b for b, e, _ in tl) for tl in timeline]
-    bubble = 1 - sum(busy) / (makespan * p) if makespan else 0.0
-    steady = _steady_bubble(timeline, makespan)
-    return SimResult(timeline, makespan, bubble, steady, len(fwd) / makespan if makespan else 0.0, peak_inflight, peak_versions)
+    makespan = max((iv.end for tl in timeline for iv in tl), default=0.0)
+    busy = sum(iv.end - iv.start for tl in timeline for iv in tl)
+    n_mb = len(fwd[0]) if p else 0
+    m = n_mb // len(steps) if steps else 0
+    return SimResult(
+        timeline=timeline, makespan=makespan, num_steps=len(steps), num_microbatches=m,
+        bubble=1 - busy / (p * makespan) if makespan else 0.0,
+        steady_bubble=_steady_bubble(timeline, steps),
+        throughput=n_mb / makespan if makespan else 0.0,
+        peak_inflight=peak_inflight, peak_versions=[_peak_versions(acts, k0) for acts in actions])
 
 
-def _steady_bubble(timeline, makespan) -> float:
-    """Idle share inside [every stage has finished its first step's work, the last step's work starts]."""
-    steps = sorted({a.step for tl in timeline for _, _, a in tl})
+def _steady_bubble(timeline: list[list[Interval]], steps: list[int]) -> float:
+    """Idle share in [every stage has finished the first step's F/B, the last step's first forward anywhere]."""
     if len(steps) < 3:
-        return float("nan")
+        return math.nan
     first, last = steps[0], steps[-1]
-    t0 = max(max(e for _, e, a in tl if a.step == first) for tl in timeline)
-    t1 = min(min(b for b, _, a in tl if a.step == last and a.type == Op.F) for tl in timeline)
+    comp = [[iv for iv in tl if iv.action.type in (T.F, T.B)] for tl in timeline]
+    t0 = max(max(iv.end for iv in tl if iv.action.step == first) for tl in comp)
+    t1 = min(min(iv.start for iv in tl if iv.action.step == last) for tl in comp)
     if t1 <= t0:
-        return float("nan")
-    busy = 0.0
-    for tl in timeline:
-        busy += sum(max(0.0, min(e, t1) - max(b, t0)) for b, e, _ in tl)
+        return math.nan
+    busy = sum(max(0.0, min(iv.end, t1) - max(iv.start, t0)) for tl in timeline for iv in tl)
     return 1 - busy / ((t1 - t0) * len(timeline))
 
 
-COLORS = {Op.F: "#4C9BE8", Op.B: "#F2A541", Op.STEP: "#6CC070", Op.REDUCE: "#B07CC6"}
+# ---------------------------------------------------------------------------- picture
+
+_COLORS = {T.F: ("#3D7DD8", "#8DB7EE"), T.B: ("#E8871E", "#F5C07A"), T.STEP: ("#3A9E4F", "#3A9E4F")}
+_IDLE, _REDUCE = "#D9D9D9", "#8E44AD"
 
 
-def plot_timeline(result: SimResult, path: str, title: str = "") -> str:
-    """A row per stage: forward, backward, optimizer step and reduction in distinct colors; white is idle."""
+def plot_timeline(timeline, path: str, title: str = "") -> str:
+    """Draw a ``SimResult`` (or its per-stage ``timeline``) as a PNG: a row per stage, forward / backward
+    (two shades alternating by step, labelled ``step.microbatch``), optimizer step, reduction posts, idle."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    p = len(result.timeline)
-    fig, ax = plt.subplots(figsize=(max(8, min(24, result.makespan / 2)), 0.6 * p + 1.4))
-    for s, tl in enumerate(result.timeline):
+    res = timeline if isinstance(timeline, SimResult) else None
+    tls = res.timeline if res else timeline
+    p = len(tls)
+    end = max((iv.end for tl in tls for iv in tl), default=0.0) or 1.0
+    busy = sum(iv.end - iv.start for tl in tls for iv in tl)
+    unit = min((iv.end - iv.start for tl in tls for iv in tl if iv.action.type in (T.F, T.B) and iv.end > iv.start), default=end)
+    width = min(24.0, max(8.0, 0.26 * end / unit))  # about a quarter inch for the shortest forward/backward
+    fig, ax = plt.subplots(figsize=(width, 0.5 * p + 1.5))
+    one_mb = all(iv.action.microbatch in (0, None) for tl in tls for iv in tl)  # pipedream: label steps only
+    ax.barh(range(p), [end] * p, left=0, height=0.8, color=_IDLE, linewidth=0)
+    for s, tl in enumerate(tls):
         for b, e, a in tl:
-            if e - b <= 0:
-                ax.plot([b, b], [s - 0.4, s + 0.4], color=COLORS[a.type], lw=2)
-                continue
-            ax.barh(s, e - b, left=b, height=0.8, color=COLORS[a.type], edgecolor="black", linewidth=0.3)
-            if a.type in (Op.F, Op.B) and e - b >= 0.6:
-                ax.text((b + e) / 2, s, f"{a.step}.{a.microbatch}", ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {s}" for s in range(p)])
+            if a.type == T.REDUCE:
+                ax.plot([b, b], [s - 0.42, s + 0.42], color=_REDUCE, lw=1.5)
+            elif a.type in _COLORS and e > b:
+                color = _COLORS[a.type][a.step % 2]
+                ax.barh(s, e - b, left=b, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+                label = (f"S{a.step}" if a.type == T.STEP else f"{a.step}" if one_mb else f"{a.step}.{a.microbatch}")
+                if (e - b) * width / end < 0.06 * len(label) + 0.04:
+                    continue  # no room for the label
+                ax.text((b + e) / 2, s, label, ha="center", va="center", fontsize=6.5,
+                        color="white" if a.type == T.STEP or a.step % 2 == 0 else "black")
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
+    ax.set_xlim(0, end)
     ax.set_xlabel("time")
-    ax.set_xlim(0, result.makespan)
-    legend = [Patch(color=COLORS[o], label=n) for o, n in ((Op.F, "forward"), (Op.B, "backward"), (Op.STEP, "optimizer step"), (Op.REDUCE, "reduce"))]
-    legend.append(Patch(facecolor="white", edgecolor="black", label="idle"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.2), ncol=5, fontsize=8, frameon=False)
-    ax.set_title(f"{title}  bubble {result.bubble:.1%}" + ("" if result.steady_bubble != result.steady_bubble else f", steady state {result.steady_bubble:.1%}"))
+    handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"), Patch(color=_COLORS[T.B][0], label="backward"),
+               Patch(color=_COLORS[T.STEP][0], label="optimizer step (S k)"),
+               Line2D([], [], color=_REDUCE, lw=1.5, label="reduction posted"), Patch(color=_IDLE, label="idle")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.15 / (0.5 * p + 1.5)), ncol=5,
+              fontsize=8, frameon=False)
+    stats = f"bubble {1 - busy / (p * end):.1%}"
+    if res is not None and not math.isnan(res.steady_bubble):
+        stats += f", steady state {res.steady_bubble:.1%}"
+    ax.set_title(f"{title}  ({stats})" if title else stats, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,103 +1,264 @@
-"""Schedules are data: checked by the process-free simulator."""
+"""Schedules are data: the action lists, checked by the process-free simulator."""
 from __future__ import annotations
 
-import dataclasses
+import math
 
 import pytest
 
-from hf_asyncpp.schedules import SCHEDULES, Action, Op, schedule_actions, version_of
-from hf_asyncpp.simulator import Costs, ScheduleError, simulate
+from hf_asyncpp.schedules import (SCHEDULES, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
+                                  version_lag)
+from hf_asyncpp.simulator import Costs, ScheduleError, plot_timeline, simulate
 
-GRID = [(p, m, n) for p in (1, 2, 3, 4) for m in (1, 2, 4, 5) for n in (1, 3)]
+
+def semantic_version(schedule, step, stage, p):
+    """The update semantics, written out independently of the code under test."""
+    return {"gpipe": step, "1f1b": step, "2bw": max(0, step - 1), "pipedream": max(0, step - (p - 1 - stage))}[schedule]
 
 
-def _ok(schedule, p, m):
+def valid(schedule, p, m):
     return not (schedule == "2bw" and m < p) and not (schedule == "pipedream" and m != 1)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_microbatch_once_and_versions_follow_the_semantics(schedule):
-    for p, m, n in GRID:
-        if not _ok(schedule, p, m):
-            continue
-        acts = schedule_actions(schedule, p, m, n)
-        simulate(acts, Costs(), schedule)  # raises on deadlock, FIFO violation, missing/duplicate work
-        for s, lst in enumerate(acts):
-            fs = [a for a in lst if a.type == Op.F]
-            bs = [a for a in lst if a.type == Op.B]
-            assert sorted((a.step, a.microbatch) for a in fs) == [(k, i) for k in range(n) for i in range(m)]
-            assert sorted((a.step, a.microbatch) for a in bs) == sorted((a.step, a.microbatch) for a in fs)
-            assert [a.step for a in lst if a.type == Op.STEP] == list(range(n))
-            for a in fs:
-                assert a.version == version_of(schedule, a.step, s, p)
-            # the executor can only use a version that exists: count the STEPs before each forward
-            done = 0
-            for a in lst:
-                if a.type == Op.STEP:
-                    done += 1
-                elif a.type == Op.F:
-                    assert a.version <= done, (schedule, p, m, s, str(a))
+GRID = [(s, p, m, n) for s in SCHEDULES for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8) for n in (1, 2, 5) if valid(s, p, m)]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_chunking_does_not_change_versions(schedule):
-    p, m, n = 3, (1 if schedule == "pipedream" else 3), 6
-    whole = [[(a.step, a.microbatch, a.version) for a in lst if a.type == Op.F] for lst in schedule_actions(schedule, p, m, n)]
-    parts = [schedule_actions(schedule, p, m, 2, first_step=k) for k in (0, 2, 4)]
-    chunked = [[(a.step, a.microbatch, a.version) for part in parts for a in part[s] if a.type == Op.F] for s in range(p)]
-    assert [sorted(x) for x in whole] == [sorted(x) for x in chunked]
+@pytest.mark.parametrize("schedule,p,m,n", GRID)
+def test_every_microbatch_forwarded_and_backwarded_once_per_step_on_every_stage(schedule, p, m, n):
+    acts = schedule_actions(schedule, p, m, n)
+    assert len(acts) == p
+    res = simulate(acts, Costs(), schedule, m)  # raises on deadlock, FIFO violation, missing/duplicate work
+    everything = sorted((k, i) for k in range(n) for i in range(m))
+    for s, lst in enumerate(acts):
+        for kind in (T.F, T.B):
+            assert sorted((a.step, a.microbatch) for a in lst if a.type == kind) == everything
+        assert [a.step for a in lst if a.type == T.REDUCE] == list(range(n))
+        assert [a.step for a in lst if a.type == T.STEP] == list(range(n))
+        for a in lst:
+            if a.type in (T.F, T.B):
+                assert a.version == semantic_version(schedule, a.step, s, p), (s, str(a))
+        # transfers: peers are the neighbours, one per forward/backward that needs it
+        assert all(a.peer == s + 1 for a in lst if a.type in (T.SEND_ACT, T.RECV_GRAD))
+        assert all(a.peer == s - 1 for a in lst if a.type in (T.RECV_ACT, T.SEND_GRAD))
+        count = lambda kind: sum(a.type == kind for a in lst)
+        assert count(T.SEND_ACT) == count(T.RECV_GRAD) == (n * m if s < p - 1 else 0)
+        assert count(T.RECV_ACT) == count(T.SEND_GRAD) == (n * m if s > 0 else 0)
+    assert res.num_steps == n and res.num_microbatches == m
 
 
-def test_2bw_needs_enough_microbatches():
-    with pytest.raises(ValueError, match=r"2bw needs num_microbatches >= num_stages \(2 < 4\)"):
-        schedule_actions("2bw", 4, 2, 3)
-    with pytest.raises(ValueError, match="pipedream takes one optimizer step per microbatch"):
+def test_transfers_sit_next_to_their_compute_and_reduce_after_the_last_backward():
+    for schedule in SCHEDULES:
+        p, m, n = 3, (1 if schedule == "pipedream" else 4), 4
+        for s, lst in enumerate(schedule_actions(schedule, p, m, n)):
+            for j, a in enumerate(lst):
+                key = (a.step, a.microbatch)
+                if a.type == T.RECV_ACT or a.type == T.RECV_GRAD:
+                    nxt = lst[j + 1]
+                    assert nxt.type == (T.F if a.type == T.RECV_ACT else T.B) and (nxt.step, nxt.microbatch) == key
+                if a.type == T.SEND_ACT or a.type == T.SEND_GRAD:
+                    prv = lst[j - 1]
+                    assert prv.type == (T.F if a.type == T.SEND_ACT else T.B) and (prv.step, prv.microbatch) == key
+                if a.type == T.REDUCE:
+                    last_b = max(i for i, b in enumerate(lst) if b.type == T.B and b.step == a.step)
+                    assert j == last_b + 1 + (s > 0)  # right after the backward (and its SEND_GRAD)
+
+
+@pytest.mark.parametrize("p,m,n", [(2, 2, 4), (3, 5, 5), (4, 4, 6), (4, 8, 3)])
+def test_2bw_steps_as_late_as_the_semantics_allow(p, m, n):
+    for s, lst in enumerate(schedule_actions("2bw", p, m, n)):
+        for j, a in enumerate(lst):
+            if a.type != T.STEP:
+                continue
+            later = [b for b in lst[j + 1:] if b.type == T.F]
+            if a.step + 2 < n:  # just before the stage's first forward of step k+2 (its RECV_ACT first on s > 0)
+                first = next(i for i, b in enumerate(lst) if b.type == T.F and b.step == a.step + 2)
+                assert j == first - 1 - (s > 0) or lst[j + 1].type == T.STEP
+                assert later and later[0].step == a.step + 2 and later[0].version == a.step + 1
+            else:  # the window's last two steps: at the end
+                assert not later and all(b.type == T.STEP for b in lst[j:])
+
+
+def test_2bw_needs_enough_microbatches_and_pipedream_one():
+    with pytest.raises(ValueError, match=r"2bw needs num_microbatches >= num_stages \(3 < 4\)"):
+        schedule_actions("2bw", 4, 3, 2)
+    schedule_actions("2bw", 4, 4, 2)  # the boundary is allowed
+    with pytest.raises(ValueError, match=r"pipedream takes one optimizer step per microbatch: num_microbatches must be 1 \(got 2\)"):
         schedule_actions("pipedream", 2, 2, 3)
+    with pytest.raises(ValueError, match="'zb' is not one of gpipe, 1f1b, 2bw, pipedream"):
+        schedule_actions("zb", 2, 2, 1)
+    with pytest.raises(ValueError, match="num_stages must be an integer >= 1, got 0"):
+        schedule_actions("1f1b", 0, 2, 1)
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8)])
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 5), (3, 3), (4, 4), (4, 8)])
 def test_bubble_fractions_with_unit_costs(p, m):
-    for sched in ("gpipe", "1f1b"):
-        res = simulate(schedule_actions(sched, p, m, 3), Costs(1, 1), sched)
-        assert res.bubble == pytest.approx((p - 1) / (m + p - 1))
-    n = 12
-    res = simulate(schedule_actions("2bw", p, m, n), Costs(1, 1), "2bw")
-    assert res.steady_bubble == pytest.approx(0.0, abs=1e-12)
-    assert res.bubble == pytest.approx((p - 1) / (n * m + p - 1))
+    unit = Costs(forward=1, backward=1, step=0, reduce=0, comm=0)
+    for schedule in ("gpipe", "1f1b"):
+        one = simulate(schedule_actions(schedule, p, m, 1), unit, schedule)
+        assert one.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        three = simulate(schedule_actions(schedule, p, m, 3), unit, schedule)
+        assert three.makespan == pytest.approx(3 * 2 * (m + p - 1))  # flushed: every step pays the bubble
+        assert three.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    for n in (3, 12):
+        res = simulate(schedule_actions("2bw", p, m, n), unit, "2bw")
+        assert res.steady_bubble == pytest.approx(0.0, abs=1e-12)
+        assert res.bubble == pytest.approx((p - 1) / (n * m + p - 1), abs=1e-12)
+        assert res.throughput == pytest.approx(n * m / (2 * (n * m + p - 1)))
 
 
-def test_peak_memory_per_stage():
+def test_2bw_hides_the_reduction_that_sync_schedules_pay_every_step():
+    p, m, n, f, b = 4, 6, 6, 1.0, 2.0
+    slack = (m - p + 1) * (f + b)  # F/B pairs stage 0 runs between REDUCE(k) and STEP(k)
+    run = lambda sched, r: simulate(schedule_actions(sched, p, m, n), Costs(f, b, 0, r), sched)
+    base, hidden, over = run("2bw", 0), run("2bw", slack), run("2bw", slack + 1)
+    assert hidden.steady_bubble == pytest.approx(0.0, abs=1e-12) and over.steady_bubble > 0.01
+    assert hidden.makespan == pytest.approx(base.makespan + slack)  # only the window's last STEP waits
+    assert run("1f1b", slack).makespan == pytest.approx(run("1f1b", 0).makespan + n * slack)
+
+
+def test_pipedream_with_a_global_reduction_serializes_the_pipeline():
+    p, n = 4, 16
+    acts = schedule_actions("pipedream", p, 1, n)
+    local = simulate(acts, Costs(1, 1), "pipedream", reduce_scope="stage")
+    glob = simulate(acts, Costs(1, 1), "pipedream")
+    assert local.steady_bubble == pytest.approx(0.0, abs=1e-12)
+    assert glob.steady_bubble > 0.5  # stage p-1's STEP(k) waits for stage 0's backward of the same microbatch
+
+
+def _versions(lists):
+    return {(s, a.step, a.microbatch): a.version for s, lst in enumerate(lists) for a in lst if a.type in (T.F, T.B)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_versions_do_not_depend_on_the_chunking(schedule):
+    p, n = 4, 9
+    m = 1 if schedule == "pipedream" else 4
+    whole = schedule_actions(schedule, p, m, n)
+    for sizes in ([1] * n, [2, 3, 4], [5, 1, 3], [4, 5]):
+        got, k0 = {}, 0
+        for size in sizes:
+            part = schedule_actions(schedule, p, m, size, first_step=k0)
+            simulate(part, Costs(), schedule, m)  # each window starts empty and ends drained
+            for s, lst in enumerate(part):
+                used = {a.version for a in lst if a.type == T.F}
+                # versions a window needs from before it: at most version_lag behind the newest (k0)
+                assert min(used) >= k0 - version_lag(schedule, s, p), (sizes, k0, s)
+            got.update(_versions(part))
+            k0 += size
+        assert got == _versions(whole), sizes
+    assert all(v == semantic_version(schedule, k, s, p) for (s, k, i), v in _versions(whole).items())
+
+
+def test_peak_versions_and_inflight_activations():
     p, m = 4, 8
-    assert simulate(schedule_actions("gpipe", p, m, 2), Costs(), "gpipe").peak_inflight == [m] * p
-    one = simulate(schedule_actions("1f1b", p, m, 2), Costs(), "1f1b")
+    gp = simulate(schedule_actions("gpipe", p, m, 3), Costs(), "gpipe")
+    assert gp.peak_inflight == [m] * p and gp.peak_versions == [1] * p
+    one = simulate(schedule_actions("1f1b", p, m, 3), Costs(), "1f1b")
     assert one.peak_inflight == [p - s for s in range(p)] and one.peak_versions == [1] * p
-    two = simulate(schedule_actions("2bw", p, m, 4), Costs(), "2bw")
-    assert two.peak_inflight == [p - s for s in range(p)] and two.peak_versions == [2] * p
-    pd = simulate(schedule_actions("pipedream", p, 1, 10), Costs(), "pipedream")
-    assert pd.peak_versions[0] == p and pd.peak_versions[-1] == 1
+    two = simulate(schedule_actions("2bw", p, m, 5), Costs(), "2bw")
+    assert two.peak_inflight == [p - s for s in range(p)]
+    # current + shadow; the last stage finishes a step's microbatches before the late STEP: one suffices there
+    assert two.peak_versions == [2] * (p - 1) + [1]
+    later = simulate(schedule_actions("2bw", p, m, 3, first_step=5), Costs(), "2bw")  # a window holds k0-1 too
+    assert later.peak_versions == [2] * p
+    pd = simulate(schedule_actions("pipedream", p, 1, 12), Costs(), "pipedream")
+    assert pd.peak_versions == [p - s for s in range(p)] and pd.peak_inflight == [p - s for s in range(p)]
 
 
 def test_broken_lists_are_caught():
     acts = schedule_actions("1f1b", 2, 2, 1)
-    recvs = [i for i, a in enumerate(acts[1]) if a.type == Op.RECV_ACT]
-    swapped = list(acts[1])
-    swapped[recvs[0]], swapped[recvs[1]] = swapped[recvs[1]], swapped[recvs[0]]
-    with pytest.raises(ScheduleError, match="out of send order"):
+    idx = lambda lst, kind, n=0: [i for i, a in enumerate(lst) if a.type == kind][n]
+    swapped = list(acts[1])  # stage 1 receives microbatch 1 before 0
+    i, j = idx(swapped, T.RECV_ACT), idx(swapped, T.RECV_ACT, 1)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ScheduleError, match=r"RECV_ACT0\.1<0, but the next message from stage 0 is SEND_ACT0\.0"):
         simulate([acts[0], swapped])
-    # stage 0 waits for a gradient before sending the activation stage 1 needs: deadlock
-    first_send = next(i for i, a in enumerate(acts[0]) if a.type == Op.SEND_ACT)
-    first_recv_grad = next(i for i, a in enumerate(acts[0]) if a.type == Op.RECV_GRAD)
-    bad = list(acts[0])
-    bad.insert(0, bad.pop(first_recv_grad))
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate([bad, acts[1]])
-    dropped = [a for a in acts[1] if not (a.type == Op.B and a.microbatch == 1)]
+    early = list(acts[0])  # stage 0 waits for a gradient before sending the activation stage 1 needs
+    early.insert(0, early.pop(idx(early, T.RECV_GRAD)))
+    with pytest.raises(ScheduleError, match=r"(?s)deadlock.*stage 0 @   0: \[RECV_GRAD0\.0<1\]  <-- ERROR HERE.*"
+                                            r"stage 1 @   0: \[RECV_ACT0\.0<0\]  <-- ERROR HERE"):
+        simulate([early, acts[1]])
+    no_b = [a for a in acts[1] if not (a.type in (T.B, T.SEND_GRAD) and a.microbatch == 1)]
     with pytest.raises(ScheduleError):
-        simulate([acts[0], dropped])
-    assert first_send >= 0
+        simulate([acts[0], no_b])
+    stale = [Action(T.B, a.step, a.microbatch, 7) if a.type == T.B and a.microbatch == 1 else a for a in acts[0]]
+    with pytest.raises(ScheduleError, match="its forward used version 0"):
+        simulate([stale, acts[1]])
+    future = [Action(T.F, 0, a.microbatch, 1) if a.type == T.F else a for a in acts[1]]
+    with pytest.raises(ScheduleError, match="uses version 1, only 0 exists"):
+        simulate([acts[0], future])
+    with pytest.raises(ScheduleError, match="never received"):
+        simulate([acts[0] + [Action(T.SEND_ACT, 0, 0, peer=1)], acts[1]])
 
 
-def test_action_string_round_trip():
-    for lst in schedule_actions("2bw", 2, 2, 2):
-        for a in lst:
-            assert Action.from_str(str(a)) == a
+def test_collectives_and_updates_out_of_order_are_caught():
+    acts = schedule_actions("2bw", 2, 2, 3)
+    assert [str(a) for a in acts[1][-3:]] == ["REDUCE2", "STEP1", "STEP2"]
+    late = [list(lst) for lst in acts]  # the last two updates swapped
+    late[1][-2:] = late[1][-1:-3:-1]
+    with pytest.raises(ScheduleError, match="STEP2 but the stage holds version 1: STEP1 must come next"):
+        simulate(late)
+    swapped = [list(lst) for lst in acts]  # stage 1 posts step 1's reduction before step 0's
+    s1 = swapped[1]
+    s1.remove(Action(T.REDUCE, 0))
+    s1.insert(s1.index(Action(T.REDUCE, 1)) + 1, Action(T.REDUCE, 0))
+    with pytest.raises(ScheduleError, match=r"reduction #0 is step \d here but step \d on stage \d \(collectives out of order\)"):
+        simulate(swapped)
+    early = [list(lst) for lst in acts]  # an update before its step's reduction was posted
+    early[0].remove(Action(T.STEP, 0))
+    early[0].insert(0, Action(T.STEP, 0))
+    with pytest.raises(ScheduleError, match="STEP0 before REDUCE0"):
+        simulate(early)
+
+
+def test_sends_waited_in_place_deadlock_1f1b_but_not_gpipe():
+    """Why the executor must not wait() an isend before its next receive (gloo completes it only on receipt)."""
+    with pytest.raises(ScheduleError, match="blocking send waits for stage 1 to receive it"):
+        simulate(schedule_actions("1f1b", 2, 2, 1), blocking_sends=True)
+    for schedule in ("2bw", "pipedream"):
+        with pytest.raises(ScheduleError, match="deadlock"):
+            simulate(schedule_actions(schedule, 3, 1 if schedule == "pipedream" else 3, 2), blocking_sends=True)
+    simulate(schedule_actions("gpipe", 3, 4, 2), blocking_sends=True)
+
+
+def test_costs_as_dataclass_dict_callable_or_measured():
+    acts = schedule_actions("2bw", 3, 4, 3)
+    ref = simulate(acts, Costs(forward=[1, 2, 1], backward=2, step=0.5, comm=0.25))
+    by_dict = simulate(acts, {"F": [1, 2, 1], "backward": 2, "STEP": 0.5, "comm": 0.25})
+
+    def fn(a, s):
+        return {T.F: [1, 2, 1][s], T.B: 2.0, T.STEP: 0.5, T.RECV_ACT: 0.25, T.RECV_GRAD: 0.25}.get(a.type, 0.0)
+
+    by_fn = simulate(acts, fn)
+    assert ref.makespan == by_dict.makespan == by_fn.makespan and ref.timeline == by_fn.timeline
+    assert ref.makespan > simulate(acts, Costs(forward=[1, 2, 1], backward=2, step=0.5)).makespan  # latency counts
+    measured = Costs.from_measured({"F": 8.0, "B": 12.0, "STEP": 1.0, "SEND_ACT": 0.1},
+                                   {"F": 8, "B": 6, "STEP": 2, "SEND_ACT": 8})
+    assert (measured.forward, measured.backward, measured.step) == (1.0, 2.0, 0.5)
+    per_stage = Costs.from_measured([{"F": 2.0}, {"F": 6.0}], [{"F": 2}, {"F": 3}])
+    assert per_stage.forward == [1.0, 2.0]
+    with pytest.raises(ValueError, match="unknown cost 'fwd'"):
+        simulate(acts, {"fwd": 1})
+
+
+def test_action_strings_round_trip():
+    for schedule in SCHEDULES:
+        lists = schedule_actions(schedule, 3, 1 if schedule == "pipedream" else 3, 2)
+        for lst in lists:
+            for a in lst:
+                assert Action.from_str(str(a)) == a
+        assert parse_actions(format_actions(lists)) == lists
+    assert [str(a) for a in schedule_actions("1f1b", 2, 1, 1)[1]] == [
+        "RECV_ACT0.0<0", "F0.0@v0", "B0.0@v0", "SEND_GRAD0.0>0", "REDUCE0", "STEP0"]
+    assert Action.from_str("F3.1@v2") == Action(T.F, 3, 1, 2)
+    for bad in ("F3.1", "SEND_ACT3.1<2", "STEP3.1", "X1", "REDUCE3@v1", "RECV_GRAD2.0"):
+        with pytest.raises(ValueError):
+            Action.from_str(bad)
+
+
+def test_plot_timeline_writes_a_png(tmp_path):
+    res = simulate(schedule_actions("2bw", 2, 2, 3), Costs(1, 2, 0.5))
+    assert not math.isnan(res.steady_bubble)
+    for what in (res, res.timeline):
+        out = plot_timeline(what, str(tmp_path / "t.png"), "2bw")
+        with open(out, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
