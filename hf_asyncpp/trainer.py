@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -171,8 +170,11 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             accelerator.log({k: v for k, v in obj.items() if k != "step" and isinstance(v, (int, float))}, step=obj["step"])
 
     def evaluate(step: int) -> dict:
-        nll, n = engine.eval_nll(held_out, recipe.pipeline.microbatch_size)
-        rec = {"step": step, "eval_loss": nll / n, "eval_ppl": math.exp(min(nll / n, 50.0)), "eval_tokens": n}
+        from .evaluation import perplexity_from_sums
+
+        nll, n = engine.eval_nll(held_out, recipe.pipeline.microbatch_size)  # forward-only, through the stages
+        res = perplexity_from_sums([nll], [n])  # the shipped `evaluate` metric
+        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": n}
         record(rec)
         return rec
 
