@@ -25,6 +25,7 @@ sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
          "tie_word_embeddings": True}
+MODEL["num_hidden_layers"] = int(os.environ.get("HF_ASYNCPP_BENCH_LAYERS", MODEL["num_hidden_layers"]))
 SEQ, MBS = 128, 4
 
 
@@ -163,7 +164,10 @@ def main():
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--layers-per-stage", default=None, help="e.g. 6,2 (default: the partitioner's cost model)")
+    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"], help="decoder layers of the model")
     args = ap.parse_args()
+    MODEL["num_hidden_layers"] = args.layers  # spawned workers read it from the environment below
+    os.environ["HF_ASYNCPP_BENCH_LAYERS"] = str(args.layers)
     split = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else None
     p, m, n = 2, args.microbatches, args.steps
     rows = []
@@ -224,9 +228,10 @@ def main():
 def _write(table: str, n: int, m: int) -> None:
     from bench.report import write_section
 
-    write_section("throughput", f"## Pipeline throughput (2 processes x 1 thread, CPU)\n\n"
-                  f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --write` "
-                  f"(Llama h128 x 8 layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n{table}")
+    layers = MODEL["num_hidden_layers"]
+    write_section(f"throughput-{layers}", f"## Pipeline throughput (2 processes x 1 thread, CPU, {layers} layers)\n\n"
+                  f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --layers {layers} --write` "
+                  f"(Llama h128 x {MODEL['num_hidden_layers']} layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n{table}")
 
 
 if __name__ == "__main__":
