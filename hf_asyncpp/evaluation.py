@@ -1,4 +1,10 @@
-"""Perplexity of a model, an exported folder, or pipeline stages, through the shipped ``evaluate`` metric."""
+"""Perplexity of a model, an exported folder, or pipeline stages, through the shipped ``evaluate`` metric.
+
+Hub metric scripts cannot be fetched here, so the package ships its metrics under
+``hf_asyncpp/metrics/<name>/<name>.py`` and loads them by path. A pipeline runtime computes per-block
+NLL sums on its last stage and hands them to :func:`perplexity_from_sums`; a plain model goes
+through :func:`evaluate_perplexity`. Both end in the same metric.
+"""
 from __future__ import annotations
 
 import os
@@ -6,50 +12,69 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric", "perplexity_from_sums"]
+
 METRICS_DIR = Path(__file__).parent / "metrics"
 
 
 def load_metric(name: str = "perplexity"):
-    """Load a metric module shipped with the package (never the network: Hub metric scripts can't load here)."""
+    """A fresh ``evaluate`` module for a metric shipped with the package, loaded by absolute path.
+
+    Sets ``HF_EVALUATE_OFFLINE=1`` unless the environment sets it: loading by path needs no network,
+    and the flag makes any other lookup fail at once instead of trying the Hub.
+    """
     os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
     import evaluate
 
     path = METRICS_DIR / name / f"{name}.py"
-    if not path.exists():
-        known = sorted(p.name for p in METRICS_DIR.iterdir() if p.is_dir())
+    if not path.is_file():
+        known = sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
         raise ValueError(f"unknown metric {name!r}; shipped metrics: {known}")
-    return evaluate.load(str(path))
+    return evaluate.load(str(path.resolve()))
 
 
-def perplexity_from_sums(nll_sums: list[float], token_counts: list[int]) -> dict:
-    """eval_loss and perplexity from per-block NLL sums (e.g. from the last pipeline stage)."""
-    res = load_metric("perplexity").compute(nll_sum=list(map(float, nll_sums)), num_tokens=list(map(int, token_counts)))
+def perplexity_from_sums(nll_sums, token_counts) -> dict:
+    """``{eval_loss, eval_ppl, num_tokens}`` from per-block (or per-batch) summed next-token NLLs and the
+    number of predicted tokens in each, e.g. as computed by the last pipeline stage."""
+    nll_sums, token_counts = [float(x) for x in nll_sums], [int(x) for x in token_counts]
+    if len(nll_sums) != len(token_counts):
+        raise ValueError(f"{len(nll_sums)} NLL sums but {len(token_counts)} token counts; give one of each per block")
+    res = load_metric("perplexity").compute(nll_sum=nll_sums, num_tokens=token_counts)
     return {"eval_loss": res["eval_loss"], "eval_ppl": res["perplexity"], "num_tokens": res["num_tokens"]}
 
 
 @torch.no_grad()
 def block_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> tuple[list[float], list[int]]:
-    """Per-block summed next-token NLL (labels = inputs, shifted as HF does) and predicted-token counts."""
+    """Per-block summed next-token NLL (labels = inputs, shifted as HF does) and predicted-token counts.
+
+    Forward only, in eval mode (the model's mode is restored after). MoE auxiliary losses are not part of it.
+    """
+    if blocks.ndim != 2 or len(blocks) == 0:
+        raise ValueError(f"blocks must be a non-empty (n, seq_len) tensor of token ids, got shape {tuple(blocks.shape)}")
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     sums, counts = [], []
-    for i in range(0, len(blocks), batch_size):
-        ids = blocks[i : i + batch_size]
-        logits = model(input_ids=ids).logits.float()
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(dim=1)
-        sums.extend(nll.double().tolist())
-        counts.extend([ids.shape[1] - 1] * len(ids))
-    model.train(was_training)
+    try:
+        for i in range(0, len(blocks), batch_size):
+            ids = blocks[i : i + batch_size].to(device)  # (B, T)
+            logits = model(input_ids=ids).logits.float()  # (B, T, V)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+            sums.extend(nll.double().sum(dim=1).tolist())
+            counts.extend([ids.shape[1] - 1] * len(ids))
+    finally:
+        model.train(was_training)
     return sums, counts
 
 
 def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> dict:
+    """``{eval_loss, eval_ppl, num_tokens}`` of ``model`` on ``blocks`` (LongTensor ``(n, seq_len)``)."""
     return perplexity_from_sums(*block_nll(model, blocks, batch_size))
 
 
-def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8) -> dict:
-    """Reload an exported folder with ``from_pretrained`` and measure its perplexity on ``blocks``."""
+def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu") -> dict:
+    """Reload a model folder with ``from_pretrained`` (fp32) and measure its perplexity on ``blocks``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     return evaluate_perplexity(model, blocks, batch_size)
