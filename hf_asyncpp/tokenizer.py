@@ -1,45 +1,54 @@
-"""Tokenizer: from a path or Hub id, or a byte-level BPE trained on the corpus and saved with the run."""
+"""Tokenizer: from a path or Hub id, or a byte-level BPE trained on the corpus and saved with the run.
+
+The trained tokenizer is GPT-2 style: byte-level pre-tokenizer and decoder (every string
+round-trips exactly, no unknown token), BPE merges learned on the training documents as the
+data stream reads them, ``<|endoftext|>`` (id 0) as bos/eos and ``<|pad|>`` (id 1). It is
+wrapped as a transformers fast tokenizer (``TokenizersBackend`` in transformers 5) and saved
+with ``save_pretrained``, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
+"""
 from __future__ import annotations
 
-import json
 import logging
+import os
+import time
 from pathlib import Path
 
 from .config import ModelConfig
+
+__all__ = ["load_or_train_tokenizer", "train_tokenizer", "EOS", "PAD"]
 
 log = logging.getLogger("hf_asyncpp.tokenizer")
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
-def _iter_texts(files: list[str], text_column: str):
-    """Raw documents of local text/jsonl files for tokenizer training (invalid bytes replaced)."""
-    for f in files:
-        if f.endswith((".jsonl", ".json")):
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    line = line.strip()
-                    if line:
-                        try:
-                            text = json.loads(line).get(text_column)
-                        except (json.JSONDecodeError, AttributeError):
-                            continue
-                        if isinstance(text, str) and text.strip():
-                            yield text
-        elif f.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            for text in pq.read_table(f, columns=[text_column]).column(text_column).to_pylist():
-                if isinstance(text, str) and text.strip():
-                    yield text
-        else:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                yield from (line for line in fh if line.strip())
+def _capped(texts, max_chars: int | None, seen: list[int]):
+    n = 0
+    for t in texts:
+        yield t
+        n += len(t)
+        seen[0] += 1
+        if max_chars is not None and n >= max_chars:
+            log.info("tokenizer training stopped at %d characters (max_train_chars)", n)
+            return
 
 
-def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"):
-    """Byte-level BPE (GPT-2 style) with ``<|endoftext|>`` as bos/eos and ``<|pad|>``."""
+def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text", *,
+                    max_train_chars: int | None = 1_000_000_000):
+    """Train a byte-level BPE of ``vocab_size`` tokens (specials included) on local files.
+
+    Args:
+        files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data` for how documents are read).
+        vocab_size: final vocabulary size; smaller when the corpus has too few distinct pairs.
+        text_column: document column of jsonl/parquet files.
+        max_train_chars: stop after the documents holding this many characters (file order); None: all.
+
+    Returns:
+        a transformers fast tokenizer with eos/bos ``<|endoftext|>`` and pad ``<|pad|>``.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from .data import iter_documents
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -47,37 +56,65 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_iter_texts(files, text_column), trainer=trainer)
+    seen = [0]
+    tok.train_from_iterator(_capped(iter_documents(files, text_column), max_train_chars, seen), trainer=trainer)
+    if not seen[0]:
+        raise ValueError(f"no text to train a tokenizer on in {files[:5]} (data.text_column={text_column!r})")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
 
 
+def _save_atomic(tok, out: Path) -> None:
+    """save_pretrained into a temporary folder, then move the files in, ``tokenizer.json`` (the
+    completeness marker that :func:`load_or_train_tokenizer` checks) last."""
+    import shutil
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(str(tmp))
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json")
+    for name in names:
+        os.replace(tmp / name, out / name)
+    tmp.rmdir()
+
+
 def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | None, text_column: str, out_dir):
-    """The recipe's tokenizer, or one trained on the training files and saved to ``out_dir`` (reused if there)."""
+    """The recipe's tokenizer, or one trained on ``train_files`` and saved to ``out_dir``.
+
+    Order: ``model_cfg.tokenizer_name_or_path`` (path or Hub id), else the tokenizer of
+    ``model_cfg.name_or_path``, else a tokenizer already saved in ``out_dir`` (idempotent: a
+    second call, or a resumed run, reuses it whatever ``vocab_size`` says), else a new byte-level
+    BPE of ``model_cfg.vocab_size`` trained on ``train_files`` and saved to ``out_dir``.
+    A tokenizer without a pad token gets its eos token as pad.
+
+    Raises:
+        ValueError: no eos token (packing needs it), or nothing to train on.
+    """
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
-    if model_cfg.tokenizer_name_or_path:
-        tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_name_or_path)
-    elif model_cfg.name_or_path:
-        tok = AutoTokenizer.from_pretrained(model_cfg.name_or_path)
+    source = model_cfg.tokenizer_name_or_path or model_cfg.name_or_path
+    if source:
+        tok = AutoTokenizer.from_pretrained(source)
     elif (out / "tokenizer.json").exists():
         tok = AutoTokenizer.from_pretrained(str(out))
+        source = str(out)
+        if len(tok) != model_cfg.vocab_size:
+            log.warning("reusing the %d-token tokenizer in %s (model.vocab_size asks for %d; delete the folder to "
+                        "train a new one)", len(tok), out, model_cfg.vocab_size)
     else:
         if not train_files:
-            raise ValueError("model.tokenizer_name_or_path: no tokenizer given and no local training files to train one on "
-                             "(streamed Hub datasets need a tokenizer); set model.tokenizer_name_or_path")
-        log.info("training a %d-token byte-level BPE on %d files", model_cfg.vocab_size, len(train_files))
+            raise ValueError("model.tokenizer_name_or_path: no tokenizer given and no local training files to train "
+                             "one on (streamed Hub datasets need a tokenizer); set model.tokenizer_name_or_path")
+        t0 = time.perf_counter()
         tok = train_tokenizer(train_files, model_cfg.vocab_size, text_column)
-        tmp = out.with_name(out.name + ".tmp")
-        tok.save_pretrained(str(tmp))
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _save_atomic(tok, out)
+        log.info("trained a %d-token byte-level BPE on %d files in %.1fs; saved to %s", len(tok), len(train_files),
+                 time.perf_counter() - t0, out)
+        source = str(out)
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer {model_cfg.tokenizer_name_or_path or model_cfg.name_or_path}: it has no eos token, "
-                         "which packing needs to join documents")
+        raise ValueError(f"tokenizer {source}: it has no eos token, which packing needs to join documents; "
+                         "choose another model.tokenizer_name_or_path")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -178,13 +178,13 @@ def test_bad_data_files(tmp_path):
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    with pytest.raises(ValueError, match=r"no usable document in .*empty.jsonl"):
+    with pytest.raises(ValueError, match=r"(no usable document|no text to train a tokenizer on) in .*empty.jsonl"):
         train(recipe_from_dict(tiny(tmp_path / "r1", data__train_files=[str(empty)], data__eval_files=[str(empty)],
                                     model__tokenizer_name_or_path=None)))
     mixed = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.csv")]
     for f in mixed:
         Path(f).write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match=r"data files must all be one of"):
+    with pytest.raises(ValueError, match=r"data files must all be (one of|of one kind)"):
         from hf_asyncpp.config import DataConfig
         from hf_asyncpp.data import load_stream
 
