@@ -1,94 +1,213 @@
-"""The delay simulator reproduces hand-computed delayed gradient descent (the pipeline's reference semantics)."""
+"""The delay simulator reproduces hand-computed delayed gradient descent (the pipeline's reference semantics),
+keeps only the versions it needs, and resumes exactly together with the optimizer and the EF correction."""
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
 
-from hf_asyncpp.optim import DelaySimulator
+from hf_asyncpp.config import OptimizerConfig
+from hf_asyncpp.optim import DelaySimulator, apply_delay_correction, build_optimizer
 
-A = [1.5, 0.7, 2.0]  # curvature per stage
+A = [1.5, 0.7, 2.0, 1.1]  # curvature per stage
 C = 0.3  # couples the first and the last stage, so a stage's gradient depends on another stage's (stale) weights
 LR, STEPS = 0.1, 12
+Y0 = [1.0, -2.0, 0.5, 0.8]
 
 
 def grad_at(y):
-    """Gradient of f(y) = 0.5 sum a_s y_s^2 + C y_0 y_last."""
-    g = [a * v for a, v in zip(A, y)]
+    """Gradient of f(y) = 0.5 sum a_s y_s^2 + C y_0 y_last (closed form)."""
+    g = [a * v for a, v in zip(A, y)]  # zip stops at len(y): p stages use the first p entries
     g[0] += C * y[-1]
     g[-1] += C * y[0]
     return g
 
 
-def run(mode, p, steps=STEPS, y0=(1.0, -2.0, 0.5), state=None):
-    params = [torch.nn.Parameter(torch.tensor([v], dtype=torch.float64)) for v in y0[:p]]
+def lr_of(k):
+    """The lr of the k-th applied update (a schedule, so the test sees which update used which lr)."""
+    return LR / (1 + 0.1 * k)
+
+
+def run(mode, p, steps=STEPS):
+    """Plain SGD through the trainer's protocol, with a LambdaLR that advances on applied updates only."""
+    params = [torch.nn.Parameter(torch.tensor([v], dtype=torch.float64)) for v in Y0[:p]]
     opt = torch.optim.SGD(params, lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_of(k) / LR)
     sim = DelaySimulator(mode, [[q] for q in params])
-    if state is not None:
-        sim.load_state_dict(state[0])
-        for q, v in zip(params, state[1]):
-            q.data.copy_(v)
     traj = []
     for _ in range(steps):
         sim.before_forward()
         y = [q[0] for q in params]
-        f = 0.5 * sum(a * v * v for a, v in zip(A, y)) + C * y[0] * y[-1]
+        f = 0.5 * sum(a * v * v for a, v in zip(A, y)) + C * y[0] * y[-1]  # grad_at's f
         f.backward()
         if sim.after_backward():
             opt.step()
+            sched.step()
         opt.zero_grad()
         sim.after_step()
-        traj.append([float(q) for q in params])
-    return traj, (sim.state_dict(), [q.data.clone() for q in params])
+        traj.append([q.item() for q in params])
+    return traj
 
 
 def flat(traj):
     return [v for row in traj for v in row]
 
 
+def test_sync_by_hand():
+    x, hand = Y0[:2], []
+    for t in range(STEPS):
+        x = [v - lr_of(t) * g for v, g in zip(x, grad_at(x))]
+        hand.append(x)
+    assert flat(run("0", 2)) == pytest.approx(flat(hand), rel=1e-12, abs=1e-12)
+
+
 def test_delay_1_by_hand():
-    y0 = [1.0, -2.0]
-    x = [y0]  # x[0]
-    hand = []
+    x = [Y0[:2]]  # x[0]
     for t in range(STEPS):
-        # x[t+1] = x[t] - lr g(x[t-1]); step 0 applies nothing
-        nxt = x[t] if t == 0 else [v - LR * g for v, g in zip(x[t], grad_at(x[t - 1]))]
-        x.append(nxt)
-        hand.append(nxt)
-    traj, _ = run("1", 2, y0=y0)
-    assert flat(traj) == pytest.approx(flat(hand), rel=1e-12, abs=1e-12)
+        # x[t+1] = x[t] - lr(t-1) g(x[t-1]); step 0 applies nothing, so update k = t-1 uses lr(k)
+        x.append(x[t] if t == 0 else [v - lr_of(t - 1) * g for v, g in zip(x[t], grad_at(x[t - 1]))])
+    traj = run("1", 2)
+    assert flat(traj) == pytest.approx(flat(x[1:]), rel=1e-12, abs=1e-12)
+    assert flat(traj) != pytest.approx(flat(run("0", 2)))  # the delay is real
 
 
-@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipedream_by_hand(p):
-    y0 = [1.0, -2.0, 0.5][:p]
-    versions = [y0]  # W[t] for every stage
-    hand = []
+    versions = [Y0[:p]]  # W[t] for every stage
     for t in range(STEPS):
-        point = [versions[max(0, t - (p - 1 - s))][s] for s in range(p)]  # stage s is p-1-s versions old
-        nxt = [v - LR * g for v, g in zip(versions[t], grad_at(point))]
-        versions.append(nxt)
-        hand.append(nxt)
-    traj, _ = run("pipedream", p, y0=y0)
-    assert flat(traj) == pytest.approx(flat(hand), rel=1e-12, abs=1e-12)
-    sync, _ = run("0", p, y0=y0)
-    assert flat(traj) != pytest.approx(flat(sync))  # the delay is real
+        point = [versions[max(0, t - (p - 1 - s))][s] for s in range(p)]  # stage s is p-1-s versions old, clamped at W[0]
+        versions.append([v - lr_of(t) * g for v, g in zip(versions[t], grad_at(point))])
+    traj = run("pipedream", p)
+    assert flat(traj) == pytest.approx(flat(versions[1:]), rel=1e-12, abs=1e-12)
+    assert flat(traj) != pytest.approx(flat(run("0", p)))
+    if p == 2:  # with two stages only stage 0 is stale, so this is not 2BW's uniform delay either
+        assert flat(traj) != pytest.approx(flat(run("1", p)))
 
 
-@pytest.mark.parametrize("mode", ["1", "pipedream"])
-def test_resume_continues_exactly(mode):
-    straight, _ = run(mode, 3)
-    first, state = run(mode, 3, steps=5)
-    rest, _ = run(mode, 3, steps=STEPS - 5, state=state)
-    assert first + rest == straight
+def test_delay_1_first_step_and_missing_gradients():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    sim = DelaySimulator(1, [a, b])  # an int mode and a flat list are accepted
+    sim.before_forward()
+    a.grad = torch.full((2,), 3.0)  # b gets no gradient at step 0
+    assert sim.after_backward() is False and a.grad is None and b.grad is None  # nothing to apply yet
+    sim.after_step()
+    sim.before_forward()
+    a.grad, b.grad = torch.full((2,), 5.0), torch.full((2,), 7.0)
+    assert sim.after_backward() is True
+    assert torch.equal(a.grad, torch.full((2,), 3.0)) and b.grad is None  # step 0's gradients, None stays None
+    sim.after_step()
+    sim.before_forward()
+    a.grad, b.grad = None, None
+    sim.after_backward()
+    assert torch.equal(a.grad, torch.full((2,), 5.0)) and torch.equal(b.grad, torch.full((2,), 7.0))
 
 
 def test_keeps_only_the_versions_it_needs():
-    params = [[torch.nn.Parameter(torch.zeros(2))] for _ in range(4)]
+    params = [[torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))] for _ in range(4)]
     sim = DelaySimulator("pipedream", params)
-    for _ in range(10):
+    peak = 0
+    for t in range(10):
         sim.before_forward()
+        peak = max(peak, sim.stored_tensors())
         sim.after_backward()
         sim.after_step()
-    assert [len(h) for h in sim.history] == [3, 2, 1, 0]
+        for s in params:
+            for q in s:
+                q.data += 1.0  # a new version every step
+    assert [len(h) for h in sim.history] == [3, 2, 1, 0]  # stage s keeps p-1-s old versions
+    assert peak == 2 * (3 + 2 + 1)  # and no extra copy while the stale weights are in
+    sim.before_forward()  # step 10: stage s computes with W[10-(3-s)] = 7+s, restored to 10 afterwards
+    assert [s[0][0].item() for s in params] == [7.0, 8.0, 9.0, 10.0]
+    sim.after_backward()
+    assert all(q.eq(10.0).all() for s in params for q in s)
+
+
+def test_protocol_and_config_errors():
+    params = [[torch.nn.Parameter(torch.zeros(2))] for _ in range(2)]
     with pytest.raises(ValueError, match="simulate_delay: '2'"):
         DelaySimulator("2", params)
+    with pytest.raises(ValueError, match="listed twice"):
+        DelaySimulator("pipedream", [params[0], params[0]])
+    sim = DelaySimulator("pipedream", params)
+    with pytest.raises(RuntimeError, match="out of order"):
+        sim.after_backward()
+    with pytest.raises(ValueError, match="simulated stages"):
+        DelaySimulator("pipedream", params + [[torch.nn.Parameter(torch.zeros(2))]]).load_state_dict(sim.state_dict())
+    with pytest.raises(ValueError, match="simulate_delay '1'"):
+        sim.load_state_dict({**DelaySimulator("1", params).state_dict()})
+
+
+# ---------------------------------------------------------------- resume = straight
+
+
+class Tiny(torch.nn.Module):
+    """HF-like names so build_optimizer's hybrid grouping applies: embed, layers.N, norm, lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+    def stages(self):
+        e, (l0, l1, l2) = self.embed, self.layers
+        return [[*e.parameters(), *l0.parameters()], list(l1.parameters()), [*l2.parameters(), *self.norm.parameters(),
+                                                                             *self.lm_head.parameters()]]
+
+    def forward(self, ids):
+        h = self.embed(ids[:, :-1])
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.lm_head(self.norm(h)).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _setup(name, mode):
+    model = Tiny()
+    cfg = OptimizerConfig(name=name, learning_rate=0.02, adamw_lr=0.01, delay_correction="error_feedback",
+                          simulate_delay=mode)
+    opt = apply_delay_correction(build_optimizer(model, cfg, log=lambda *_: None), cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+    return model, opt, sched, DelaySimulator(mode, model.stages())
+
+
+def _steps(parts, first, n):
+    model, opt, sched, sim = parts
+    losses = []
+    for t in range(first, first + n):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(t))
+        sim.before_forward()
+        loss = model(ids)
+        loss.backward()
+        if sim.after_backward():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        opt.zero_grad()
+        sim.after_step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+@pytest.mark.parametrize("mode", ["1", "pipedream"])
+def test_resume_continues_exactly(name, mode):
+    straight = _steps(_setup(name, mode), 0, 8)
+    parts = _setup(name, mode)
+    first = _steps(parts, 0, 4)
+    model, opt, sched, sim = parts
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "delay": sim.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = _setup(name, mode)
+    fresh[0].load_state_dict(saved["model"])
+    fresh[1].load_state_dict(saved["opt"])
+    fresh[2].load_state_dict(saved["sched"])
+    fresh[3].load_state_dict(saved["delay"])
+    assert fresh[1].error_feedback["prev"] and fresh[3].steps == 4
+    rest = _steps(fresh, 4, 4)
+    assert first + rest == straight
+    assert len(set(straight)) == 8  # the losses move

@@ -1,164 +1,398 @@
-"""Muon against torch.optim.Muon, the batched expert path, NS accounting, grouping, and the EF identity."""
+"""Muon against torch.optim.Muon/AdamW, the batched expert path, NS accounting, grouping, and the EF identity."""
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
 
 from hf_asyncpp.config import OptimizerConfig
-from hf_asyncpp.optim import Muon, build_optimizer, classify_parameters, install_error_feedback, zeropower_via_newtonschulz
+from hf_asyncpp.optim import (Muon, apply_delay_correction, build_optimizer, classify_parameters, install_error_feedback,
+                              zeropower_via_newtonschulz)
 
 
-def _grads(shape, n, seed=0):
+def _grads(shape, n, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g) for _ in range(n)]
+    return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
 
 
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------- Muon numerics
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
-def test_muon_matches_torch_muon(adjust, shape):
+def test_muon_matches_torch_muon(adjust, shape, nesterov):
     torch.manual_seed(0)
     w0 = torch.randn(shape)
     ours, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
-    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov)
     opt = Muon([dict(params=[ours], use_muon=True, ns_steps=5, adjust_lr=adjust, **kw)])
     tref = torch.optim.Muon([ref], adjust_lr_fn=adjust, **kw)
     for g in _grads(shape, 10):
         ours.grad, ref.grad = g.clone(), g.clone()
         opt.step()
         tref.step()
+    assert _rel(ref.data, w0) > 0.01  # it did move (10^4 times the tolerance below)
+    assert _rel(ours.data, ref.data) <= 1e-6
     torch.testing.assert_close(ours.data, ref.data, rtol=1e-6, atol=1e-7)
     assert opt.ns_calls[id(ours)] == 10  # Newton-Schulz ran at every step
 
 
+def test_adamw_side_matches_torch_adamw():
+    """The hybrid's AdamW groups (with and without decay) are torch.optim.AdamW; its Muon group is torch.optim.Muon."""
+    torch.manual_seed(0)
+    shapes = {"m": (12, 8), "e": (20, 8), "b": (8,)}
+    ours = {k: torch.nn.Parameter(torch.randn(s)) for k, s in shapes.items()}
+    ref = {k: torch.nn.Parameter(v.data.clone()) for k, v in ours.items()}
+    adam = dict(use_muon=False, lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    opt = Muon([dict(params=[ours["m"]], use_muon=True, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1,
+                     adjust_lr="match_rms_adamw"),
+                dict(params=[ours["e"]], weight_decay=0.1, **adam),
+                dict(params=[ours["b"]], weight_decay=0.0, **adam)])
+    r_muon = torch.optim.Muon([ref["m"]], lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    r_adam = torch.optim.AdamW([dict(params=[ref["e"]], weight_decay=0.1), dict(params=[ref["b"]], weight_decay=0.0)],
+                               lr=0.01, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for t in range(10):
+        for k, s in shapes.items():
+            g = torch.randn(s)
+            ours[k].grad, ref[k].grad = g.clone(), g.clone()
+        opt.step()
+        r_muon.step()
+        r_adam.step()
+    for k in shapes:
+        assert _rel(ours[k].data, ref[k].data) <= 1e-6, k
+    assert set(opt.state[ours["e"]]) == {"step", "exp_avg", "exp_avg_sq"}  # torch.optim.AdamW's state layout
+
+
+def test_newton_schulz_orthogonalizes_and_is_transpose_equivariant():
+    g = torch.randn(12, 20, dtype=torch.float64)
+    x = zeropower_via_newtonschulz(g, dtype=torch.float64)
+    s = torch.linalg.svdvals(x)
+    assert s.min() > 0.5 and s.max() < 1.3  # NS5 lands near 1, not exactly 1
+    torch.testing.assert_close(zeropower_via_newtonschulz(g.T.contiguous(), dtype=torch.float64), x.T, rtol=1e-12, atol=1e-12)
+    assert zeropower_via_newtonschulz(g).dtype == torch.bfloat16  # torch.optim.Muon's precision by default
+    with pytest.raises(ValueError, match="matrix or a stack"):
+        zeropower_via_newtonschulz(torch.randn(2, 3, 4, 5))
+
+
 def test_batched_expert_orthogonalization_equals_a_loop():
     g = torch.randn(6, 12, 20)
-    batched = zeropower_via_newtonschulz(g)
-    looped = torch.stack([zeropower_via_newtonschulz(g[e]) for e in range(6)])
-    torch.testing.assert_close(batched.float(), looped.float(), rtol=0, atol=1e-2)  # bf16: same math, ~1 ulp
-    exact = zeropower_via_newtonschulz(g.double(), dtype=torch.float64)
-    exact_loop = torch.stack([zeropower_via_newtonschulz(g[e].double(), dtype=torch.float64) for e in range(6)])
-    torch.testing.assert_close(exact, exact_loop, rtol=1e-10, atol=1e-12)
-    # and it does orthogonalize: singular values near 1 (NS5 lands in roughly [0.5, 1.5])
-    s = torch.linalg.svdvals(exact)
-    assert s.min() > 0.4 and s.max() < 1.6
-    # a 3-D parameter is updated per expert exactly like its 2-D slices
-    p3 = torch.nn.Parameter(torch.randn(3, 8, 10))
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float64, 1e-12)):
+        batched = zeropower_via_newtonschulz(g.to(dtype), dtype=dtype)
+        looped = torch.stack([zeropower_via_newtonschulz(g[e].to(dtype), dtype=dtype) for e in range(6)])
+        torch.testing.assert_close(batched.double(), looped.double(), rtol=0, atol=tol)
+    tall = torch.randn(3, 20, 12, dtype=torch.float64)  # (E, in, out) storage, as GPT-OSS
+    torch.testing.assert_close(zeropower_via_newtonschulz(tall, dtype=torch.float64),
+                               torch.stack([zeropower_via_newtonschulz(t, dtype=torch.float64) for t in tall]))
+    # a 3-D parameter is updated per expert exactly like its 2-D slices (momentum, Nesterov, wd, lr scale)
+    p3 = torch.nn.Parameter(torch.randn(3, 8, 10, dtype=torch.float64))
     p2 = [torch.nn.Parameter(p3.data[e].clone()) for e in range(3)]
-    kw = dict(use_muon=True, lr=0.01, weight_decay=0.0, momentum=0.9, nesterov=True, ns_steps=5, adjust_lr="original",
+    kw = dict(use_muon=True, lr=0.01, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5, adjust_lr="original",
               ns_dtype="float64")
     o3, o2 = Muon([dict(params=[p3], **kw)]), Muon([dict(params=p2, **kw)])
-    p3.data = p3.data.double()
-    for q in p2:
-        q.data = q.data.double()
-    for g in _grads((3, 8, 10), 3):
-        p3.grad = g.double()
+    for g in _grads((3, 8, 10), 3, dtype=torch.float64):
+        p3.grad = g.clone()
         for e, q in enumerate(p2):
-            q.grad = g[e].double()
+            q.grad = g[e].clone()
         o3.step()
         o2.step()
     torch.testing.assert_close(p3.data, torch.stack([q.data for q in p2]), rtol=1e-10, atol=1e-12)
     assert o3.ns_calls[id(p3)] == 9  # 3 steps x 3 experts
 
 
-def _tiny(arch):
+def test_muon_rejects_bad_groups():
+    with pytest.raises(ValueError, match="use_muon"):
+        Muon([dict(params=[torch.nn.Parameter(torch.randn(2, 2))])])
+    with pytest.raises(ValueError, match="2-D matrices or 3-D"):
+        Muon([dict(params=[torch.nn.Parameter(torch.randn(4))], use_muon=True)])
+    with pytest.raises(ValueError, match=r"unknown keys \['betas'\]"):
+        Muon([dict(params=[torch.nn.Parameter(torch.randn(2, 2))], use_muon=True, betas=(0.9, 0.9))])
+    with pytest.raises(ValueError, match="adjust_lr"):
+        Muon([dict(params=[torch.nn.Parameter(torch.randn(2, 2))], use_muon=True, adjust_lr="spectral")])
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def _tiny(arch, **over):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=128, max_position_embeddings=64)
     extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
              "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128, bos_token_id=0, eos_token_id=0),
-             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)}
+             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+             "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"]),
+             "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                 n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1)}
     kw = extra["gpt2"] if arch == "gpt2" else {**base, **extra.get(arch, {})}
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**kw, **over}))
 
 
-def test_hybrid_grouping():
-    kinds = classify_parameters(_tiny("llama"))
-    assert kinds["model.layers.0.mlp.gate_proj.weight"] == "muon"
-    assert kinds["model.layers.1.self_attn.q_proj.weight"] == "muon"
-    assert kinds["model.embed_tokens.weight"] == "adamw" and kinds["lm_head.weight"] == "adamw"
-    assert kinds["model.norm.weight"] == "adamw_no_decay" and kinds["model.layers.0.input_layernorm.weight"] == "adamw_no_decay"
-    moe = classify_parameters(_tiny("mixtral"))
-    assert moe["model.layers.0.mlp.gate.weight"] == "adamw"  # the router
-    assert moe["model.layers.0.mlp.experts.gate_up_proj"] == "muon"  # 3-D experts, batched NS
-    q = classify_parameters(_tiny("qwen2_moe"))
-    assert q["model.layers.0.mlp.shared_expert_gate.weight"] == "adamw" and q["model.layers.0.mlp.gate.weight"] == "adamw"
-    assert q["model.layers.0.mlp.shared_expert.up_proj.weight"] == "muon"
+def _expect(kinds, muon=(), adamw=(), no_decay=()):
+    for names, kind in ((muon, "muon"), (adamw, "adamw"), (no_decay, "adamw_no_decay")):
+        for n in names:
+            assert kinds[n] == kind, (n, kinds[n], kind)
+
+
+def test_grouping_llama_and_gpt2():
+    model = _tiny("llama")
+    kinds = classify_parameters(model)
+    assert set(kinds) == {n for n, _ in model.named_parameters()}
+    _expect(kinds,
+            muon=[f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in
+                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")],  # gate_proj is a plain matrix, not a router
+            adamw=["model.embed_tokens.weight", "lm_head.weight"],
+            no_decay=["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"])
+    assert sum(k == "muon" for k in kinds.values()) == 14
     g = classify_parameters(_tiny("gpt2"))
-    assert g["transformer.h.0.attn.c_attn.weight"] == "muon" and g["transformer.h.0.attn.c_attn.bias"] == "adamw_no_decay"
-    assert g["transformer.wte.weight"] == "adamw" and g["transformer.wpe.weight"] == "adamw"
-    logs = []
-    opt = build_optimizer(_tiny("mixtral"), OptimizerConfig(name="muon"), log=logs.append)
-    assert isinstance(opt, Muon) and any("muon" in m and "tensors" in m for m in logs)
+    _expect(g, muon=[f"transformer.h.{i}.{m}.weight" for i in (0, 1) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")],
+            adamw=["transformer.wte.weight", "transformer.wpe.weight"],
+            no_decay=["transformer.h.0.attn.c_attn.bias", "transformer.h.1.ln_1.weight", "transformer.ln_f.bias"])
+    assert sum(k == "muon" for k in g.values()) == 8
 
 
-def test_muon_runs_ns_on_every_matrix_every_step():
+def test_grouping_moe_models():
+    moe = classify_parameters(_tiny("mixtral"))
+    _expect(moe, muon=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+                       "model.layers.0.self_attn.q_proj.weight"],
+            adamw=["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"])  # MixtralTopKRouter
+    q = classify_parameters(_tiny("qwen2_moe"))
+    _expect(q, muon=["model.layers.0.mlp.shared_expert.up_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"],
+            adamw=["model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight"],
+            no_decay=["model.layers.0.self_attn.q_proj.bias"])
+    oss = classify_parameters(_tiny("gpt_oss"))
+    _expect(oss, muon=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"],
+            adamw=["model.layers.0.mlp.router.weight"],
+            no_decay=["model.layers.0.mlp.router.bias", "model.layers.0.mlp.experts.gate_up_proj_bias",  # 2-D (E, 2I) biases
+                      "model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks"])
+    ds = classify_parameters(_tiny("deepseek_v3"))
+    _expect(ds, muon=["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.experts.gate_up_proj",
+                      "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"],
+            adamw=["model.layers.1.mlp.gate.weight"])  # DeepseekV3TopkRouter
+
+
+def test_build_muon_logs_groups_and_groups_a_pipeline_stage():
     model = _tiny("mixtral")
-    opt = build_optimizer(model, OptimizerConfig(name="muon"), log=lambda *_: None)
-    ids = torch.randint(0, 128, (2, 8))
-    for _ in range(3):
-        model(ids, labels=ids).loss.backward()
+    logs = []
+    cfg = OptimizerConfig(name="muon", learning_rate=0.02, adamw_lr=3e-3, weight_decay=0.1, adamw_weight_decay=0.05)
+    opt = build_optimizer(model, cfg, log=logs.append)
+    assert isinstance(opt, Muon)
+    by_name = {g["name"]: g for g in opt.param_groups}
+    assert set(by_name) == {"muon", "adamw", "adamw_no_decay"}
+    assert by_name["muon"]["use_muon"] and by_name["muon"]["lr"] == 0.02 and by_name["muon"]["weight_decay"] == 0.1
+    assert by_name["adamw"]["lr"] == 3e-3 and by_name["adamw"]["weight_decay"] == 0.05
+    assert by_name["adamw_no_decay"]["weight_decay"] == 0.0 and by_name["adamw_no_decay"]["lr"] == 3e-3
+    kinds = classify_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in opt.param_groups:
+        assert {kinds[names[id(p)]] for p in g["params"]} == {g["name"]}
+    n_muon = len(by_name["muon"]["params"])
+    assert any(f"group muon: {n_muon} tensors" in m for m in logs) and len(logs) == 3
+    # a pipeline stage (original names, the HF modules themselves in plain containers) classifies the same way
+    stage = torch.nn.Module()
+    stage.model = torch.nn.Module()
+    stage.model.layers = torch.nn.ModuleDict({"1": model.model.layers[1]})
+    stage.model.norm, stage.lm_head = model.model.norm, model.lm_head
+    sk = classify_parameters(stage)
+    assert sk["lm_head.weight"] == "adamw" and sk["model.layers.1.mlp.gate.weight"] == "adamw"
+    assert sk["model.layers.1.mlp.experts.gate_up_proj"] == "muon" and sk["model.norm.weight"] == "adamw_no_decay"
+    assert all(sk[n] == kinds[n] for n in sk)
+
+
+def test_router_fallback_and_unrecognized_layouts():
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 4, bias=False)  # a plain Linear router
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.gate_proj = torch.nn.Linear(8, 8)
+
+    net = torch.nn.Module()
+    net.layers = torch.nn.ModuleList([MoE()])
+    k = classify_parameters(net)
+    assert k["layers.0.gate.weight"] == "adamw" and k["layers.0.gate_proj.weight"] == "muon"
+    assert k["layers.0.experts.1.weight"] == "muon" and k["layers.0.experts.1.bias"] == "adamw_no_decay"
+    with pytest.raises(ValueError, match="no matrix inside a decoder layer"):
+        build_optimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), OptimizerConfig(name="muon"), log=lambda *_: None)
+    head_only = torch.nn.Module()  # a pipeline stage holding only the norm and the head
+    head_only.norm, head_only.lm_head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16, bias=False)
+    logs = []
+    opt = build_optimizer(head_only, OptimizerConfig(name="muon"), log=logs.append)
+    assert [g["name"] for g in opt.param_groups] == ["adamw", "adamw_no_decay"] and "AdamW side only" in logs[0]
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadam", "sgd"])
+def test_build_other_optimizers(name):
+    model = _tiny("llama")
+    cfg = OptimizerConfig(name=name, learning_rate=1e-3, weight_decay=0.1, adamw_lr=5.0, adamw_weight_decay=0.7,
+                          adam_beta1=0.8, adam_beta2=0.97, momentum=0.9, nesterov=True)
+    logs = []
+    opt = build_optimizer(model, cfg, log=logs.append)
+    cls = {"adamw": torch.optim.AdamW, "nadam": torch.optim.NAdam, "sgd": torch.optim.SGD}[name]
+    assert type(opt) is cls and len(logs) == 2
+    decay, no_decay = opt.param_groups
+    assert (decay["name"], decay["weight_decay"], no_decay["name"], no_decay["weight_decay"]) == ("decay", 0.1, "no_decay", 0.0)
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)  # adamw_lr/adamw_weight_decay are Muon's AdamW side only
+    kinds = classify_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {kinds[names[id(p)]] for p in no_decay["params"]} == {"adamw_no_decay"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    if name == "nadam":
+        assert decay["betas"] == (0.99, 0.97) and decay["decoupled_weight_decay"]
+    elif name == "sgd":
+        assert decay["momentum"] == 0.9 and decay["nesterov"]
+    else:
+        assert decay["betas"] == (0.8, 0.97)
+
+
+def _train(model, opt, sched, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (2, 8), generator=g)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_muon_runs_ns_on_every_matrix_every_step_and_lambda_lr_scales_both_sides():
+    model = _tiny("mixtral")
+    opt = build_optimizer(model, OptimizerConfig(name="muon", learning_rate=0.02, adamw_lr=0.004), log=lambda *_: None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5**k)
+    _train(model, opt, sched, 3, seed=0)
     muon = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
-    assert muon and all(opt.ns_calls[id(p)] == 3 * (p.shape[0] if p.dim() == 3 else 1) for p in muon)
+    kinds = classify_parameters(model)
+    assert len(muon) == sum(k == "muon" for k in kinds.values())
+    assert all(opt.ns_calls[id(p)] == 3 * (p.shape[0] if p.dim() == 3 else 1) for p in muon)
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs == pytest.approx({"muon": 0.02 / 8, "adamw": 0.004 / 8, "adamw_no_decay": 0.004 / 8})
+
+
+def test_hybrid_state_dict_round_trip():
+    torch.manual_seed(0)
+    model = _tiny("llama")
+    twin = copy.deepcopy(model)
+    cfg = OptimizerConfig(name="muon", learning_rate=0.02, adamw_lr=3e-3, delay_correction="error_feedback")
+
+    def make(m):
+        opt = apply_delay_correction(build_optimizer(m, cfg, log=lambda *_: None), cfg)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+
+    opt, sched = make(model)
+    straight = _train(model, opt, sched, 3, seed=1) + _train(model, opt, sched, 3, seed=2)
+    o1, s1 = make(twin)
+    first = _train(twin, o1, s1, 3, seed=1)
+    buf = io.BytesIO()
+    torch.save({"model": twin.state_dict(), "opt": o1.state_dict(), "sched": s1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = _tiny("llama")
+    fresh.load_state_dict(saved["model"])
+    o2, s2 = make(fresh)
+    o2.load_state_dict(saved["opt"])
+    s2.load_state_dict(saved["sched"])
+    assert len(o2.error_feedback["prev"]) == len(list(fresh.parameters()))
+    assert "momentum_buffer" in o2.state[fresh.model.layers[0].mlp.up_proj.weight]
+    assert first + _train(fresh, o2, s2, 3, seed=2) == straight
+
+
+# ---------------------------------------------------------------- error feedback
+
+
+def _make(name, p):
+    if name == "muon":
+        return Muon([dict(params=[p], use_muon=True, lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1, ns_steps=5,
+                          adjust_lr="original", ns_dtype="float64")])
+    if name == "adamw":
+        return torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD([p], lr=0.05, momentum=0.9, weight_decay=0.01)
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon", "sgd"])
 @pytest.mark.parametrize("lam", [1.0, 0.5])
 def test_error_feedback_identity(name, lam):
-    """x[t+1] - x[t] = -u[t] - lam (u[t] - u[t-1]), u from an un-wrapped twin fed the same gradients at the same points."""
+    """x[t+1] - x[t] = -u[t] - lam (u[t] - u[t-1]) (lam = 1: -2u[t] + u[t-1]); the first step is plain.
+
+    u[t] comes from an un-wrapped twin optimizer with its own state, put at x[t] and fed the same gradient:
+    this also proves the correction leaves the wrapped optimizer's state alone.
+    """
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(12, 10))
-
-    def make(p):
-        if name == "muon":
-            return Muon([dict(params=[p], use_muon=True, lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1, ns_steps=5,
-                              adjust_lr="original", ns_dtype="float64")])
-        if name == "adamw":
-            return torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
-        return torch.optim.SGD([p], lr=0.05, momentum=0.9)
-
-    w.data = w.data.double()
-    opt = make(w)
-    install_error_feedback(opt, lam)
+    w = torch.nn.Parameter(torch.randn(12, 10, dtype=torch.float64))
+    twin = torch.nn.Parameter(w.data.clone())
+    opt = apply_delay_correction(_make(name, w), OptimizerConfig(delay_correction="error_feedback", ef_lambda=lam))
+    twin_opt = _make(name, twin)
     u_prev = None
-    for t, g in enumerate(_grads((12, 10), 6, seed=1)):
-        twin = torch.nn.Parameter(w.data.clone())
-        twin_opt = make(twin)
-        twin_opt.load_state_dict({"state": {0: copy.deepcopy(opt.state[w])}, "param_groups": opt.state_dict()["param_groups"]})
-        twin.grad = g.double().clone()
+    for t, g in enumerate(_grads((12, 10), 6, seed=1, dtype=torch.float64)):
+        twin.data.copy_(w.data)
+        twin.grad, w.grad = g.clone(), g.clone()
         twin_opt.step()
         u = w.data - twin.data
         x_before = w.data.clone()
-        w.grad = g.double().clone()
         opt.step()
         expected = -u if u_prev is None else -u - lam * (u - u_prev)
         torch.testing.assert_close(w.data - x_before, expected, rtol=1e-9, atol=1e-12)
+        if u_prev is not None and lam == 1.0:
+            torch.testing.assert_close(w.data - x_before, -2 * u + u_prev, rtol=1e-9, atol=1e-12)
+        assert u.abs().max() > 1e-4  # a real update
         u_prev = u
+    torch.testing.assert_close(opt.error_feedback["prev"][w], u_prev, rtol=1e-12, atol=0)  # keeps u[t]
+
+
+def test_error_feedback_install_rules():
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    assert apply_delay_correction(opt, OptimizerConfig()) is opt and not hasattr(opt, "error_feedback")
+    assert apply_delay_correction(opt, OptimizerConfig(delay_correction="error_feedback")) is opt
+    with pytest.raises(ValueError, match="already installed"):
+        install_error_feedback(opt)
+    # a parameter without a gradient this step is not corrected and keeps its buffer
+    q = torch.nn.Parameter(torch.ones(2))
+    o = install_error_feedback(torch.optim.SGD([p, q], lr=0.1))
+    p.grad, q.grad = torch.ones(3, 3), torch.ones(2)
+    o.step()
+    kept = o.error_feedback["prev"][q].clone()
+    q.grad = None
+    before = q.data.clone()
+    p.grad = torch.ones(3, 3)
+    o.step()
+    assert torch.equal(q.data, before) and torch.equal(o.error_feedback["prev"][q], kept)
 
 
 def test_error_feedback_state_round_trip():
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(5, 4))
     b = torch.nn.Parameter(a.data.clone())
-    oa, ob = torch.optim.AdamW([a], lr=0.1), torch.optim.AdamW([b], lr=0.1)
-    install_error_feedback(oa)
-    install_error_feedback(ob)
+    oa, ob = install_error_feedback(torch.optim.AdamW([a], lr=0.1), 0.7), install_error_feedback(torch.optim.AdamW([b], lr=0.1), 0.7)
     gs = _grads((5, 4), 6, seed=2)
     for g in gs[:3]:
         a.grad = g.clone()
         oa.step()
     sd = copy.deepcopy(oa.state_dict())
-    assert "error_feedback" in sd and len(sd["error_feedback"]["prev"]) == 1
+    assert set(sd["error_feedback"]) == {"lam", "prev"} and list(sd["error_feedback"]["prev"]) == [0]
     b.data.copy_(a.data)
     ob.load_state_dict(sd)
+    assert "error_feedback" in sd  # the caller's dict is left as it was
+    assert torch.equal(ob.error_feedback["prev"][b], oa.error_feedback["prev"][a])
     for g in gs[3:]:
         a.grad, b.grad = g.clone(), g.clone()
         oa.step()
         ob.step()
     assert torch.equal(a.data, b.data)
-    sched = torch.optim.lr_scheduler.LambdaLR(oa, lambda k: 0.5)  # still a torch Optimizer
-    sched.step()
+    # a state dict without EF buffers (e.g. from a run without the correction) clears them: the next step is plain
+    sd.pop("error_feedback")
+    ob.load_state_dict(sd)
+    assert ob.error_feedback["prev"] == {}

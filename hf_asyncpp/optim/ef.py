@@ -1,79 +1,116 @@
 """Update-level Error-Feedback delay correction (arXiv 2606.30634), for any optimizer.
 
-With a one-step-stale gradient, the optimizer's own step produces ``u[t] = x_before - x_after``.
-The correction extrapolates it: ``x[t+1] = x_before - u[t] - lam * (u[t] - u[t-1])``
-(lam = 1: ``x[t+1] = x[t] - 2u[t] + u[t-1]``). The wrapped optimizer's state is untouched.
+With a one-step-stale gradient, the wrapped optimizer's own step produces
+``u[t] = x_before - x_after``. The correction extrapolates it:
 
-Choices (documented and tested):
-- First step: there is no ``u[t-1]`` yet, so the step is applied plain (no extrapolation from zero,
-  which would double the first update).
-- Weight decay: ``u`` is the full delta of ``optimizer.step()``, decoupled weight decay included, so
-  the correction is blind to how the optimizer built its update.
-- Every parameter with a gradient is corrected; a parameter without one this step keeps its buffer.
-- State: one parameter-sized buffer per corrected parameter (``u[t-1]``), plus a transient copy of
-  the weights during the step. It is saved under ``"error_feedback"`` in the optimizer's state dict.
-It is installed through optimizer step hooks, so the object stays a ``torch.optim.Optimizer`` and
-LR schedulers work unchanged.
+    x[t+1] = x_before - u[t] - lam * (u[t] - u[t-1])      (lam = 1: x[t] - 2 u[t] + u[t-1])
+
+and keeps ``u[t]`` for the next step. The wrapped optimizer's own state is never touched.
+
+Choices (documented here, tested in tests/test_optim.py):
+
+- First step: there is no ``u[t-1]`` yet, so the step is applied plain (no extrapolation; treating
+  ``u[-1]`` as 0 would apply ``(1 + lam) u[0]``, an oversized first update). The same holds for a
+  parameter's first step with a gradient, and after loading a state dict without EF buffers.
+- Weight decay: ``u`` is the full delta of ``optimizer.step()``, decoupled weight decay included,
+  so the correction is blind to how the optimizer built its update (Muon, AdamW, SGD alike).
+- Scope: every parameter with a gradient this step, in every param group. A parameter without a
+  gradient is left alone and keeps its buffer.
+- Memory: one persistent parameter-sized buffer per corrected parameter (``u[t-1]``), plus a
+  transient copy of the weights between the step's pre- and post-hook (reused as ``u[t]``).
+- ``lam`` is the configured one (``optimizer.error_feedback["lam"]``); the value saved in a state
+  dict is informational and does not override it on load.
+
+It is installed through the optimizer's step hooks, so the object stays the same
+``torch.optim.Optimizer`` (LR schedulers, ``zero_grad`` and checkpointing work unchanged). Its
+buffers travel in the optimizer's own ``state_dict()`` under ``"error_feedback"``:
+``{"lam": float, "prev": {param index: u[t-1]}}``, indices in ``param_groups`` order as for ``"state"``.
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+__all__ = ["KEY", "apply_delay_correction", "install_error_feedback", "extrapolate_"]
 
 KEY = "error_feedback"
 
 
+def extrapolate_(p: Tensor, u: Tensor, prev: Tensor, lam: float) -> None:
+    """``p`` holds ``x_before - u``: move it to ``x_before - u - lam (u - prev)``, then ``prev <- u``."""
+    p.sub_(u - prev, alpha=lam)
+    prev.copy_(u)
+
+
 def apply_delay_correction(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.Optimizer:
-    """Install the correction when ``cfg.delay_correction == 'error_feedback'``; returns the optimizer."""
+    """The optimizer to use: ``optimizer`` itself, with the correction installed when
+    ``cfg.delay_correction == 'error_feedback'`` (``lam = cfg.ef_lambda``), untouched for ``'none'``."""
     if cfg.delay_correction == "none":
         return optimizer
     if cfg.delay_correction != "error_feedback":
         raise ValueError(f"optimizer.delay_correction: {cfg.delay_correction!r} is not one of 'none', 'error_feedback'")
-    install_error_feedback(optimizer, cfg.ef_lambda)
-    return optimizer
+    return install_error_feedback(optimizer, cfg.ef_lambda)
 
 
-def _params(opt) -> list[torch.Tensor]:
+def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float = 1.0) -> None:
-    ef = {"lam": float(lam), "prev": {}, "before": {}}  # prev: param -> u[t-1]
-    optimizer.error_feedback = ef
+def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float = 1.0) -> torch.optim.Optimizer:
+    """Install the correction on ``optimizer`` in place (step and state-dict hooks); returns it.
 
+    Its state is ``optimizer.error_feedback``: ``{"lam": float, "prev": {param: u[t-1]}}``.
+    """
+    if hasattr(optimizer, KEY):
+        raise ValueError("error feedback is already installed on this optimizer (it would be applied twice)")
+    if lam < 0:
+        raise ValueError(f"optimizer.ef_lambda: {lam} must be >= 0")
+    ef = {"lam": float(lam), "prev": {}}
+    transient: dict[Tensor, Tensor] = {}  # param -> x_before, during one step only
+    pending: list = []  # what load_state_dict's pre-hook took out of the state dict
+
+    @torch.no_grad()
     def pre(opt, args, kwargs):
-        ef["before"] = {p: p.detach().clone() for p in _params(opt) if p.grad is not None}
+        transient.clear()
+        transient.update({p: p.detach().clone() for p in _params(opt) if p.grad is not None})
 
     @torch.no_grad()
     def post(opt, args, kwargs):
-        for p, before in ef["before"].items():
-            u = before.sub_(p)  # u[t] = x_before - x_after (reuses the transient copy)
+        for p, before in transient.items():
+            u = before.sub_(p)  # u[t] = x_before - x_after, in the transient copy
             prev = ef["prev"].get(p)
-            if prev is not None:
-                p.sub_(u - prev, alpha=ef["lam"])  # x_after - lam (u[t] - u[t-1])
-                prev.copy_(u)
-            else:
+            if prev is None:  # no u[t-1]: plain step, keep u[t]
                 ef["prev"][p] = u
-        ef["before"] = {}
+            else:
+                extrapolate_(p, u, prev, ef["lam"])
+        transient.clear()
 
     def save(opt, state_dict):
         index = {p: i for i, p in enumerate(_params(opt))}
-        state_dict[KEY] = {"lam": ef["lam"], "prev": {index[p]: t.clone() for p, t in ef["prev"].items()}}
+        state_dict[KEY] = {"lam": ef["lam"], "prev": {index[p]: t for p, t in ef["prev"].items() if p in index}}
         return state_dict
 
     def load_pre(opt, state_dict):
-        saved = state_dict.pop(KEY, None)
-        ef["pending"] = saved
+        pending.clear()
+        pending.append(state_dict.pop(KEY, None))  # a shallow copy: the caller's dict is not changed
+        return state_dict
 
+    @torch.no_grad()
     def load_post(opt):
-        saved = ef.pop("pending", None)
-        if saved is None:
-            return
+        saved = pending.pop() if pending else None
         params = _params(opt)
-        ef["lam"] = saved["lam"]
-        ef["prev"] = {params[int(i)]: t.clone().to(params[int(i)].device) for i, t in saved["prev"].items()}
+        prev = {}
+        for i, t in ((saved or {}).get("prev") or {}).items():
+            p = params[int(i)]
+            if t.shape != p.shape:
+                raise ValueError(f"error feedback buffer {i}: shape {tuple(t.shape)} does not match the parameter's {tuple(p.shape)}")
+            prev[p] = t.to(device=p.device, dtype=p.dtype, copy=True)
+        ef["prev"] = prev
 
     optimizer.register_step_pre_hook(pre)
     optimizer.register_step_post_hook(post)
     optimizer.register_state_dict_post_hook(save)
     optimizer.register_load_state_dict_pre_hook(load_pre)
     optimizer.register_load_state_dict_post_hook(load_post)
+    setattr(optimizer, KEY, ef)
+    return optimizer

@@ -1,11 +1,28 @@
 """Muon with an AdamW side, in one optimizer (so one LR scheduler drives both).
 
 Pure functions first (Newton-Schulz, the Muon and AdamW updates), then a thin
-``torch.optim.Optimizer`` whose param groups carry ``use_muon``. The 2-D path is
-numerically the same as ``torch.optim.Muon``; 3-D MoE expert tensors (E, A, B)
-are orthogonalized per expert in one batched call. ``ns_calls`` counts the
-matrices orthogonalized per parameter, so tests can prove Muon never silently
-fell back to another update.
+``torch.optim.Optimizer`` whose param groups carry ``use_muon`` (Keller Jordan's
+``MuonWithAuxAdam`` layout).
+
+- 2-D matrices: numerically the same update as ``torch.optim.Muon`` (momentum
+  lerp, Nesterov, quintic Newton-Schulz in bfloat16 on the Frobenius-normalized
+  matrix, rows <= cols by transposing, lr scaled per matrix, decoupled weight
+  decay ``p *= 1 - lr * wd`` with the *unscaled* lr, as torch does).
+- 3-D MoE expert stacks ``(E, A, B)``: every expert's ``(A, B)`` matrix is
+  orthogonalized in ONE batched call over the leading dim. HF stores most
+  experts as ``(E, out, in)`` but GPT-OSS as ``(E, in, out)``; NS is
+  transpose-equivariant (NS(G^T) = NS(G)^T, the rows <= cols convention only
+  picks which Gram matrix is formed), so the update is right either way.
+- The lr scale reads the tensor's last two dims as (rows, cols), like
+  ``torch.optim.Muon`` and Keller Jordan's code. ``match_rms_adamw``
+  (0.2 sqrt(max(rows, cols))) is symmetric; ``original`` (sqrt(max(1, rows/cols)))
+  is not: for tensors stored (in, out) -- GPT-2 Conv1D, GPT-OSS experts -- it
+  gives sqrt(max(1, in/out)) where a Linear of the same layer would get
+  sqrt(max(1, out/in)).
+
+``Muon.ns_calls[id(p)]`` counts the matrices Newton-Schulz orthogonalized for
+``p`` (experts count one each), so tests can prove no Muon parameter ever fell
+back silently to another update.
 """
 from __future__ import annotations
 
@@ -14,86 +31,127 @@ import math
 import torch
 from torch import Tensor
 
+__all__ = ["NS_COEFFICIENTS", "zeropower_via_newtonschulz", "adjusted_lr", "muon_update", "adamw_update", "Muon"]
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
+
+MUON_DEFAULTS = dict(lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5, adjust_lr="original",
+                     ns_dtype="bfloat16", ns_coefficients=NS_COEFFICIENTS, eps=EPS)
+"""Muon group keys and their defaults (those of ``torch.optim.Muon``)."""
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+"""AdamW group keys and their defaults (those of ``torch.optim.AdamW``)."""
+_OTHER_KEYS = {"params", "use_muon", "name", "initial_lr", "param_names"}
 
 
 def zeropower_via_newtonschulz(g: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = EPS,
                                dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Approximate orthogonalization of the last two dims of ``g`` (batched over leading dims), in bfloat16.
+    """Approximately orthogonalize the last two dims of ``g`` (batched over any leading dims).
 
-    The quintic iteration does not converge to U V^T but to roughly U S' V^T with S' in [0.5, 1.5], which
-    does not hurt training (Keller Jordan). Rows > cols are transposed first so the Gram matrix is small.
+    Quintic Newton-Schulz on the Frobenius-normalized matrix, computed in ``dtype`` (bfloat16 as
+    ``torch.optim.Muon``). The coefficients maximize the slope at zero rather than converge: the
+    result is about U S' V^T with S' in roughly [0.5, 1.5] instead of U V^T, which does not hurt
+    training (Keller Jordan). Wide matrices are iterated as given, tall ones transposed first, so
+    the Gram matrix is the small (rows x rows) one. Returns a tensor of ``dtype``.
     """
     a, b, c = coefficients
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1
+    if x.dim() not in (2, 3):
+        raise ValueError(f"Newton-Schulz takes a matrix or a stack of matrices, got shape {tuple(g.shape)}")
+    mm = torch.addmm if x.dim() == 2 else torch.baddbmm  # 3-D: one batched call over the experts
     for _ in range(steps):
         gram = x @ x.mT
-        if x.dim() > 2:  # one batched call over the MoE experts
-            upd = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, upd, x, beta=a)
-        else:
-            upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, upd, x, beta=a)
+        update = mm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = mm(x, update, x, beta=a)  # a X + (b A + c A^2) X
     return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, shape: torch.Size, how: str) -> float:
-    """Per-matrix lr scale: ``original`` sqrt(max(1, A/B)) or ``match_rms_adamw`` 0.2 sqrt(max(A, B))."""
-    A, B = shape[-2], shape[-1]
+    """Per-matrix lr of a (..., rows, cols) tensor: ``original`` lr sqrt(max(1, rows/cols)),
+    ``match_rms_adamw`` lr 0.2 sqrt(max(rows, cols)) (Moonshot: update RMS about AdamW's)."""
+    rows, cols = shape[-2], shape[-1]
     if how == "original":
-        return lr * math.sqrt(max(1.0, A / B))
+        return lr * math.sqrt(max(1.0, rows / cols))
     if how == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(A, B))
+        return lr * 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"optimizer.adjust_lr: {how!r} is not one of 'original', 'match_rms_adamw'")
 
 
-def muon_update(p: Tensor, grad: Tensor, buf: Tensor, *, lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr,
-                ns_dtype: torch.dtype = torch.bfloat16) -> None:
-    buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if nesterov else buf
-    update = zeropower_via_newtonschulz(update, ns_steps, dtype=ns_dtype)
-    p.mul_(1 - lr * weight_decay)
-    p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, p.shape, adjust_lr))
+def muon_update(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool, ns_steps: int,
+                ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Advance the momentum buffer in place and return the orthogonalized direction (not yet lr-scaled)."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    direction = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps, ns_dtype)
 
 
-def adamw_update(p: Tensor, grad: Tensor, state: dict, *, lr, betas, eps, weight_decay) -> None:
-    """torch.optim.AdamW's single-tensor update."""
+def adamw_update(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas, eps: float, weight_decay: float) -> None:
+    """``torch.optim.AdamW``'s single-tensor update of ``p`` in place (same state keys: step, exp_avg, exp_avg_sq)."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["step"] += 1
     step = float(state["step"])
-    b1, b2 = betas
+    beta1, beta2 = betas
     p.mul_(1 - lr * weight_decay)
-    state["exp_avg"].lerp_(grad, 1 - b1)
-    state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**step)).add_(eps)
-    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**step))
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+
+def _dtype(d) -> torch.dtype:
+    """``ns_dtype`` is kept as a string ('bfloat16') in the group so state dicts stay plain data."""
+    out = d if isinstance(d, torch.dtype) else getattr(torch, str(d), None)
+    if not isinstance(out, torch.dtype):
+        raise ValueError(f"Muon: ns_dtype {d!r} is not a torch dtype; use 'bfloat16', 'float32' or 'float64'")
+    return out
 
 
 class Muon(torch.optim.Optimizer):
     """Hybrid optimizer: groups with ``use_muon=True`` get Muon, the others AdamW.
 
-    Muon groups: lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr, ns_dtype (2-D or 3-D params only).
-    AdamW groups: lr, betas, eps, weight_decay.
+    Every group must say ``use_muon``. Muon groups take the keys of ``MUON_DEFAULTS`` (lr, momentum,
+    nesterov, weight_decay, ns_steps, adjust_lr, ns_dtype as a string, ns_coefficients, eps) and
+    2-D or 3-D parameters; AdamW groups those of ``ADAMW_DEFAULTS`` (lr, betas, eps, weight_decay).
+    A missing key takes its default, an unknown one is an error. An optional ``name`` labels the group.
+
+    Example::
+
+        opt = Muon([dict(params=matrices, use_muon=True, lr=0.02, adjust_lr="match_rms_adamw"),
+                    dict(params=others, use_muon=False, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)])
     """
 
     def __init__(self, param_groups: list[dict]):
-        for g in param_groups:
-            if "use_muon" not in g:
-                raise ValueError("every Muon param group needs use_muon=True/False")
-            if g["use_muon"]:
-                for p in g["params"]:
-                    if p.dim() not in (2, 3):
-                        raise ValueError(f"Muon takes 2-D matrices or 3-D expert stacks, got shape {tuple(p.shape)}")
-        super().__init__(param_groups, {})
         self.ns_calls: dict[int, int] = {}
+        super().__init__(param_groups, {})  # every group goes through add_param_group
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Check a group (``use_muon``, known keys, Muon shapes) and fill its missing keys with the defaults."""
+        i, g = len(self.param_groups), param_group
+        if not isinstance(g, dict) or "use_muon" not in g:
+            raise ValueError(f"Muon param group {i}: needs use_muon=True (Muon) or use_muon=False (AdamW)")
+        defaults = MUON_DEFAULTS if g["use_muon"] else ADAMW_DEFAULTS
+        unknown = sorted(set(g) - set(defaults) - _OTHER_KEYS)
+        if unknown:
+            kind = "Muon" if g["use_muon"] else "AdamW"
+            raise ValueError(f"Muon param group {i} ({kind}): unknown keys {unknown}; allowed: {sorted(defaults)}")
+        g = {**defaults, **g}
+        if g["use_muon"]:
+            adjusted_lr(1.0, torch.Size([1, 1]), g["adjust_lr"])  # validates the name
+            _dtype(g["ns_dtype"])
+            params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+            for p in params:
+                if p.dim() not in (2, 3):
+                    raise ValueError(f"Muon param group {i}: Muon takes 2-D matrices or 3-D expert stacks, got "
+                                     f"shape {tuple(p.shape)}; put it in a use_muon=False (AdamW) group")
+            g["params"] = params
+        super().add_param_group(g)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -106,13 +164,15 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if g["use_muon"]:
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    muon_update(p, p.grad, state["momentum_buffer"], lr=g["lr"], momentum=g["momentum"],
-                                nesterov=g["nesterov"], weight_decay=g["weight_decay"], ns_steps=g["ns_steps"],
-                                adjust_lr=g["adjust_lr"], ns_dtype=getattr(torch, g.get("ns_dtype", "bfloat16")))
-                    self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + (p.shape[0] if p.dim() == 3 else 1)
-                else:
+                if not g["use_muon"]:
                     adamw_update(p, p.grad, state, lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+                    continue
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                update = muon_update(p.grad, state["momentum_buffer"], momentum=g["momentum"], nesterov=g["nesterov"],
+                                     ns_steps=g["ns_steps"], ns_coefficients=g["ns_coefficients"], eps=g["eps"],
+                                     ns_dtype=_dtype(g["ns_dtype"]))
+                self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + update[..., 0, 0].numel()
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-adjusted_lr(g["lr"], p.shape, g["adjust_lr"]))
         return loss
