@@ -32,10 +32,10 @@ def main():
     args = ap.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_asyncpp.partition import partition_model
+    from hf_asyncpp.partition import partition_model, run_stages
 
     torch.set_num_threads(1)
-    rows = []
+    rows, sent = [], []
     for name, (mt, kw) in CONFIGS.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **kw))
@@ -49,14 +49,16 @@ def main():
             stages = partition_model(model, p, seq_len=128)
 
             def run(stages=stages):
-                a = stages[0](ids, labels=ids) if len(stages) == 1 else stages[0](ids)
-                for s in stages[1:-1]:
-                    a = s(a)
-                loss = a if len(stages) == 1 else stages[-1](a, labels=ids)
-                loss.backward()
+                run_stages(stages, ids, ids).backward()
 
             chained[p] = run
-        fns = {"plain": plain, **{f"{p} stages": f for p, f in chained.items()}}
+            if p == 2:  # what one stage boundary carries (the runtime sends each tensor)
+                with torch.no_grad():
+                    out = stages[0](ids)
+                parts = out if isinstance(out, tuple) else (out,)
+                sent.append(f"- {name}: " + " + ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in parts)
+                            + f" = {sum(t.numel() * t.element_size() for t in parts):,} bytes per microbatch")
+        fns = {"plain": plain, **{f"{p} stage{'s' if p > 1 else ''}": f for p, f in chained.items()}}
         times = {k: [] for k in fns}
         for fn in fns.values():
             fn()  # warm-up
@@ -72,12 +74,14 @@ def main():
             rows.append(f"| {name} | {k} | {med * 1e3:.1f} | {(med / base - 1) * 100:+.1f}% |")
     table = "\n".join(["| model | run | median fwd+bwd (ms) | overhead vs plain |", "|---|---|---|---|", *rows])
     print(table)
+    print("\n".join(sent))
     if args.write:
         from bench.report import write_section
 
         write_section("partition", f"## Partition overhead (single process, 1 thread)\n\nCommand: `python bench/partition_overhead.py "
                       f"--repeats {args.repeats} --write` ({time.strftime('%Y-%m-%d')}; batch 4 x 128 tokens; medians of "
-                      f"interleaved runs). Target: at most 3%.\n\n{table}")
+                      f"interleaved runs). Target: at most 3%.\n\n{table}\n\nWhat crosses a stage boundary (MoE: hidden states + router "
+                      f"statistics pooled over every router so far, 2E + 1 numbers, whatever the depth):\n\n" + "\n".join(sent))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""Split a transformers ``*ForCausalLM`` into exact pipeline stages, without changing its class or code.
+
+Stage contract (the runtime and the tests rely on it):
+
+- ``partition_model(model, p)`` returns ``p`` plain ``nn.Module`` stages. ``stages[0](input_ids)`` -> activation;
+  ``stages[i](activation)`` -> activation; ``stages[-1](activation, labels=labels)`` -> the loss, the mean over
+  the microbatch's tokens exactly as ``model(input_ids, labels=labels).loss`` (labels shifted inside, -100
+  ignored); ``stages[-1](activation)`` -> the logits. Each forward takes exactly one positional argument.
+- An activation is the hidden-state tensor, or for MoE models whose config sets ``output_router_logits`` (and
+  that add transformers' router auxiliary loss) the tuple
+  ``(hidden (B, T, H) float, router_prob_sum (E,) float32, router_counts (E + 1,) int64)``:
+  the softmax probabilities and top-k assignment counts summed over every router so far (the last count entry is
+  the number of router rows). The last stage adds ``router_aux_loss_coef * aux_loss`` computed from these pooled
+  sums, exactly transformers' loss over all layers. Floating elements (hidden, router_prob_sum) require grad and
+  need their gradients sent back; the int64 counts need no gradient. Nothing else (no None, no Python objects).
+- Parameter names are the model's own (``model.layers.3.mlp.gate_proj.weight``); every parameter is in exactly
+  one stage, except tied input/output embeddings: the first and the last stage each hold a copy, and
+  ``tied_parameters(stages)`` lists ``(first-stage name, last-stage name)`` pairs whose gradients must be summed
+  and whose values must stay equal. ``merge_state_dicts(stage_state_dicts, tied)`` re-ties them.
+- Stages share the model's layer modules (no copies) and hold no reference to the model: layers no stage uses
+  are freed with the model. Rotary embeddings and causal / sliding / chunked masks are rebuilt in every stage.
+- A stage built from a meta model can be ``.to_empty(device=...)``'d (non-persistent buffers such as rotary
+  frequencies are recomputed; load the weights next) or ``init_weights()``'d.
+- Model types outside ``VERIFIED_MODEL_TYPES`` are checked numerically against the model at partition time; a
+  model the stage builder cannot reproduce raises ``PartitionError`` naming the module and why.
+"""
+from .plan import Anatomy, PartitionError, PartitionPlan, StagePlan, anatomy, balanced_sizes, partition_plan
+from .stage import (VERIFIED_MODEL_TYPES, AuxLoss, Stage, check_partition, merge_state_dicts, partition_model, run_stages,
+                    tied_parameters)
+
+__all__ = ["partition_model", "partition_plan", "tied_parameters", "merge_state_dicts", "check_partition", "run_stages",
+           "PartitionPlan", "StagePlan", "PartitionError", "Stage", "AuxLoss", "Anatomy", "anatomy", "balanced_sizes",
+           "VERIFIED_MODEL_TYPES"]
