@@ -74,16 +74,21 @@ def commit(tmp: Path, final: Path, manifest: dict) -> Path:
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     save_json(tmp / MANIFEST, {**manifest, "files": files})
     _fsync(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        old = final.with_name(final.name + ".old")
+    replace_dir(tmp, final)  # re-saving the same step (e.g. after a resume) replaces it
+    _fsync(final.parent)
+    return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a complete ``tmp`` directory to ``final``; an existing ``final`` is set aside first, then deleted."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync(final.parent)
-    return final
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+from .checkpoint import replace_dir
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
            "export_hf_model", "load_checkpoint_state", "render_model_card"]
@@ -325,17 +326,6 @@ def _check_out_dir(out: Path) -> None:
                          "folder); choose another output directory")
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tokenizer=None, card: dict | None = None,
                     max_shard_size: str | int = "2GB") -> Path:
     """Write a standard Hugging Face model folder from merged weights; returns its path.
@@ -374,7 +364,7 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
             shutil.copy(curve, tmp / Path(curve).name)
             card["loss_curve"] = Path(curve).name
         render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
