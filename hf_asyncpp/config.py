@@ -98,6 +98,9 @@ class PipelineConfig:
     """Sequences per microbatch."""
     layers_per_stage: Optional[list[int]] = None
     """Explicit decoder layers per stage (None: balanced by the cost model)."""
+    extra_warmup: int = field(default=0, metadata=_range(lo=0))
+    """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
+    the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""
     p2p_timeout_s: float = field(default=60.0, metadata=_range(lo=0.0, lo_open=True))
     """A peer silent for this long is declared dead and every rank exits."""
 
@@ -321,6 +324,13 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError(
             f"pipeline.num_microbatches: 2bw needs num_microbatches >= num_stages ({p.num_microbatches} < {p.num_stages}); "
             f"raise it to at least {p.num_stages}"
+        )
+    if p.extra_warmup and p.schedule not in ("1f1b", "2bw"):
+        raise RecipeError(f"pipeline.extra_warmup: {p.extra_warmup} applies to schedules 1f1b and 2bw, not {p.schedule!r}; set it to 0")
+    if p.schedule == "2bw" and p.extra_warmup and p.num_microbatches < p.num_stages + p.extra_warmup:
+        raise RecipeError(
+            f"pipeline.extra_warmup: 2bw with extra_warmup {p.extra_warmup} needs num_microbatches >= num_stages + "
+            f"extra_warmup ({p.num_microbatches} < {p.num_stages + p.extra_warmup}); lower it or raise pipeline.num_microbatches"
         )
     if p.layers_per_stage is not None and len(p.layers_per_stage) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")

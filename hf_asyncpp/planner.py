@@ -79,8 +79,10 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
     layers_per_stage = recipe.pipeline.layers_per_stage if p == recipe.pipeline.num_stages else None
     plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
     m = 1 if sched == "pipedream" else max(recipe.pipeline.num_microbatches, p if sched == "2bw" else 1)
-    sim = simulate(schedule_actions(sched, p, m, 3 if sched != "pipedream" else 3 * p), Costs(
-        forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched)
+    extra = recipe.pipeline.extra_warmup if sched in ("1f1b", "2bw") and (sched != "2bw" or m >= p + recipe.pipeline.extra_warmup) else 0
+    scope = "stage" if sched == "pipedream" and not recipe.training.max_grad_norm else "global"  # as the executor
+    sim = simulate(schedule_actions(sched, p, m, 3 if sched != "pipedream" else 3 * p, extra_warmup=extra), Costs(
+        forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
     sizes = {n: q.numel() for n, q in model.named_parameters()}
     per_stage_names: list[list[str]] = [[] for _ in range(p)]

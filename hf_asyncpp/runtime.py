@@ -87,10 +87,16 @@ def make_groups(topo: Topology, tied: bool, timeout: timedelta) -> Groups:
 
 
 class P2P:
-    """Point-to-point transfers between adjacent stages; sends are async, receives block with a timeout."""
+    """Point-to-point transfers between adjacent stages; sends are async, receives block with a timeout.
+
+    NCCL moves device tensors directly. gloo sends only CPU tensors, so with gloo on a GPU machine (several
+    stages sharing one GPU, which NCCL refuses) transfers are staged through host memory.
+    """
 
     def __init__(self, topo: Topology, timeout_s: float, device: torch.device):
         self.topo, self.timeout, self.device = topo, timedelta(seconds=timeout_s), device
+        staged = device.type != "cpu" and dist.get_backend() == "gloo"
+        self.wire = torch.device("cpu") if staged else device  # where transferred tensors live
         self.pending: list = []  # (work, tensors) kept alive until the chunk ends
 
     def peer_rank(self, stage: int) -> int:
@@ -107,33 +113,47 @@ class P2P:
 
     def send(self, tensors: list[torch.Tensor], stage: int, with_header: bool) -> None:
         peer = self.peer_rank(stage)
-        tensors = [t.detach().contiguous() for t in tensors]
+        tensors = [t.detach().to(self.wire).contiguous() for t in tensors]
         if with_header:
             vals = [len(tensors)]
             for t in tensors:
                 vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-            header = torch.tensor(vals + [0] * (_HEADER - len(vals)), dtype=torch.int64, device=self.device)
+            header = torch.tensor(vals + [0] * (_HEADER - len(vals)), dtype=torch.int64, device=self.wire)
             tensors = [header] + tensors
         for t in tensors:
             self.pending.append((dist.isend(t, peer), t))
 
     def recv(self, stage: int, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Receive from ``stage``: with ``like`` the shapes are known, otherwise a header comes first."""
+        if like is not None:
+            return self.complete(self.post(stage, like))
         peer = self.peer_rank(stage)
-        if like is None:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(header, peer), peer, "waiting for activations from")
-            vals = header.tolist()
-            n, i, bufs = vals[0], 1, []
-            for _ in range(n):
-                dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
-                bufs.append(torch.empty(vals[i + 2 : i + 2 + ndim], dtype=dtype, device=self.device))
-                i += 2 + ndim
-        else:
-            bufs = [torch.empty_like(t) for t in like]
-        for b in bufs:
-            self._wait(dist.irecv(b, peer), peer, "waiting for data from")
-        return bufs
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.wire)
+        self._wait(dist.irecv(header, peer), peer, "waiting for activations from")
+        vals = header.tolist()
+        n, i, like = vals[0], 1, []
+        for _ in range(n):
+            dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
+            like.append(torch.empty(vals[i + 2 : i + 2 + ndim], dtype=dtype, device="meta"))
+            i += 2 + ndim
+        return self.complete(self.post(stage, like))
+
+    def post(self, stage: int, like: list[torch.Tensor]) -> tuple:
+        """Post the receives of tensors shaped like ``like`` now; ``complete`` waits for them.
+
+        Posting before the data is needed matters on gloo: a send is a rendezvous, and a receive posted only when
+        the data is needed makes the sender's transport thread wake up (on a core its compute thread is using)
+        while the receiver idles; posted early, the data moves during the receiver's compute.
+        """
+        peer = self.peer_rank(stage)
+        bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.wire) for t in like]
+        return peer, [(dist.irecv(b, peer), b) for b in bufs]
+
+    def complete(self, posted: tuple, what: str = "waiting for data from") -> list[torch.Tensor]:
+        peer, pairs = posted
+        for work, _ in pairs:
+            self._wait(work, peer, what)
+        return [b.to(self.device) for _, b in pairs]
 
     def drain(self) -> None:
         for work, _ in self.pending:
@@ -147,8 +167,9 @@ class P2P:
 class Reducer:
     """Worker thread: per step, DP all-reduce, tied-gradient sum and the global grad-norm all-reduce, in order."""
 
-    def __init__(self, groups: Groups, topo: Topology, tied_names: list[str], timeout_s: float):
+    def __init__(self, groups: Groups, topo: Topology, tied_names: list[str], timeout_s: float, global_norm: bool = True):
         self.groups, self.topo, self.tied, self.timeout_s = groups, topo, tied_names, timeout_s
+        self.global_norm = global_norm  # False: the norm stays stage-local and no stage waits for another
         self.jobs: queue.Queue = queue.Queue()
         self.results: dict[int, object] = {}
         self.cond = threading.Condition()
@@ -204,7 +225,7 @@ class Reducer:
             if last and n in self.tied:
                 continue  # counted once, on the first stage
             sq += grads[n].double().pow(2).sum()
-        if self.topo.num_stages > 1:
+        if self.topo.num_stages > 1 and self.global_norm:
             dist.all_reduce(sq, group=self.groups.pipe)
         return grads, float(sq.sqrt())
 
@@ -313,7 +334,11 @@ class PipelineEngine:
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
         timeout_s = recipe.pipeline.p2p_timeout_s
         self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
-        self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s)
+        # PipeDream updates each stage after every microbatch; a global norm would make stage s wait for the
+        # backward of the same microbatch at every earlier stage (a stall of (p-1-s) backwards per update). It is
+        # only needed for clipping, so without clipping the norm stays per stage (grad_norm is then not logged).
+        self.global_norm = not (recipe.pipeline.schedule == "pipedream" and not recipe.training.max_grad_norm)
+        self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s, self.global_norm)
         self.p2p = P2P(topo, timeout_s, self.device)
         from .schedules import version_lag
 
@@ -385,17 +410,27 @@ class PipelineEngine:
                 prm.grad = None
         else:
             self.nonfinite_skipped += 1
-        results[k] = (norm, lr, finite)
+        results[k] = (norm if self.global_norm else None, lr, finite)
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         from .schedules import schedule_actions
 
         rc = self.recipe.pipeline
         m = batches[0].shape[0]
-        actions = schedule_actions(rc.schedule, rc.num_stages, m, len(batches), first_step=first_step)[self.topo.stage]
+        actions = schedule_actions(rc.schedule, rc.num_stages, m, len(batches), first_step=first_step,
+                                   extra_warmup=rc.extra_warmup)[self.topo.stage]
+        if any(b.shape != batches[0].shape for b in batches):
+            raise ValueError(f"pipeline window: every step's batch must have one shape (got {sorted({tuple(b.shape) for b in batches})})")
         micro: dict[tuple[int, int], _Micro] = {}
         step_version: dict[int, int] = {}
-        loss_sums = torch.zeros(len(batches), dtype=torch.float64)
+        loss_sums = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
+        # Within a window every microbatch has the same shape, so only the window's first activation carries a
+        # header; after each receive the next one of its kind is posted at once (see P2P.post).
+        self._like, self._prefetch, self._act_header_sent = {}, {}, False
+        self._next_recv = {}
+        for kind in ("RECV_ACT", "RECV_GRAD"):
+            keys = [(a.step, a.microbatch) for a in actions if _kind(a) == kind]
+            self._next_recv[kind] = dict(zip(keys, keys[1:]))
         results: dict[int, tuple] = {}
         clock = time.perf_counter
         for a in actions:
@@ -414,14 +449,14 @@ class PipelineEngine:
             mb = micro.setdefault((k, i), _Micro(a.version))
             mb.version = a.version
             step_version.setdefault(k, a.version)
-            ids = batches[k - first_step][i]
+            ids = batches[k - first_step][i].to(self.device, non_blocking=True) if self.first or self.last else None
             out = self._forward(mb, ids, ids)
             self.mem["activations"] += mb.saved_bytes
             self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
             self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
             if self.last:
                 mb.loss = out
-                loss_sums[k - first_step] += float(out.detach())
+                loss_sums[k - first_step] += out.detach()  # stays on the device: no sync per microbatch
             else:
                 mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
             self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
@@ -435,14 +470,15 @@ class PipelineEngine:
             if self.first:
                 micro.pop((a.step, a.microbatch))
         elif kind == "SEND_ACT":
-            self.p2p.send(micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=True)
+            self.p2p.send(micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=not self._act_header_sent)
+            self._act_header_sent = True
         elif kind == "RECV_ACT":
             mb = micro.setdefault((a.step, a.microbatch), _Micro(-1))
-            mb.inputs = self.p2p.recv(self.topo.stage - 1)
+            mb.inputs = self._receive(kind, (a.step, a.microbatch), self.topo.stage - 1, None)
         elif kind == "RECV_GRAD":
             mb = micro[(a.step, a.microbatch)]
             like = [o for o in mb.outputs if o.is_floating_point()]
-            mb.grads_in = self.p2p.recv(self.topo.stage + 1, like=like)
+            mb.grads_in = self._receive(kind, (a.step, a.microbatch), self.topo.stage + 1, like)
         elif kind == "SEND_GRAD":
             mb = micro.pop((a.step, a.microbatch))
             self.p2p.send(mb.input_grads, self.topo.stage - 1, with_header=False)
@@ -460,6 +496,19 @@ class PipelineEngine:
             self.mem["pending_grads"] -= 1
         else:
             raise ValueError(f"unknown pipeline action {a}")
+
+    def _receive(self, kind: str, key: tuple[int, int], stage: int, like: list | None) -> list[torch.Tensor]:
+        """This receive (posted earlier if its shapes were known), then post the next one of its kind."""
+        posted = self._prefetch.pop((kind, key), None)
+        if posted is not None:
+            data = self.p2p.complete(posted)
+        else:
+            data = self.p2p.recv(stage, like=self._like.get(kind, like))
+        self._like[kind] = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in data]
+        nxt = self._next_recv[kind].get(key)
+        if nxt is not None:
+            self._prefetch[(kind, nxt)] = self.p2p.post(stage, self._like[kind])
+        return data
 
     def _gather_results(self, first_step, n, losses, results) -> list[StepResult]:
         buf = (losses if self.last else torch.zeros_like(losses)).to(self.device)

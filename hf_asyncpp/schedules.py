@@ -178,9 +178,10 @@ def version_lag(schedule: str, stage: int, num_stages: int) -> int:
 Order = list[tuple[ActionType, int]]  # (F or B, microbatch index counted from the window's start)
 
 
-def _order_1f1b(stage: int, p: int, n: int) -> Order:
-    """1F1B at ``stage`` over ``n`` microbatches: p-1-stage warm-up forwards, F/B pairs, cool-down backwards."""
-    w = min(p - 1 - stage, n)
+def _order_1f1b(stage: int, p: int, n: int, extra: int = 0) -> Order:
+    """1F1B at ``stage`` over ``n`` microbatches: p-1-stage (+ extra, except at the last stage) warm-up
+    forwards, F/B pairs, cool-down backwards."""
+    w = min(p - 1 - stage + (extra if stage < p - 1 else 0), n)
     order = [(ActionType.F, j) for j in range(w)]
     for j in range(n - w):
         order += [(ActionType.F, j + w), (ActionType.B, j)]
@@ -230,8 +231,9 @@ def _lower(order: Order, s: int, p: int, m: int, k0: int, version: Callable[[int
     return out
 
 
-def _check(name: str, p: int, m: int, n: int, k0: int) -> None:
-    for what, val, lo in (("num_stages", p, 1), ("num_microbatches", m, 1), ("num_steps", n, 0), ("first_step", k0, 0)):
+def _check(name: str, p: int, m: int, n: int, k0: int, extra: int = 0) -> None:
+    for what, val, lo in (("num_stages", p, 1), ("num_microbatches", m, 1), ("num_steps", n, 0), ("first_step", k0, 0),
+                          ("extra_warmup", extra, 0)):
         if not isinstance(val, int) or val < lo:
             raise ValueError(f"{name}: {what} must be an integer >= {lo}, got {val!r}")
 
@@ -243,22 +245,30 @@ def gpipe(num_stages: int, num_microbatches: int, num_steps: int, first_step: in
     return [_lower(_per_step(_order_gpipe, m, n)(s, p), s, p, m, k0, lambda k, i: k, False) for s in range(p)]
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+def one_f_one_b(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
+                extra_warmup: int = 0) -> list[list[Action]]:
     """1F1B with a flush every step (PipeDream-Flush); step k uses version k."""
     p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
-    _check("1f1b", p, m, n, k0)
-    return [_lower(_per_step(_order_1f1b, m, n)(s, p), s, p, m, k0, lambda k, i: k, False) for s in range(p)]
+    _check("1f1b", p, m, n, k0, extra_warmup)
+    order = _per_step(lambda s, p, m: _order_1f1b(s, p, m, extra_warmup), m, n)
+    return [_lower(order(s, p), s, p, m, k0, lambda k, i: k, False) for s in range(p)]
 
 
-def pipedream_2bw(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
+def pipedream_2bw(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
+                  extra_warmup: int = 0) -> list[list[Action]]:
     """PipeDream-2BW: 1F1B over the stream, no flush; step k uses version max(0, k-1); STEP(k) placed late."""
     p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
-    _check("2bw", p, m, n, k0)
+    _check("2bw", p, m, n, k0, extra_warmup)
     if m < p:
         raise ValueError(f"2bw needs num_microbatches >= num_stages ({m} < {p}): a step's gradient must be reduced "
                          f"at every stage before the next-but-one step starts; raise pipeline.num_microbatches to {p} "
                          f"or use fewer stages")
-    return [_lower(_order_1f1b(s, p, n * m), s, p, m, k0, lambda k, i: max(0, k - 1), True) for s in range(p)]
+    if extra_warmup and m < p + extra_warmup:
+        raise ValueError(f"2bw with extra_warmup {extra_warmup} needs num_microbatches >= num_stages + extra_warmup "
+                         f"({m} < {p + extra_warmup}): stage 0 runs p-1+extra_warmup forwards ahead, and step k's "
+                         f"gradient reduction must still overlap at least one forward/backward pair")
+    return [_lower(_order_1f1b(s, p, n * m, extra_warmup), s, p, m, k0, lambda k, i: max(0, k - 1), True)
+            for s in range(p)]
 
 
 def pipedream(num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
@@ -274,9 +284,18 @@ def pipedream(num_stages: int, num_microbatches: int, num_steps: int, first_step
 _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "2bw": pipedream_2bw, "pipedream": pipedream}
 
 
-def schedule_actions(name: str, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0) -> list[list[Action]]:
-    """One action list per stage for steps [first_step, first_step + num_steps), empty at the start, drained at the end."""
+def schedule_actions(name: str, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
+                     extra_warmup: int = 0) -> list[list[Action]]:
+    """One action list per stage for steps [first_step, first_step + num_steps), empty at the start, drained at the end.
+
+    ``extra_warmup`` (1f1b and 2bw): forwards every non-last stage runs ahead of plain 1F1B. Each costs one
+    microbatch of activation memory there and lets the next stage find its input already waiting, which absorbs
+    timing jitter when stages are nearly balanced; versions, and so numerics, do not change.
+    """
     if name not in _BUILDERS:
         raise ValueError(f"pipeline.schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
-    return _BUILDERS[name](num_stages, num_microbatches, num_steps, first_step)
+    if extra_warmup and name not in ("1f1b", "2bw"):
+        raise ValueError(f"pipeline.extra_warmup applies to 1f1b and 2bw, not {name!r}; set it to 0")
+    kw = {"extra_warmup": extra_warmup} if extra_warmup else {}
+    return _BUILDERS[name](num_stages, num_microbatches, num_steps, first_step, **kw)
 

@@ -29,16 +29,17 @@ MIXTRAL_NO_AUX = {**MIXTRAL, "output_router_logits": False}
 STEPS, SEQ = 4, 16
 
 
-def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0"):
+def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5):
     return recipe_from_dict({
         "model": {"config": dict(arch)},
         "data": {"seq_len": SEQ},
-        "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": mbs},
+        "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": mbs,
+                     "extra_warmup": extra},
         "optimizer": {"name": opt, "learning_rate": 0.01, "delay_correction": "error_feedback" if ef else "none",
                       "simulate_delay": delay, "ns_dtype": "float32", "adam_epsilon": 1e-6},
         # float32 Newton-Schulz and a non-tiny Adam epsilon: bf16 rounding and g/sqrt(v) of near-zero gradients
         # would amplify summation-order noise (data-parallel mean vs global batch) past the 1e-5 tolerance
-        "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": 0.5, "report_to": []},
+        "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": clip, "report_to": []},
     })
 
 
@@ -60,7 +61,7 @@ def reference(recipe, batches):
 
     eng = LocalEngine(recipe, build(recipe), Topology(), log=lambda *a: None)
     results = eng.train_steps(batches, 0)
-    return [r.loss for r in results], {k: v.clone() for k, v in eng.full_state_dict().items()}
+    return [r.loss for r in results], {k: v.cpu().clone() for k, v in eng.full_state_dict().items()}
 
 
 def pipeline_worker(rank, world, scenarios):
@@ -80,11 +81,11 @@ def pipeline_worker(rank, world, scenarios):
     return out
 
 
-def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0):
-    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef)
+def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, clip=0.5):
+    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef, extra=extra, clip=clip)
     replica = [make_batches(STEPS, m, mbs, seed + 100 * d) for d in range(dp)]
     delay = {"2bw": "1", "pipedream": "pipedream"}.get(schedule, "0")
-    ref_rec = make_recipe(arch, "none", stages if schedule == "pipedream" else 1, m, mbs * dp, opt, ef, delay)
+    ref_rec = make_recipe(arch, "none", stages if schedule == "pipedream" else 1, m, mbs * dp, opt, ef, delay, clip=clip)
     ref_batches = [torch.cat([replica[d][k] for d in range(dp)], dim=1) for k in range(STEPS)]
     if schedule == "2bw":  # 2BW has applied every gradient after N steps: the reference needs one more step
         ref_batches.append(make_batches(1, m, mbs * dp, 999)[0])
@@ -122,8 +123,9 @@ def _check(scenarios, results, tol=1e-5, export_dir=None):
         for k, v in ref_sd.items():
             if k in sd:
                 # atol 1e-5 (an update is ~1e-2 here): Adam/Muon turn summation-order noise of near-zero
-                # gradients into 1e-6..1e-5 weight noise; a wrong version, lr or delay is 1000x that
-                torch.testing.assert_close(sd[k], v, rtol=tol, atol=1e-5, msg=lambda m, k=k, name=name: f"{name}: {k}: {m}")
+                # gradients into 1e-6..1e-5 weight noise; a wrong version, lr or delay is 1000x that. On a GPU
+                # (CUDA kernels reduce in other orders) one embedding element of 4096 was seen 1.7e-5 off
+                torch.testing.assert_close(sd[k], v, rtol=tol, atol=1e-5 if not torch.cuda.is_available() else 5e-5, msg=lambda m, k=k, name=name: f"{name}: {k}: {m}")
         assert peak <= {"2bw": 2, "pipedream": rec.pipeline.num_stages}.get(rec.pipeline.schedule, 1), name
 
 
@@ -138,11 +140,15 @@ TWO = [
     (MIXTRAL, "2bw", 2, 2, 2, "adamw", True),
     (MIXTRAL, "2bw", 2, 2, 2, "muon", False),
     (MIXTRAL, "pipedream", 2, 1, 2, "muon", False),
+    (LLAMA, "2bw", 2, 3, 2, "muon", True, 1),  # pipeline.extra_warmup: other timing, same numerics
+    (MIXTRAL, "1f1b", 2, 3, 2, "adamw", False, 1),
+    (LLAMA_UNTIED, "pipedream", 2, 1, 2, "muon", False, 0, 0.0),  # no clipping: stage-local norms, no stall
 ]
 
 
 def test_two_stage_schedules_match_single_process_reference(tmp_path):
-    scenarios = [_scenario(*s, seed=i) for i, s in enumerate(TWO)]
+    scenarios = [_scenario(*s[:7], seed=i, extra=s[7] if len(s) > 7 else 0, clip=s[8] if len(s) > 8 else 0.5)
+                 for i, s in enumerate(TWO)]
     results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
     _check(scenarios, results[0], export_dir=tmp_path)
 

@@ -77,6 +77,33 @@ def test_2bw_steps_as_late_as_the_semantics_allow(p, m, n):
                 assert not later and all(b.type == T.STEP for b in lst[j:])
 
 
+@pytest.mark.parametrize("schedule,p,m,extra", [(s, p, m, e) for s in ("1f1b", "2bw") for p in (2, 3, 4)
+                                                for m in (4, 5, 8) for e in (1, 2) if s == "1f1b" or m >= p + e])
+def test_extra_warmup_runs_ahead_without_changing_what_is_computed(schedule, p, m, extra):
+    n = 4
+    base, eager = schedule_actions(schedule, p, m, n), schedule_actions(schedule, p, m, n, extra_warmup=extra)
+    res = simulate(eager, Costs(), schedule, m)  # no deadlock, FIFO order, every microbatch once
+    ref = simulate(base, Costs(), schedule, m)
+    for s in range(p):
+        work = lambda lst: sorted((str(a) for a in lst if a.type in (T.F, T.B, T.REDUCE, T.STEP)))
+        assert work(eager[s]) == work(base[s])  # the same forwards/backwards with the same versions
+        first_b = next(j for j, a in enumerate(eager[s]) if a.type == T.B)
+        forwards_before = sum(a.type == T.F for a in eager[s][:first_b])
+        assert forwards_before == min(p - s + (extra if s < p - 1 else 0), m if schedule == "1f1b" else n * m)
+        assert res.peak_inflight[s] == min(ref.peak_inflight[s] + (extra if s < p - 1 else 0), m if schedule == "1f1b" else n * m)
+    if schedule == "2bw":
+        assert simulate(schedule_actions("2bw", p, m, 12, extra_warmup=extra), Costs(1, 1, 0, 0, 0), "2bw").steady_bubble == pytest.approx(0.0, abs=1e-12)
+
+
+def test_extra_warmup_limits():
+    with pytest.raises(ValueError, match=r"2bw with extra_warmup 1 needs num_microbatches >= num_stages \+ extra_warmup \(4 < 5\)"):
+        schedule_actions("2bw", 4, 4, 2, extra_warmup=1)
+    with pytest.raises(ValueError, match="extra_warmup applies to 1f1b and 2bw, not 'gpipe'"):
+        schedule_actions("gpipe", 2, 4, 2, extra_warmup=1)
+    with pytest.raises(ValueError, match="extra_warmup must be an integer >= 0"):
+        schedule_actions("1f1b", 2, 4, 2, extra_warmup=-1)
+
+
 def test_2bw_needs_enough_microbatches_and_pipedream_one():
     with pytest.raises(ValueError, match=r"2bw needs num_microbatches >= num_stages \(3 < 4\)"):
         schedule_actions("2bw", 4, 3, 2)

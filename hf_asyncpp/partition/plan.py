@@ -215,8 +215,11 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     Accepts a model (any device, meta included) or a config (a meta model is built from it). Automatic balance
     minimizes the most expensive stage by forward FLOPs per token: 2 x the parameters of each layer (experts
     weighted by top-k / E), attention 4 x seq_len x hidden per layer; the first stage adds the embedding lookup,
-    the last the lm_head's 2 x vocab x hidden plus 128 x vocab for the memory-bound softmax / cross-entropy
-    (calibrated on the 2-process CPU pipeline: the loss suffers most from memory-bus contention).
+    the last the lm_head's 2 x vocab x hidden plus 8 x vocab for the softmax / cross-entropy (max, subtract, exp,
+    sum, log, gather: a handful of element-wise operations per logit). Measured on the 2-process CPU pipeline
+    (bench/throughput.py, Llama h128, vocab 4096): the head costs 2.3 layers, as 2 x its parameters predicts; an
+    earlier 128 x vocab softmax term overweighted it to 3.4 layers and split 8 layers 6/2 instead of 5/3 (0.72
+    instead of 0.90 of the no-bubble limit).
     """
     model = model_or_config
     if not isinstance(model, nn.Module):
@@ -240,7 +243,7 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     tied = emb.weight is head.weight
     vocab = getattr(cfg, "vocab_size", 0) or 0
     first_cost = 2 * hidden  # embedding lookup (+ positions / scale)
-    last_cost = 2 * _numel(head) + 128 * vocab + 2 * _numel(get_module(model, a.norm))
+    last_cost = 2 * _numel(head) + 8 * vocab + 2 * _numel(get_module(model, a.norm))
     if sizes is None:
         sizes = balanced_sizes(costs, first_cost, last_cost, num_stages)
 
