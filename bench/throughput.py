@@ -5,7 +5,8 @@ per step; 2 processes with 1 thread each (the no-bubble limit is 2x the one-proc
     python bench/throughput.py [--steps 6] [--microbatches 4] [--repeats 3] [--extra-warmup 1] [--write]
 
 Prints a table with ratios; ``--write`` replaces the throughput section of docs/benchmarks.md and
-writes the simulated timelines of the measured schedules to docs/schedules/measured-*.png.
+writes the timelines that the simulator predicts from the measured per-action times to
+docs/schedules/measured-*.png (next to its predicted tokens/s, a check of the simulator against reality).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[0] = ROOT
 
 MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
@@ -81,18 +83,19 @@ def _ours(rank, world, schedule, steps, m, split=None, extra_warmup=0):
     eng.train_steps(batches(2, m), 0)  # warm-up (fills both 2BW versions)
     bs = batches(steps, m)
     eng.action_seconds.clear()
+    eng.action_counts.clear()
     dist.barrier()
     t0 = time.perf_counter()
     eng.train_steps(bs, 2)
     dist.barrier()
     dt = time.perf_counter() - t0
-    seconds = dict(eng.action_seconds)  # the timed steps only
+    seconds, counts = dict(eng.action_seconds), dict(eng.action_counts)  # the timed steps only
     eng.track_memory = True  # after timing: count the bytes really held, for the planner comparison
     eng.train_steps(batches(3, m), 2 + steps)
     memory = eng.memory_report()
     eng.close()
     return {"tokens_per_s": steps * m * MBS * SEQ / dt, "peak_versions": eng.versions.peak, "memory": memory,
-            "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb(), "seconds": seconds, "wall": dt}
+            "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb(), "seconds": seconds, "counts": counts, "wall": dt}
 
 
 def _torch_pipelining(rank, world, schedule, steps, m, split=None):
@@ -251,10 +254,36 @@ def main():
             wait = sec.get("RECV_ACT", 0) + sec.get("RECV_GRAD", 0)
             lines.append(f"- {sched} stage {s}: compute {busy:.2f}s (F {sec.get('F', 0):.2f}, B {sec.get('B', 0):.2f}, "
                          f"step {sec.get('STEP', 0):.2f}), waiting on receives {wait:.2f}s, of {r['wall']:.2f}s wall")
+    lines += ["", *_simulated(ours, n, m, p, extra, args.write)]
     table = "\n".join(lines)
     print(table)
     if args.write:
         _write(table, n, m, args)
+
+
+def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool) -> list[str]:
+    """The simulator fed with each run's measured mean F/B times per stage (STEP from 2bw, whose steps never wait
+    for a reduction): its predicted tokens/s next to the measured one, and the timelines as PNGs."""
+    from hf_asyncpp.schedules import schedule_actions
+    from hf_asyncpp.simulator import Costs, plot_timeline, simulate
+
+    step_cost = Costs.from_measured([r["seconds"] for r in ours["2bw"]], [r["counts"] for r in ours["2bw"]]).step
+    out = ["Simulated from the measured per-stage forward/backward means (the simulator's prediction of the same run):",
+           "", "| schedule | measured tokens/s | simulated tokens/s | simulated bubble | timeline |", "|---|---|---|---|---|"]
+    for key, res in ours.items():
+        sched, ew = ("2bw", extra) if key == "2bw+" else (key, 0)
+        c = Costs.from_measured([r["seconds"] for r in res], [r["counts"] for r in res])
+        costs = Costs(forward=c.forward, backward=c.backward, step=step_cost)
+        sim = simulate(schedule_actions(sched, p, m, n, first_step=2, extra_warmup=ew), costs, sched)
+        tps = n * m * MBS * SEQ / sim.makespan
+        name = f"measured-{sched}{'-extra' + str(ew) if ew else ''}"
+        if draw:
+            short = simulate(schedule_actions(sched, p, m, 3, first_step=2, extra_warmup=ew), costs, sched)
+            plot_timeline(short, os.path.join(ROOT, "docs", "schedules", f"{name}.png"),
+                          f"{sched}{f' extra_warmup {ew}' if ew else ''}: p={p}, m={m}, measured costs (3 steps)")
+        out.append(f"| {sched}{f' extra_warmup {ew}' if ew else ''} | {res[0]['tokens_per_s']:,.0f} | {tps:,.0f} | "
+                   f"{sim.bubble:.2f} | ![{name}](schedules/{name}.png) |")
+    return out
 
 
 def _write(table: str, n: int, m: int, args) -> None:
