@@ -27,6 +27,9 @@ def build_config(model_cfg: ModelConfig, tokenizer=None):
             raise RecipeError(f"model.config.model_type: {model_type!r} is not a model type transformers knows ({e})") from None
     else:
         config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+    if (tokenizer is None and model_cfg.config is not None and "vocab_size" not in model_cfg.config
+            and model_cfg.tokenizer_name_or_path is None):
+        config.vocab_size = model_cfg.vocab_size  # planning without the tokenizer: the size it will be trained to
     if tokenizer is not None:
         n = len(tokenizer)
         if model_cfg.config is not None and ("vocab_size" not in model_cfg.config or config.vocab_size < n):

@@ -3,6 +3,12 @@ bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (
 
     python scripts/plan.py recipes/moe-10b.yaml --num-stages 16 --gpu-memory 80GB
     python scripts/plan.py recipes/smollm2-360m.yaml --num-stages 4
+    python scripts/plan.py recipes/cpu-tiny.yaml --measure   # also time every layer here and balance by time
+
+``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
+recipe's microbatch shape; run it on a quiet machine of the kind that will train (the head's memory-bound
+softmax slows down most when other processes share the memory bus). It prints the split to put in the recipe
+(``pipeline.layers_per_stage``).
 """
 import argparse
 import os
@@ -30,6 +36,8 @@ def main():
     ap.add_argument("--num-stages", type=int, default=None)
     ap.add_argument("--gpu-memory", default="80GB")
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
+    ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
+    ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
     ap.add_argument("--png", default=None, help="timeline PNG (default docs/plans/<recipe>-<p>.png)")
     args = ap.parse_args()
     from hf_asyncpp.config import load_recipe
@@ -70,6 +78,33 @@ def main():
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
     print(f"\ntimeline: {png}")
+    if args.measure:
+        measure(recipe, plan, p, args.device)
+
+
+def measure(recipe, plan, p: int, device: str | None) -> None:
+    import torch
+
+    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.partition import measure_costs
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)  # as one pipeline rank on CPU
+    torch.manual_seed(0)
+    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device)
+    mid = sorted(c.layers)[len(c.layers) // 2]
+    print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
+          f"{recipe.data.seq_len}): layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
+          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers)")
+    flops_split = [len(s.layers) for s in plan.stages]
+    time_split = c.balance(p)
+    for name, split in (("cost model", flops_split), ("measured", time_split)):
+        secs = c.stage_seconds(split)
+        print(f"  {name:>10} split {split}: stage seconds {' '.join(f'{x * 1e3:.1f}' for x in secs)} ms, "
+              f"slowest / mean {max(secs) / (sum(secs) / len(secs)):.3f}")
+    if time_split != flops_split:
+        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}]")
 
 
 if __name__ == "__main__":

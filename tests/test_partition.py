@@ -323,3 +323,22 @@ def test_ten_billion_parameter_plan_on_meta():
     one_layer = costs[1] / len(plan.stages[1].layers)
     assert max(costs) - sum(costs) / 8 <= one_layer  # within a layer of perfect balance
     assert len(plan.stages[-1].layers) < len(plan.stages[0].layers)  # the 128k-vocabulary head weighs 2+ layers
+
+
+def test_measured_costs_balance_by_time():
+    """Timing one-layer stages: a head far heavier than a layer (vocab 32000, hidden 32) gets a stage of its own."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_asyncpp.partition import PartitionError, measure_costs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=64)
+    c = measure_costs(AutoModelForCausalLM.from_config(cfg), seq_len=32, microbatch_size=4, repeats=2)
+    assert len(c.layers) == 4 and all(t > 0 for t in c.layers)
+    assert c.last > 3 * max(c.layers)  # 32000 x 32 logits and their softmax dwarf a 32-wide layer
+    assert c.balance(2) == [3, 1] and c.balance(4) == [1, 1, 1, 1]
+    secs = c.stage_seconds([3, 1])
+    assert secs[0] == pytest.approx(sum(c.layers[:3]) + c.first) and secs[1] == pytest.approx(c.layers[3] + c.last)
+    with pytest.raises(PartitionError, match="at least 3 decoder layers"):
+        measure_costs(AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 2})), 32, 4)

@@ -25,9 +25,10 @@ Stage contract (the runtime and the tests rely on it):
   model the stage builder cannot reproduce raises ``PartitionError`` naming the module and why.
 """
 from .plan import Anatomy, PartitionError, PartitionPlan, StagePlan, anatomy, balanced_sizes, partition_plan
+from .profile import MeasuredCosts, measure_costs
 from .stage import (VERIFIED_MODEL_TYPES, AuxLoss, Stage, check_partition, merge_state_dicts, partition_model, run_stages,
                     tied_parameters)
 
 __all__ = ["partition_model", "partition_plan", "tied_parameters", "merge_state_dicts", "check_partition", "run_stages",
            "PartitionPlan", "StagePlan", "PartitionError", "Stage", "AuxLoss", "Anatomy", "anatomy", "balanced_sizes",
-           "VERIFIED_MODEL_TYPES"]
+           "VERIFIED_MODEL_TYPES", "measure_costs", "MeasuredCosts"]
