@@ -538,6 +538,14 @@ class PipelineEngine:
         rep["total"] = sum(rep.values())
         return rep
 
+    def profile(self) -> list[dict] | None:
+        """Seconds and counts per action kind of every stage so far (collective; the main process gets the list)."""
+        mine = ({"stage": self.topo.stage, "seconds": dict(self.action_seconds), "counts": dict(self.action_counts)}
+                if self.topo.dp_rank == 0 else None)
+        parts = [None] * self.topo.world_size if self.topo.is_main else None
+        dist.gather_object(mine, parts, dst=0)
+        return sorted((x for x in parts if x), key=lambda x: x["stage"]) if self.topo.is_main else None
+
     def close(self) -> None:
         """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""
         self.reducer.close()

@@ -211,6 +211,10 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     last_eval = evaluate(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
                **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
+    if hasattr(engine, "profile"):
+        prof = engine.profile()  # collective
+        if accelerator.is_main_process:
+            summary["pipeline_profile"] = _pipeline_report(out, prof, recipe)
     if t.export:
         weights = engine.full_state_dict()  # collective under the pipeline: merged on the main process only
         if accelerator.is_main_process:
@@ -312,6 +316,39 @@ def _load(path: Path, engine, stream, topo, schedule: str = "none") -> RunState:
         log.info("resumed a %d-process, %d-stage checkpoint on %d processes, %d stages", meta["world_size"],
                  meta["num_stages"], topo.world_size, topo.num_stages)
     return RunState(step=meta["step"], tokens=meta["tokens"])
+
+
+def _pipeline_report(out: Path, prof: list[dict], recipe: Recipe) -> dict:
+    """Where each stage's time went (pipeline_profile.json) and the timeline the simulator draws from the measured
+    per-microbatch forward/backward/step means (pipeline_timeline.png): is a stage the bottleneck, are there bubbles."""
+    from .schedules import schedule_actions
+    from .simulator import Costs, plot_timeline, simulate
+
+    rc = recipe.pipeline
+    stages = []
+    for st in prof:
+        sec, cnt = st["seconds"], st["counts"]
+        total = sum(sec.values()) or 1.0
+        busy = sum(sec.get(k, 0.0) for k in ("F", "B", "STEP", "REDUCE"))
+        waiting = sec.get("RECV_ACT", 0.0) + sec.get("RECV_GRAD", 0.0)
+        per = {k: sec.get(k, 0.0) / max(1, cnt.get(k, 0)) for k in ("F", "B", "STEP")}
+        stages.append({"stage": st["stage"], "busy_share": busy / total, "waiting_share": waiting / total,
+                       "forward_ms": per["F"] * 1e3, "backward_ms": per["B"] * 1e3, "step_ms": per["STEP"] * 1e3,
+                       "seconds": sec, "counts": cnt})
+    costs = Costs.from_measured([st["seconds"] for st in prof], [st["counts"] for st in prof])
+    m = 1 if rc.schedule == "pipedream" else rc.num_microbatches
+    steps = 3 * rc.num_stages if rc.schedule == "pipedream" else 3
+    sim = simulate(schedule_actions(rc.schedule, rc.num_stages, m, steps, extra_warmup=rc.extra_warmup), costs,
+                   rc.schedule, reduce_scope="stage" if rc.schedule == "pipedream" and not recipe.training.max_grad_norm else "global")
+    report = {"schedule": rc.schedule, "stages": stages, "simulated_bubble": sim.bubble,
+              "simulated_steady_bubble": sim.steady_bubble}
+    ckpt.save_json(out / "pipeline_profile.json", report)
+    plot_timeline(sim, str(out / "pipeline_timeline.png"),
+                  f"{rc.schedule} on {rc.num_stages} stages: measured per-action means ({steps} steps)")
+    log.info("pipeline: %s; simulated steady-state bubble %.1f%% (pipeline_timeline.png)", ", ".join(
+        f"stage {s['stage']} busy {s['busy_share']:.0%} (F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms), "
+        f"waiting {s['waiting_share']:.0%}" for s in stages), 100 * sim.steady_bubble)
+    return {"simulated_steady_bubble": sim.steady_bubble, "busy": [s["busy_share"] for s in stages]}
 
 
 def _export(out: Path, weights, engine, tokenizer, recipe: Recipe, state: RunState, held_out) -> dict:

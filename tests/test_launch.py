@@ -64,6 +64,12 @@ def test_two_stage_2bw_run_exports_and_evaluates(tmp_path):
     assert (out / "export" / "README.md").exists() and "exported" in log
     ckpt = out / "checkpoint-0000008"
     assert {"stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    prof = json.loads((out / "pipeline_profile.json").read_text())  # where each stage's time went, and its picture
+    assert [s["stage"] for s in prof["stages"]] == [0, 1] and (out / "pipeline_timeline.png").stat().st_size > 0
+    for s in prof["stages"]:
+        assert 0 < s["busy_share"] <= 1 and s["forward_ms"] > 0 and s["backward_ms"] > 0
+        assert s["counts"]["F"] == s["counts"]["B"] == 8 * 2  # 8 steps x 2 microbatches (write_recipe), each once
+    assert 0 <= prof["simulated_steady_bubble"] < 0.5 and "pipeline: stage 0 busy" in log
 
 
 def test_too_few_processes_prints_the_working_command(tmp_path):
