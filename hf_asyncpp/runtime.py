@@ -349,6 +349,11 @@ class PipelineEngine:
         self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1}
         self.action_seconds: dict[str, float] = {}  # measured time per action kind (feeds the simulator)
         self.action_counts: dict[str, int] = {}
+        # per window (reset by train_steps): receive shapes, receives posted ahead, whether the header went out
+        self._like: dict[str, list] = {}
+        self._prefetch: dict[tuple, tuple] = {}
+        self._next_recv: dict[str, dict] = {}
+        self._act_header_sent = False
 
     # ------------------------------------------------------------------ compute
     def _forward(self, micro: _Micro, ids: torch.Tensor | None, labels: torch.Tensor | None):
@@ -426,8 +431,7 @@ class PipelineEngine:
         loss_sums = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
         # Within a window every microbatch has the same shape, so only the window's first activation carries a
         # header; after each receive the next one of its kind is posted at once (see P2P.post).
-        self._like, self._prefetch, self._act_header_sent = {}, {}, False
-        self._next_recv = {}
+        self._like, self._prefetch, self._act_header_sent, self._next_recv = {}, {}, False, {}
         for kind in ("RECV_ACT", "RECV_GRAD"):
             keys = [(a.step, a.microbatch) for a in actions if _kind(a) == kind]
             self._next_recv[kind] = dict(zip(keys, keys[1:]))
@@ -504,7 +508,8 @@ class PipelineEngine:
             data = self.p2p.complete(posted)
         else:
             data = self.p2p.recv(stage, like=self._like.get(kind, like))
-        self._like[kind] = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in data]
+        if kind not in self._like:  # shapes are fixed within a window: learned from its first receive
+            self._like[kind] = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in data]
         nxt = self._next_recv[kind].get(key)
         if nxt is not None:
             self._prefetch[(kind, nxt)] = self.p2p.post(stage, self._like[kind])
