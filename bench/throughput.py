@@ -276,7 +276,7 @@ def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool) -> li
         costs = Costs(forward=c.forward, backward=c.backward, step=step_cost)
         sim = simulate(schedule_actions(sched, p, m, n, first_step=2, extra_warmup=ew), costs, sched)
         tps = n * m * MBS * SEQ / sim.makespan
-        name = f"measured-{sched}{'-extra' + str(ew) if ew else ''}"
+        name = f"measured-{MODEL['num_hidden_layers']}layers-{sched}{'-extra' + str(ew) if ew else ''}"
         if draw:
             short = simulate(schedule_actions(sched, p, m, 3, first_step=2, extra_warmup=ew), costs, sched)
             plot_timeline(short, os.path.join(ROOT, "docs", "schedules", f"{name}.png"),
