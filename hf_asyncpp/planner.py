@@ -70,7 +70,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
     """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
     from .optim import classify_parameters
     from .partition import partition_plan
-    from .schedules import schedule_actions
+    from .schedules import reduce_scope, schedule_actions
     from .simulator import Costs, simulate
 
     p = num_stages or recipe.pipeline.num_stages
@@ -80,7 +80,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
     plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
     m = 1 if sched == "pipedream" else max(recipe.pipeline.num_microbatches, p if sched == "2bw" else 1)
     extra = recipe.pipeline.extra_warmup if sched in ("1f1b", "2bw") and (sched != "2bw" or m >= p + recipe.pipeline.extra_warmup) else 0
-    scope = "stage" if sched == "pipedream" and not recipe.training.max_grad_norm else "global"  # as the executor
+    scope = reduce_scope(sched, recipe.training.max_grad_norm)
     sim = simulate(schedule_actions(sched, p, m, 3 if sched != "pipedream" else 3 * p, extra_warmup=extra), Costs(
         forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)

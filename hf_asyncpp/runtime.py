@@ -334,10 +334,10 @@ class PipelineEngine:
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
         timeout_s = recipe.pipeline.p2p_timeout_s
         self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
-        # PipeDream updates each stage after every microbatch; a global norm would make stage s wait for the
-        # backward of the same microbatch at every earlier stage (a stall of (p-1-s) backwards per update). It is
-        # only needed for clipping, so without clipping the norm stays per stage (grad_norm is then not logged).
-        self.global_norm = not (recipe.pipeline.schedule == "pipedream" and not recipe.training.max_grad_norm)
+        from .schedules import reduce_scope
+
+        # a stage-local norm (pipedream without clipping) is not logged as grad_norm
+        self.global_norm = reduce_scope(recipe.pipeline.schedule, recipe.training.max_grad_norm) == "global"
         self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s, self.global_norm)
         self.p2p = P2P(topo, timeout_s, self.device)
         from .schedules import version_lag

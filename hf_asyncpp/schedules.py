@@ -61,7 +61,7 @@ from typing import Callable, Optional
 
 __all__ = [
     "SCHEDULES", "ActionType", "Action", "schedule_actions", "gpipe", "one_f_one_b", "pipedream_2bw",
-    "pipedream", "version_of", "version_lag", "format_actions", "parse_actions",
+    "pipedream", "version_of", "version_lag", "reduce_scope", "format_actions", "parse_actions",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
@@ -164,6 +164,14 @@ def version_of(schedule: str, step: int, stage: int, num_stages: int) -> int:
     if schedule == "pipedream":
         return max(0, step - (num_stages - 1 - stage))
     raise ValueError(f"pipeline.schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def reduce_scope(schedule: str, max_grad_norm: float) -> str:
+    """``"global"``: STEP{k} waits for every stage's REDUCE{k} (the grad norm is all-reduced across stages);
+    ``"stage"``: it waits only for its own. PipeDream without clipping needs no global norm, and a global one would
+    make each per-microbatch update wait for the earlier stages' backward of that microbatch (the executor, the
+    planner and the simulator all take the scope from here)."""
+    return "stage" if schedule == "pipedream" and not max_grad_norm else "global"
 
 
 def version_lag(schedule: str, stage: int, num_stages: int) -> int:

@@ -321,7 +321,7 @@ def _load(path: Path, engine, stream, topo, schedule: str = "none") -> RunState:
 def _pipeline_report(out: Path, prof: list[dict], recipe: Recipe) -> dict:
     """Where each stage's time went (pipeline_profile.json) and the timeline the simulator draws from the measured
     per-microbatch forward/backward/step means (pipeline_timeline.png): is a stage the bottleneck, are there bubbles."""
-    from .schedules import schedule_actions
+    from .schedules import reduce_scope, schedule_actions
     from .simulator import Costs, plot_timeline, simulate
 
     rc = recipe.pipeline
@@ -339,7 +339,7 @@ def _pipeline_report(out: Path, prof: list[dict], recipe: Recipe) -> dict:
     m = 1 if rc.schedule == "pipedream" else rc.num_microbatches
     steps = 3 * rc.num_stages if rc.schedule == "pipedream" else 3
     sim = simulate(schedule_actions(rc.schedule, rc.num_stages, m, steps, extra_warmup=rc.extra_warmup), costs,
-                   rc.schedule, reduce_scope="stage" if rc.schedule == "pipedream" and not recipe.training.max_grad_norm else "global")
+                   rc.schedule, reduce_scope=reduce_scope(rc.schedule, recipe.training.max_grad_norm))
     report = {"schedule": rc.schedule, "stages": stages, "simulated_bubble": sim.bubble,
               "simulated_steady_bubble": sim.steady_bubble}
     ckpt.save_json(out / "pipeline_profile.json", report)
