@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[0] = ROOT
 
+from hf_asyncpp.pipeline.profile import stage_shares  # noqa: E402 (after the path set-up)
+
 MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
          "tie_word_embeddings": True}
@@ -60,7 +62,8 @@ def build(r):
 
 
 def single_process(steps: int, m: int) -> float:
-    from hf_asyncpp.engine import LocalEngine, Topology
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.topology import Topology
 
     torch.set_num_threads(1)
     r = recipe("none", 1, m)
@@ -75,8 +78,8 @@ def single_process(steps: int, m: int) -> float:
 def _ours(rank, world, schedule, steps, m, split=None, extra_warmup=0):
     global LAYERS_PER_STAGE
     LAYERS_PER_STAGE = split
-    from hf_asyncpp.engine import Topology
-    from hf_asyncpp.runtime import PipelineEngine
+    from hf_asyncpp.topology import Topology
+    from hf_asyncpp.pipeline.executor import PipelineEngine
 
     r = recipe(schedule, world, m, extra_warmup)
     eng = PipelineEngine(r, build(r), Topology(rank=rank, world_size=world, num_stages=world), log=lambda *a: None)
@@ -89,7 +92,8 @@ def _ours(rank, world, schedule, steps, m, split=None, extra_warmup=0):
     eng.train_steps(bs, 2)
     dist.barrier()
     dt = time.perf_counter() - t0
-    seconds, counts = dict(eng.action_seconds), dict(eng.action_counts)  # the timed steps only
+    seconds = {k.value: v for k, v in eng.action_seconds.items()}  # the timed steps only
+    counts = {k.value: v for k, v in eng.action_counts.items()}
     eng.track_memory = True  # after timing: count the bytes really held, for the planner comparison
     eng.train_steps(batches(3, m), 2 + steps)
     memory = eng.memory_report()
@@ -217,7 +221,7 @@ def main():
     torch_rows = {(k[1], k[2]): v["tps"] for k, v in best.items() if k[0] == "torch"}
     ours_mp = best[("ours", "2bw", p)]["tps"]
 
-    from hf_asyncpp.planner import plan_memory
+    from hf_asyncpp.pipeline.planner import plan_memory
 
     _, plan, _ = plan_memory(recipe("2bw", p, m))
     limit = 2 * single
@@ -250,8 +254,7 @@ def main():
         sched = f"2bw extra_warmup {extra}" if sched == "2bw+" else sched
         for s, r in enumerate(res):
             sec = r["seconds"]
-            busy = sum(v for k, v in sec.items() if k in ("F", "B", "STEP", "REDUCE"))
-            wait = sec.get("RECV_ACT", 0) + sec.get("RECV_GRAD", 0)
+            busy, wait = (share * sum(sec.values()) for share in stage_shares(sec))
             lines.append(f"- {sched} stage {s}: compute {busy:.2f}s (F {sec.get('F', 0):.2f}, B {sec.get('B', 0):.2f}, "
                          f"step {sec.get('STEP', 0):.2f}), waiting on receives {wait:.2f}s, of {r['wall']:.2f}s wall")
     lines += ["", *_simulated(ours, n, m, p, extra, args.write)]
@@ -264,8 +267,9 @@ def main():
 def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool) -> list[str]:
     """The simulator fed with each run's measured mean F/B times per stage (STEP from 2bw, whose steps never wait
     for a reduction): its predicted tokens/s next to the measured one, and the timelines as PNGs."""
-    from hf_asyncpp.schedules import schedule_actions
-    from hf_asyncpp.simulator import Costs, plot_timeline, simulate
+    from hf_asyncpp.pipeline.schedules import schedule_actions
+    from hf_asyncpp.pipeline.simulator import Costs, simulate
+    from hf_asyncpp.pipeline.timeline import plot_timeline
 
     step_cost = Costs.from_measured([r["seconds"] for r in ours["2bw"]], [r["counts"] for r in ours["2bw"]]).step
     out = ["Simulated from the measured per-stage forward/backward means (the simulator's prediction of the same run):",

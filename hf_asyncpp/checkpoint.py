@@ -5,6 +5,16 @@ A checkpoint without ``manifest.json`` is never resumed from, so a run killed
 mid-write leaves the previous checkpoint the latest one. Tensors go through
 safetensors; other state through ``torch.load(weights_only=True)`` or JSON,
 so loading never unpickles arbitrary objects.
+
+The layout (every file name is spelled here and nowhere else)::
+
+    checkpoint-0000100/
+      manifest.json                  written last: its presence makes the checkpoint valid
+      trainer_state.json             step, tokens, data positions per rank, topology, schedule
+      rng-rank000.pt ...             python/torch RNG per rank
+      config.json  tokenizer/  recipe.yaml
+      model.safetensors  optimizer.pt                                      single-process run
+      stage-00.safetensors  stage-00-optimizer.pt  [stage-00-versions.safetensors]   pipelined run, per stage
 """
 from __future__ import annotations
 
@@ -18,7 +28,42 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_VERSIONS = "-versions.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:03d}.pt"
+
+
+def stage_file(stage: int) -> str:
+    """The stage's newest weights, by the model's parameter names."""
+    return f"stage-{stage:02d}.safetensors"
+
+
+def stage_versions_file(stage: int) -> str:
+    """Older weight versions the stage still holds (2BW: the one in use), ``v{version}/{name}``."""
+    return f"stage-{stage:02d}{_VERSIONS}"
+
+
+def stage_optimizer_file(stage: int) -> str:
+    return f"stage-{stage:02d}-optimizer.pt"
+
+
+def stage_weight_files(path: Path) -> list[Path]:
+    """The ``stage-XX.safetensors`` files of a pipelined checkpoint, in stage order."""
+    return sorted(p for p in Path(path).glob("stage-*.safetensors") if not p.name.endswith(_VERSIONS))
+
+
+def versions_of(weights_file: Path) -> Path:
+    return weights_file.with_name(weights_file.stem + _VERSIONS)
+
+
+def optimizer_of(weights_file: Path) -> Path:
+    return weights_file.with_name(weights_file.stem + "-optimizer.pt")
 
 
 def checkpoint_name(step: int) -> str:

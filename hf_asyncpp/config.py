@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .pipeline.schedules import SCHEDULES
+
 __all__ = [
     "RecipeError",
     "ModelConfig",
@@ -84,7 +86,6 @@ class DataConfig:
     """Where the default corpus (State of the Union addresses) is prepared."""
 
 
-SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "none")
 
 
 @dataclass(kw_only=True)
@@ -320,25 +321,13 @@ def _cross_checks(r: Recipe) -> None:
     p = r.pipeline
     if p.schedule == "none" and p.num_stages != 1 and r.optimizer.simulate_delay != "pipedream":
         raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of 2bw, 1f1b, gpipe, pipedream")
-    if p.schedule == "2bw" and p.num_microbatches < p.num_stages:
-        raise RecipeError(
-            f"pipeline.num_microbatches: 2bw needs num_microbatches >= num_stages ({p.num_microbatches} < {p.num_stages}); "
-            f"raise it to at least {p.num_stages}"
-        )
-    if p.extra_warmup and p.schedule not in ("1f1b", "2bw"):
-        raise RecipeError(f"pipeline.extra_warmup: {p.extra_warmup} applies to schedules 1f1b and 2bw, not {p.schedule!r}; set it to 0")
-    if p.schedule == "2bw" and p.extra_warmup and p.num_microbatches < p.num_stages + p.extra_warmup:
-        raise RecipeError(
-            f"pipeline.extra_warmup: 2bw with extra_warmup {p.extra_warmup} needs num_microbatches >= num_stages + "
-            f"extra_warmup ({p.num_microbatches} < {p.num_stages + p.extra_warmup}); lower it or raise pipeline.num_microbatches"
-        )
+    if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
+        try:
+            SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)
+        except ValueError as e:
+            raise RecipeError(_knob(str(e))) from None
     if p.layers_per_stage is not None and len(p.layers_per_stage) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
-    if p.schedule == "pipedream" and p.num_microbatches != 1:
-        raise RecipeError(
-            f"pipeline.num_microbatches: pipedream takes one optimizer step per microbatch, so it must be 1 "
-            f"(got {p.num_microbatches}); set pipeline.microbatch_size to the batch you want per update"
-        )
     if r.optimizer.simulate_delay != "0" and p.schedule != "none":
         raise RecipeError(
             f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "
@@ -400,3 +389,10 @@ def save_recipe(r: Recipe, path: str | os.PathLike) -> None:
     """Write the resolved recipe (every default filled in) next to the run's outputs."""
     with open(path, "w") as f:
         yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
+
+
+def _knob(message: str) -> str:
+    """A schedule record's message, led by the recipe field a user would change."""
+    if "extra_warmup" in message:
+        return message if message.startswith("pipeline.") else f"pipeline.extra_warmup: {message}"
+    return f"pipeline.num_microbatches: {message}"

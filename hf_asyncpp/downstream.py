@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from .evaluation import evaluate_perplexity, load_metric
+
 
 @dataclass(frozen=True)
 class Task:
@@ -139,8 +141,6 @@ def choice_logliks(model, tokenizer, items, batch_size: int = 16) -> list[list[f
 
 
 def score_task(model, tokenizer, items, batch_size: int = 16) -> dict:
-    from .evaluation import load_metric
-
     ll = choice_logliks(model, tokenizer, items, batch_size)
     refs = [label for _, _, label in items]
     pred = [max(range(len(s)), key=s.__getitem__) for s in ll]
@@ -162,9 +162,7 @@ def check_model_dir(path) -> None:
 def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict[str, str] | None = None,
                     limit: int | None = None, perplexity_blocks=None, batch_size: int = 16) -> dict[str, dict[str, dict]]:
     """{model_dir: {task: metrics}} for every model and task (perplexity needs ``perplexity_blocks``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .evaluation import evaluate_perplexity
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only when scoring
 
     for t in tasks:
         if t not in known_tasks():
@@ -220,26 +218,3 @@ def plot_results(results: dict[str, dict[str, dict]], path) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
-
-
-def add_to_model_card(model_dir, task_results: dict[str, dict]) -> None:
-    """Append the results to the model card's model-index (creating a minimal card if there is none)."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    path = Path(model_dir) / "README.md"
-    card = ModelCard.load(path) if path.exists() else ModelCard.from_template(ModelCardData(model_name=Path(model_dir).name))
-    results = list(card.data.eval_results or [])
-    for t, r in task_results.items():
-        if t == "perplexity":
-            results.append(EvalResult(task_type="text-generation", dataset_type="held-out", dataset_name="held-out",
-                                      metric_type="perplexity", metric_value=round(r["eval_ppl"], 4)))
-            continue
-        spec = TASKS[t]
-        for m in ("acc", "acc_norm"):
-            results.append(EvalResult(task_type="multiple-choice", dataset_type=spec.hub_id, dataset_name=t,
-                                      dataset_config=spec.hub_config, dataset_split=spec.split, metric_type=m,
-                                      metric_name=f"{t} {m} (zero-shot)", metric_value=round(r[m], 4)))
-    card.data.eval_results = results
-    if not card.data.model_name:
-        card.data.model_name = Path(model_dir).name
-    card.save(path)

@@ -1,10 +1,9 @@
-"""The single-process engine: the one-stage case of the trainer.
+"""Engines: the interface the trainer drives, and the single-process engine (the one-stage case).
 
-An engine owns the model (or this rank's pipeline stage), its optimizer, lr
-scheduler and delay state, and runs whole optimizer steps. The trainer loop
-only hands it batches and reads back ``StepResult``s, so the pipeline runtime
-(``runtime.PipelineEngine``) plugs into the same loop. Data parallelism here is
-a plain gradient all-reduce over every process.
+An engine owns the model (or this rank's pipeline stage), its optimizer, lr scheduler and delay state, and runs
+whole optimizer steps. The trainer only hands it a stream of batches and reads back ``StepResult``s, so the
+pipeline (``pipeline.executor.PipelineEngine``) plugs into the same loop through the same ``Engine`` protocol.
+Data parallelism here is a plain gradient all-reduce over every process.
 """
 from __future__ import annotations
 
@@ -12,38 +11,18 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .config import Recipe
+from .evaluation import nll_per_block
 from .lr import build_scheduler
-
-
-@dataclass
-class Topology:
-    """Where this process sits: ``world_size = dp_size * num_stages``; ranks of a stage are contiguous in dp."""
-
-    rank: int = 0
-    world_size: int = 1
-    num_stages: int = 1
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.num_stages
-
-    @property
-    def stage(self) -> int:
-        return self.rank // self.dp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank % self.dp_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from .optim import DelaySimulator, apply_delay_correction, build_optimizer
+from .partition import partition_plan
+from .topology import Topology, local_device
 
 
 @dataclass
@@ -60,13 +39,30 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient under ``training.on_nonfinite: stop``."""
 
 
-def local_device() -> torch.device:
-    """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
-    import os
+class Engine(Protocol):
+    """What the trainer drives; ``LocalEngine`` and ``pipeline.executor.PipelineEngine`` implement it."""
 
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return torch.device("cpu")
+    config: object
+    """The model's transformers config (saved with checkpoints and exports)."""
+
+    def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
+        """Steps [first_step, first_step + num_steps), one batch pulled per step; each step's result yielded in order
+        as soon as it is known. Exhausting the iterator leaves the engine drained (ready to save or evaluate)."""
+
+    def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]: ...
+
+    def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def save(self, tmp: Path) -> None: ...
+
+    def load(self, path: Path) -> None: ...
+
+    def profile(self) -> list[dict] | None:
+        """Per-stage action timings (collective), None where there is no pipeline."""
+
+    def close(self) -> None: ...
 
 
 def autocast(enabled: bool):
@@ -78,8 +74,6 @@ def stage_parameter_lists(model, recipe: Recipe) -> list[list[torch.nn.Parameter
     p = recipe.pipeline.num_stages
     if p == 1 or recipe.optimizer.simulate_delay != "pipedream":
         return [list(model.parameters())]
-    from .partition import partition_plan
-
     plan = partition_plan(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
     by_name = dict(model.named_parameters())
     groups = [[] for _ in range(p)]
@@ -92,10 +86,9 @@ class LocalEngine:
     """Whole model in this process; ``optimizer.simulate_delay`` reproduces the pipeline's delays exactly."""
 
     def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
-        from .optim import DelaySimulator, apply_delay_correction, build_optimizer
-
         self.recipe, self.topo, self.device = recipe, topo, local_device()
         self.model = model.to(self.device)
+        self.config = model.config
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
@@ -155,8 +148,17 @@ class LocalEngine:
         self.delay.after_step()
         return StepResult(step, float(loss_mean), grad_norm, lr, apply and not skipped, skipped)
 
+    def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
+        batches = iter(batches)
+        for k in range(first_step, first_step + num_steps):
+            yield self._one_step(k, next(batches))
+
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
-        return [self._one_step(first_step + i, b) for i, b in enumerate(batches)]
+        return list(self.run(batches, first_step, len(batches)))
+
+    def profile(self) -> None:
+        """No pipeline, nothing to profile."""
+        return None
 
     def close(self) -> None:
         """Nothing to release (the pipeline engine stops its reduction worker here)."""
@@ -172,11 +174,9 @@ class LocalEngine:
         for i in range(0, len(mine), batch_size):
             ids = mine[i : i + batch_size].to(self.device)
             with autocast(self.recipe.training.bf16):
-                logits = self.model(input_ids=ids).logits.float()
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
-            )
-            total += torch.tensor([float(nll), ids[:, 1:].numel()], dtype=torch.float64, device=self.device)
+                logits = self.model(input_ids=ids).logits
+            total[0] += nll_per_block(logits, ids).sum()
+            total[1] += ids[:, 1:].numel()
         if self.topo.dp_size > 1:
             dist.all_reduce(total)
         self.model.train(was_training)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric", "perplexity_from_sums"]
+__all__ = ["METRICS_DIR", "nll_per_block", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric", "perplexity_from_sums"]
 
 METRICS_DIR = Path(__file__).parent / "metrics"
 
@@ -43,6 +43,13 @@ def perplexity_from_sums(nll_sums, token_counts) -> dict:
     return {"eval_loss": res["eval_loss"], "eval_ppl": res["perplexity"], "num_tokens": res["num_tokens"]}
 
 
+def nll_per_block(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL of each block, float64 ``(B,)``: the one definition every evaluation path uses
+    (a model, the single-process engine, the pipeline's last stage). logits ``(B, T, V)``, ids ``(B, T)``."""
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+    return nll.double().sum(dim=1)
+
+
 @torch.no_grad()
 def block_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> tuple[list[float], list[int]]:
     """Per-block summed next-token NLL (labels = inputs, shifted as HF does) and predicted-token counts.
@@ -58,9 +65,7 @@ def block_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> tuple[list[fl
     try:
         for i in range(0, len(blocks), batch_size):
             ids = blocks[i : i + batch_size].to(device)  # (B, T)
-            logits = model(input_ids=ids).logits.float()  # (B, T, V)
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-            sums.extend(nll.double().sum(dim=1).tolist())
+            sums.extend(nll_per_block(model(input_ids=ids).logits, ids).tolist())
             counts.extend([ids.shape[1] - 1] * len(ids))
     finally:
         model.train(was_training)

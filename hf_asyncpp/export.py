@@ -8,20 +8,12 @@ are then computed by the model's own ``_init_weights``, exactly as ``from_pretra
 Everything is written to a temp dir next to ``out_dir`` and renamed into place at the end: an
 existing export is replaced only when the new one is complete.
 
-Checkpoint layout read by :func:`load_checkpoint_state` (the trainer writes it)::
-
-    checkpoint-0000300/
-        model.safetensors            single process, or
-        stage-00.safetensors ...     one per pipeline stage, original HF names (merged by name)
-        config.json                  PretrainedConfig.to_json_file
-        tokenizer/                   tokenizer.save_pretrained (optional)
-        recipe.yaml                  the run's recipe (optional, card fields)
-        trainer_state.json           {"step": ..., "tokens": ...} (optional, card fields)
+:func:`load_checkpoint_state` reads a checkpoint (layout in ``checkpoint.py``) into merged weights; the model card
+is built in ``model_card.py``.
 """
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import shutil
 import tempfile
@@ -30,49 +22,18 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ckpt
 from .checkpoint import replace_dir
+from .downstream import evaluate_models, results_table
+from .evaluation import evaluate_model_dir
+from .hub import push_folder
+from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, card_from_recipe, clean_card, render_model_card
+from .reporting import METRICS, read_metrics
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
-           "export_hf_model", "load_checkpoint_state", "render_model_card"]
+           "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card"]
 
 log = logging.getLogger(__name__)
-
-TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "template.md"
-
-CARD_FIELDS = {
-    "model_id": "Hub id or name: card title, model-index name and the id in the 'How to use' snippet",
-    "model_description": "one paragraph under the title",
-    "license": "card metadata, e.g. 'apache-2.0'",
-    "language": "card metadata, e.g. 'en' or ['en', 'fr']",
-    "schedule": "pipeline schedule: 2bw, 1f1b, gpipe, pipedream or none",
-    "num_stages": "pipeline stages",
-    "num_microbatches": "microbatches per optimizer step",
-    "microbatch_size": "sequences per microbatch",
-    "optimizer": "muon, adamw, nadam, sgd",
-    "learning_rate": "peak learning rate",
-    "delay_correction": "none or error_feedback",
-    "simulate_delay": "gradient delay simulated in a single process: 0, 1 or pipedream",
-    "steps": "optimizer steps trained",
-    "tokens": "training tokens seen",
-    "seq_len": "training sequence length",
-    "datasets": "Hub dataset ids trained on (str or list)",
-    "data_description": "training data in words (local files, corpus name)",
-    "eval_dataset": "what eval_loss/perplexity were measured on (default: the first dataset, else 'held-out')",
-    "eval_loss": "final held-out loss (mean NLL per token)",
-    "perplexity": "final held-out perplexity",
-    "eval_tokens": "tokens the final evaluation scored",
-    "loss_curve": "loss-curve image: an existing file is copied next to the card; otherwise used as a link relative to it",
-}
-"""The keys of the ``card`` dict taken by :func:`export_hf_model`; every one is optional (missing or None is omitted)."""
-
-_SCHEDULES = {
-    "2bw": "PipeDream-2BW, asynchronous",
-    "pipedream": "PipeDream with weight stashing, asynchronous",
-    "1f1b": "1F1B, synchronous",
-    "gpipe": "GPipe, synchronous",
-    "none": "no pipeline, one process",
-}
-
 
 class StateDictMismatchError(KeyError):
     """The weights do not match the model the config builds; the message names the keys."""
@@ -191,130 +152,6 @@ def assemble_model(state_dict: dict[str, torch.Tensor], config):
 
 
 # ---------------------------------------------------------------------------------------------------
-# model card
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
-def _architecture(model) -> dict:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = sum(p.numel() for p in model.parameters())  # a tied head is counted once
-    arch = {"model_type": model.config.model_type, "architecture": type(model).__name__,
-            "num_parameters": f"{n:,} ({n / 1e6:.2f}M)",
-            "tied": bool(getattr(model, "all_tied_weights_keys", None) or getattr(cfg, "tie_word_embeddings", False))}
-    for key, names in (("num_layers", ("num_hidden_layers",)), ("hidden_size", ("hidden_size",)),
-                       ("vocab_size", ("vocab_size",)), ("num_experts", ("num_local_experts", "num_experts", "n_routed_experts")),
-                       ("experts_per_token", ("num_experts_per_tok",))):
-        for name in names:
-            if getattr(cfg, name, None):
-                arch[key] = getattr(cfg, name)
-                break
-    return arch
-
-
-def _training_rows(c: dict) -> list[tuple[str, str]]:
-    rows = []
-    if "schedule" in c:
-        what = _SCHEDULES.get(str(c["schedule"]))
-        rows.append(("Pipeline schedule", f"`{c['schedule']}`" + (f" ({what})" if what else "")))
-    if "num_stages" in c:
-        rows.append(("Pipeline stages", _fmt(c["num_stages"])))
-    if "num_microbatches" in c:
-        size = f" of {_fmt(c['microbatch_size'])} sequences" if "microbatch_size" in c else ""
-        rows.append(("Microbatches per step", f"{_fmt(c['num_microbatches'])}{size}"))
-    elif "microbatch_size" in c:
-        rows.append(("Microbatch size", f"{_fmt(c['microbatch_size'])} sequences"))
-    if "optimizer" in c:
-        rows.append(("Optimizer", f"`{c['optimizer']}`"))
-    if "learning_rate" in c:
-        rows.append(("Peak learning rate", _fmt(c["learning_rate"])))
-    if "delay_correction" in c:
-        what = " (error-feedback correction of the delayed gradient)" if c["delay_correction"] == "error_feedback" else ""
-        rows.append(("Delay correction", f"`{c['delay_correction']}`{what}"))
-    if "simulate_delay" in c and str(c["simulate_delay"]) != "0":
-        rows.append(("Simulated gradient delay (one process)", f"`{c['simulate_delay']}`"))
-    if "steps" in c:
-        rows.append(("Optimizer steps", _fmt(c["steps"])))
-    if "tokens" in c:
-        rows.append(("Tokens seen", _fmt(c["tokens"])))
-    if "seq_len" in c:
-        rows.append(("Sequence length", _fmt(c["seq_len"])))
-    data = [f"[{d}](https://huggingface.co/datasets/{d})" for d in c.get("datasets", [])]
-    if "data_description" in c and c["data_description"] not in c.get("datasets", []):
-        data.append(str(c["data_description"]))
-    if data:
-        rows.append(("Training data", ", ".join(data)))
-    return rows
-
-
-def _eval_rows(c: dict) -> list[tuple[str, str]]:
-    rows = []
-    if "eval_loss" in c:
-        rows.append(("Loss (mean NLL per token)", f"{float(c['eval_loss']):.4f}"))
-    if "perplexity" in c:
-        rows.append(("Perplexity", f"{float(c['perplexity']):.2f}"))
-    if rows and "eval_tokens" in c:
-        rows.append(("Tokens scored", _fmt(c["eval_tokens"])))
-    if rows:
-        rows.append(("Evaluation data", c.get("eval_dataset", "held-out")))
-    return rows
-
-
-def _clean_card(card: dict | None) -> dict:
-    card = {k: v for k, v in (card or {}).items() if v is not None}
-    unknown = sorted(set(card) - set(CARD_FIELDS))
-    if unknown:  # NOTE: a warning, not an error: a card typo must not lose the export at the end of a run
-        log.warning("model card: ignoring unknown fields %s; known fields: %s", unknown, sorted(CARD_FIELDS))
-    card = {k: v for k, v in card.items() if k in CARD_FIELDS}
-    if isinstance(card.get("datasets"), str):
-        card["datasets"] = [card["datasets"]]
-    if card.get("datasets") == []:
-        del card["datasets"]
-    if "eval_dataset" not in card and ("eval_loss" in card or "perplexity" in card):
-        card["eval_dataset"] = card["datasets"][0] if "datasets" in card else "held-out"
-    return card
-
-
-def render_model_card(card: dict | None, model, load_path: str = "path/to/this/folder"):
-    """A ``huggingface_hub.ModelCard`` from ``model_cards/template.md``; ``card`` keys are :data:`CARD_FIELDS`.
-
-    Card metadata: tags (hf_asyncpp, pipeline-parallel, pretraining, the schedule, the optimizer), datasets,
-    metrics and a model-index with ``eval_loss``/``perplexity`` when they are given. Missing fields are
-    left out of the card; unknown ones are logged and ignored.
-    """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    c = _clean_card(card)
-    name = str(c.get("model_id") or load_path)
-    tags = ["hf_asyncpp", "pipeline-parallel", "pretraining"]
-    tags += [str(c[k]) for k in ("schedule", "optimizer") if k in c and str(c[k]) != "none"]
-    if c.get("delay_correction") == "error_feedback":
-        tags.append("error-feedback")
-    results, metric_names = [], []
-    for key, metric, label in (("eval_loss", "loss", "eval loss"), ("perplexity", "perplexity", "perplexity")):
-        if key in c:
-            metric_names.append(metric)
-            results.append(EvalResult(task_type="text-generation", task_name="Causal language modeling",
-                                      dataset_type=str(c["eval_dataset"]), dataset_name=str(c["eval_dataset"]),
-                                      metric_type=metric, metric_name=label, metric_value=round(float(c[key]), 4)))
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=tags, license=c.get("license"),
-                         language=c.get("language"), datasets=c.get("datasets"), metrics=metric_names or None,
-                         model_name=name, eval_results=results or None)
-    return ModelCard.from_template(
-        data, template_path=str(TEMPLATE), model_id=name, model_description=c.get("model_description"),
-        load_path=str(c.get("model_id") or load_path), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
-        schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
-
-
-# ---------------------------------------------------------------------------------------------------
 # writing the folder
 
 
@@ -350,7 +187,7 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tokenizer, attr, None) is not None:
                 setattr(model.generation_config, attr, getattr(tokenizer, attr))
-    card = _clean_card(card)
+    card = clean_card(card)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))
     try:
@@ -391,54 +228,53 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    ckpt = Path(ckpt_dir)
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"{ckpt}: no such checkpoint directory")
-    files = [ckpt / "model.safetensors"] if (ckpt / "model.safetensors").exists() else sorted(
-        p for p in ckpt.glob("stage-*.safetensors") if not p.name.endswith("-versions.safetensors"))
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    files = [path / ckpt.MODEL_FILE] if (path / ckpt.MODEL_FILE).exists() else ckpt.stage_weight_files(path)
     if not files:
-        raise FileNotFoundError(f"{ckpt}: no model.safetensors or stage-XX.safetensors; is it a hf_asyncpp checkpoint?")
-    if not (ckpt / "config.json").exists():
-        raise FileNotFoundError(f"{ckpt}: config.json is missing")
+        raise FileNotFoundError(f"{path}: no model.safetensors or stage-XX.safetensors; is it a hf_asyncpp checkpoint?")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: config.json is missing")
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for f in files:
         for k, v in load_file(str(f)).items():
             if k in state and not torch.equal(state[k], v):
-                raise ValueError(f"{ckpt}: {k} differs between {owner[k]} and {f.name}")
+                raise ValueError(f"{path}: {k} differs between {owner[k]} and {f.name}")
             state[k], owner[k] = v, f.name
-    config = AutoConfig.from_pretrained(str(ckpt))
-    tok = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) if (ckpt / "tokenizer").is_dir() else None
+    config = AutoConfig.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path / "tokenizer")) if (path / "tokenizer").is_dir() else None
     return state, config, tok
 
 
-def card_from_checkpoint(ckpt_dir) -> dict:
-    """Model-card fields from what a checkpoint holds: ``recipe.yaml`` (training setup), ``trainer_state.json``
-    (steps, tokens) and the run's ``metrics.jsonl`` one level up (the last evaluation at or before the step).
-    Whatever is absent is left out."""
-    ckpt = Path(ckpt_dir)
-    card: dict = {}
-    if (ckpt / "recipe.yaml").exists():
-        from .config import load_recipe
+# ---------------------------------------------------------------------------------------------------
+# the end of a run
 
-        r = load_recipe(ckpt / "recipe.yaml")
-        card.update(schedule=r.pipeline.schedule, num_stages=r.pipeline.num_stages,
-                    num_microbatches=r.pipeline.num_microbatches, microbatch_size=r.pipeline.microbatch_size,
-                    optimizer=r.optimizer.name, learning_rate=r.optimizer.learning_rate,
-                    delay_correction=r.optimizer.delay_correction, simulate_delay=r.optimizer.simulate_delay,
-                    seq_len=r.data.seq_len, datasets=[r.data.dataset] if r.data.dataset else None,
-                    data_description=r.data.dataset or (", ".join(r.data.train_files) if r.data.train_files else None),
-                    model_id=r.hub.hub_model_id)
-    step = None
-    if (ckpt / "trainer_state.json").exists():
-        info = json.loads((ckpt / "trainer_state.json").read_text())
-        step = info.get("step")
-        card.update(steps=step, tokens=info.get("tokens"))
-    metrics = ckpt.parent / "metrics.jsonl"
-    if metrics.exists():
-        evals = [m for m in (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
-                 if "eval_loss" in m and (step is None or m.get("step", 0) <= step)]
-        if evals:
-            card.update(eval_loss=evals[-1]["eval_loss"], perplexity=evals[-1].get("eval_ppl"),
-                        eval_tokens=evals[-1].get("eval_tokens"))
-    return {k: v for k, v in card.items() if v is not None}
+
+def export_run(out: Path, weights: dict[str, torch.Tensor], config, tokenizer, recipe, step: int, tokens: int,
+               held_out: torch.Tensor, loss_curve: Path | None) -> dict:
+    """The end of a training run on the main process: ``out/export`` (HF folder + card), its perplexity after a
+    ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub push, and ``final_eval.json``."""
+    metrics = read_metrics(out / METRICS)
+    evals = [m for m in metrics if "eval_loss" in m]
+    card = card_from_recipe(recipe, step, tokens, metrics, loss_curve="loss_curve.png" if loss_curve else None)
+    export_dir = out / "export"
+    export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
+    if loss_curve:
+        shutil.copy(loss_curve, export_dir / "loss_curve.png")
+    reloaded = evaluate_model_dir(export_dir, held_out)
+    result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
+              "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+    if recipe.eval.tasks:
+        res = evaluate_models([str(export_dir)], recipe.eval.tasks, task_files=recipe.eval.task_files,
+                              limit=recipe.eval.limit, perplexity_blocks=held_out)[str(export_dir)]
+        add_eval_results(export_dir, res)
+        result["downstream"] = res
+        log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
+    if recipe.hub.push_to_hub:
+        result["hub_commit"] = push_folder(export_dir, recipe.hub, commit_message=f"hf_asyncpp export after {step} steps")
+    ckpt.save_json(out / "final_eval.json", result)
+    log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"],
+             result["untrained_eval_ppl"] or float("nan"))
+    return result

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .config import TrainingConfig
 
 
@@ -27,6 +29,4 @@ def lr_factor(k: int, cfg: TrainingConfig) -> float:
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig):
-    import torch
-
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k, cfg))

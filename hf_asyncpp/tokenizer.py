@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 from .config import ModelConfig
+from .data import iter_documents
 
 __all__ = ["load_or_train_tokenizer", "train_tokenizer", "EOS", "PAD"]
 
@@ -48,7 +50,6 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from .data import iter_documents
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -66,8 +67,6 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
 def _save_atomic(tok, out: Path) -> None:
     """save_pretrained into a temporary folder, then move the files in, ``tokenizer.json`` (the
     completeness marker that :func:`load_or_train_tokenizer` checks) last."""
-    import shutil
-
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok.save_pretrained(str(tmp))

@@ -29,7 +29,8 @@ def main():
     ap.add_argument("--out", default=None, help="JSON results (default: FIRST_MODEL_DIR/eval_results.json)")
     ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
     args = ap.parse_args()
-    from hf_asyncpp.downstream import add_to_model_card, check_model_dir, evaluate_models, plot_results, results_table
+    from hf_asyncpp.model_card import add_eval_results as add_to_model_card
+    from hf_asyncpp.downstream import check_model_dir, evaluate_models, plot_results, results_table
 
     tasks = args.tasks.split(",") if args.tasks else (["perplexity"] if args.data else [])
     if not tasks:

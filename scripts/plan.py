@@ -41,8 +41,8 @@ def main():
     ap.add_argument("--png", default=None, help="timeline PNG (default docs/plans/<recipe>-<p>.png)")
     args = ap.parse_args()
     from hf_asyncpp.config import load_recipe
-    from hf_asyncpp.planner import plan_memory, simulate_schedules
-    from hf_asyncpp.simulator import plot_timeline
+    from hf_asyncpp.pipeline.planner import plan_memory, simulate_schedules
+    from hf_asyncpp.pipeline.timeline import plot_timeline
 
     recipe = load_recipe(args.recipe, args.overrides)
     p = args.num_stages or recipe.pipeline.num_stages

@@ -28,8 +28,9 @@ def main():
     ap.add_argument("--print-actions", action="store_true")
     ap.add_argument("--out", default=None, help="PNG path (default docs/schedules/<schedule>.png)")
     args = ap.parse_args()
-    from hf_asyncpp.schedules import format_actions, schedule_actions
-    from hf_asyncpp.simulator import Costs, plot_timeline, simulate
+    from hf_asyncpp.pipeline.schedules import format_actions, schedule_actions
+    from hf_asyncpp.pipeline.simulator import Costs, simulate
+    from hf_asyncpp.pipeline.timeline import plot_timeline
 
     pd = args.schedule == "pipedream"
     m, steps = (1, args.steps * args.microbatches) if pd else (args.microbatches, args.steps)

@@ -16,8 +16,8 @@ def _rank_main(rank, world, port, die_after, err_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from hf_asyncpp.engine import Topology
-    from hf_asyncpp.runtime import PipelineEngine
+    from hf_asyncpp.topology import Topology
+    from hf_asyncpp.pipeline.executor import PipelineEngine
     from test_runtime import LLAMA, build, make_batches, make_recipe
 
     recipe = make_recipe(LLAMA, "2bw", 2, 2, 2, "adamw")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -121,3 +122,20 @@ def test_resume_onto_another_topology(tmp_path):
     assert len(a) == len(b) == 8 and b[:4] == a[:4]
     for x, y in zip(a[4:], b[4:]):
         assert abs(x - y) <= 1e-4 * abs(x), (a, b)
+
+
+def test_logging_steps_change_nothing_computed(tmp_path):
+    """logging_steps 1 and 7 give bit-identical losses, grad norms, lrs and weights: logging never drains the
+    pipeline, so what it reports cannot change what is computed."""
+    rows, weights = {}, {}
+    for every in (1, 7):
+        out = tmp_path / f"every-{every}"
+        rc, log = launch(write_recipe(tmp_path / f"{every}.yaml", out, logging_steps=every, max_steps=14, save_steps=14))
+        assert rc == 0, log[-3000:]
+        rows[every] = [(r["step"], r["loss"], r["grad_norm"], r["lr"])
+                       for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        weights[every] = {s: load_file(str(out / "checkpoint-0000014" / f"stage-{s}.safetensors")) for s in ("00", "01")}
+    assert [r[0] for r in rows[1]] == list(range(1, 15))  # one record per step, in order
+    assert rows[1] == rows[7]  # bitwise
+    for s, tensors in weights[1].items():
+        assert all(torch.equal(t, weights[7][s][k]) for k, t in tensors.items()), s

@@ -9,7 +9,7 @@ import torch
 
 from hf_asyncpp.config import load_recipe
 from hf_asyncpp.partition import partition_plan
-from hf_asyncpp.planner import StageMemory, meta_model, plan_memory
+from hf_asyncpp.pipeline.planner import StageMemory, meta_model, plan_memory
 
 RECIPES = sorted(Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"))
 
@@ -45,9 +45,9 @@ def test_planner_memory_matches_the_executor_for_cpu_tiny():
 
 
 def _measure_stage_bytes(rank, world, recipe):
-    from hf_asyncpp.engine import Topology
+    from hf_asyncpp.topology import Topology
     from hf_asyncpp.modeling import build_model
-    from hf_asyncpp.runtime import PipelineEngine
+    from hf_asyncpp.pipeline.executor import PipelineEngine
 
     torch.manual_seed(0)
     eng = PipelineEngine(recipe, build_model(recipe.model), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)

@@ -57,7 +57,8 @@ def build(recipe):
 
 def reference(recipe, batches):
     """Single-process run with the delay semantics the pipeline must reproduce."""
-    from hf_asyncpp.engine import LocalEngine, Topology
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.topology import Topology
 
     eng = LocalEngine(recipe, build(recipe), Topology(), log=lambda *a: None)
     results = eng.train_steps(batches, 0)
@@ -65,8 +66,8 @@ def reference(recipe, batches):
 
 
 def pipeline_worker(rank, world, scenarios):
-    from hf_asyncpp.engine import Topology
-    from hf_asyncpp.runtime import PipelineEngine
+    from hf_asyncpp.topology import Topology
+    from hf_asyncpp.pipeline.executor import PipelineEngine
 
     out = []
     for recipe, replica_batches in scenarios:

@@ -192,8 +192,8 @@ def test_bad_data_files(tmp_path):
 
 
 def test_resume_with_another_schedule_is_refused_clearly(tmp_path):
-    from hf_asyncpp.engine import Topology
-    from hf_asyncpp.trainer import _load
+    from hf_asyncpp.topology import Topology
+    from hf_asyncpp.checkpointer import resume as _load
 
     out = tmp_path / "c"
     out.mkdir()

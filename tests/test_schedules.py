@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from hf_asyncpp.schedules import (SCHEDULES, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
+from hf_asyncpp.pipeline.schedules import (SCHEDULES, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
                                   version_lag)
-from hf_asyncpp.simulator import Costs, ScheduleError, plot_timeline, simulate
+from hf_asyncpp.pipeline.simulator import Costs, ScheduleError, simulate
+from hf_asyncpp.pipeline.timeline import plot_timeline
 
 
 def semantic_version(schedule, step, stage, p):

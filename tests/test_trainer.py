@@ -123,3 +123,13 @@ def test_too_few_processes_prints_the_command_that_works():
     with pytest.raises(RecipeError, match=r"2 stages need a multiple of 2 processes, but 1 was started[\s\S]*recipes/accelerate/cpu-2proc.yaml"):
         check_topology(r, 1, "recipes/x.yaml")
     check_topology(r, 4, "recipes/x.yaml")
+
+
+def test_only_evaluations_checkpoints_and_the_end_drain_the_pipeline():
+    from hf_asyncpp.trainer import drain_points
+
+    for every in (1, 7, 1000):
+        r = recipe_from_dict(tiny(Path("/tmp/x"), training__max_steps=20, training__logging_steps=every,
+                                  training__eval_steps=8, training__save_steps=10))
+        assert drain_points(0, r) == [8, 10, 16, 20]
+        assert drain_points(10, r) == [16, 20]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KEY", "apply_delay_correction", "install_error_feedback", "extrapolate_"]
+__all__ = ["KEY", "apply_delay_correction", "install_error_feedback", "extrapolate_", "ef_buffers", "ef_state_by_name",
+           "ef_state_from_names"]
 
 KEY = "error_feedback"
 
@@ -114,3 +115,22 @@ def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float = 1.0) -
     optimizer.register_load_state_dict_post_hook(load_post)
     setattr(optimizer, KEY, ef)
     return optimizer
+
+
+def ef_buffers(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The correction's u[t-1] buffers (empty without the correction): what it costs in memory."""
+    ef = getattr(optimizer, KEY, None)
+    return list(ef["prev"].values()) if ef else []
+
+
+def ef_state_by_name(optimizer_state: dict, names: list[str]) -> dict[str, Tensor]:
+    """The u[t-1] buffers of a saved optimizer state dict, keyed by parameter name (``names`` in the optimizer's
+    parameter order), so a checkpoint can be resumed on another split of the model."""
+    return {names[int(i)]: t for i, t in ((optimizer_state.get(KEY) or {}).get("prev") or {}).items()}
+
+
+def ef_state_from_names(by_name: dict[str, Tensor], names: list[str], lam: float) -> dict | None:
+    """The state-dict entry ``install_error_feedback``'s hooks load, from name-keyed buffers (None if none)."""
+    if not by_name:
+        return None
+    return {"lam": lam, "prev": {i: by_name[n] for i, n in enumerate(names) if n in by_name}}

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Recipe
+from ..config import Recipe
+from ..modeling import build_config
+from ..optim import classify_parameters
+from ..partition import partition_plan
+from .schedules import ONE_F_ONE_B, SCHEDULES, get_schedule
+from .simulator import Costs, simulate
 
 
 @dataclass
@@ -38,9 +43,7 @@ class StageMemory:
 
 
 def meta_model(recipe: Recipe):
-    from transformers import AutoModelForCausalLM
-
-    from .modeling import build_config
+    from transformers import AutoModelForCausalLM  # heavy: only when planning from a recipe
 
     config = build_config(recipe.model)
     with torch.device("meta"):
@@ -68,20 +71,20 @@ def activation_values_per_token(config, layer_ids: list[int], last: bool) -> flo
 
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
-    from .optim import classify_parameters
-    from .partition import partition_plan
-    from .schedules import reduce_scope, schedule_actions
-    from .simulator import Costs, simulate
-
     p = num_stages or recipe.pipeline.num_stages
-    sched = recipe.pipeline.schedule if recipe.pipeline.schedule != "none" else "1f1b"
+    sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
     model = model or meta_model(recipe)
     layers_per_stage = recipe.pipeline.layers_per_stage if p == recipe.pipeline.num_stages else None
     plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
-    m = 1 if sched == "pipedream" else max(recipe.pipeline.num_microbatches, p if sched == "2bw" else 1)
-    extra = recipe.pipeline.extra_warmup if sched in ("1f1b", "2bw") and (sched != "2bw" or m >= p + recipe.pipeline.extra_warmup) else 0
-    scope = reduce_scope(sched, recipe.training.max_grad_norm)
-    sim = simulate(schedule_actions(sched, p, m, 3 if sched != "pipedream" else 3 * p, extra_warmup=extra), Costs(
+    m, steps = sched.representative(p, recipe.pipeline.num_microbatches)
+    m = _runnable_m(sched, p, m)
+    extra = recipe.pipeline.extra_warmup if sched.extra_warmup_ok else 0
+    try:
+        sched.check(p, m, extra)
+    except ValueError:
+        extra = 0  # planning another stage count than the recipe's: plain warm-up
+    scope = sched.reduce_scope(recipe.training.max_grad_norm)
+    sim = simulate(sched.actions(p, m, steps, extra_warmup=extra), Costs(
         forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
     sizes = {n: q.numel() for n, q in model.named_parameters()}
@@ -99,7 +102,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
     out = []
     for s, st in enumerate(plan.stages):
         n_params = sum(sizes[n] for n in per_stage_names[s])
-        versions = {"2bw": 2, "pipedream": p - s}.get(sched, 1)
+        versions = sched.weight_versions(s, p)
         if opt.name == "muon":
             opt_bytes = sum(sizes[n] * (4 if kinds.get(n) == "muon" else 8) for n in per_stage_names[s])
         elif opt.name in ("adamw", "nadam"):
@@ -109,23 +112,32 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
         inflight = sim.peak_inflight[s]
         act = inflight * tokens_mb * act_bytes * activation_values_per_token(model.config, list(st.layers), s == p - 1)
         out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
-                               4.0 * n_params * (2 if sched == "2bw" else 1), float(opt_bytes),
+                               4.0 * n_params * sched.grad_sets, float(opt_bytes),
                                4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0, act, inflight))
     return plan, out, sim
 
 
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float) -> dict[str, object]:
     """Step time and bubble of 2bw, 1f1b and gpipe for this partition (costs from the plan's FLOPs)."""
-    from .schedules import schedule_actions
-    from .simulator import Costs, simulate
-
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
     m = max(recipe.pipeline.num_microbatches, num_stages)
     fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
     steps = 8
     res = {}
-    for sched in ("2bw", "1f1b", "gpipe"):
-        r = simulate(schedule_actions(sched, num_stages, m, steps), costs, sched)
-        res[sched] = r
+    for name in ("2bw", "1f1b", "gpipe"):
+        sched = SCHEDULES[name]
+        res[name] = simulate(sched.actions(num_stages, m, steps), costs, sched)
     return res
+
+
+def _runnable_m(sched, p: int, m: int) -> int:
+    """The smallest microbatch count >= m that the schedule accepts on p stages (2BW: m >= p)."""
+    while True:
+        try:
+            sched.check(p, m)
+            return m
+        except ValueError:
+            if sched.one_update_per_microbatch or m > 4 * p:
+                raise
+            m += 1

@@ -19,7 +19,7 @@ receive out of send order, a message never received, a microbatch not forwarded 
 once on every stage, a backward with another version than its forward, microbatches of one step on
 different versions at one stage, a forward on a version not produced yet, a step's REDUCE before its last
 backward, STEPs out of order or missing, collectives out of order; with ``schedule``, also every forward's
-version against ``schedules.version_of``.
+version against the schedule record's ``version`` rule.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, fields
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
-from .schedules import Action, ActionType, version_of
+from .schedules import Action, ActionType, get_schedule
 
-__all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate", "plot_timeline"]
+__all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate"]
 
 T = ActionType
 Number = Union[float, Sequence[float]]
@@ -150,7 +150,7 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
     Args:
         actions: per stage, its actions in order (``schedules.schedule_actions``).
         costs: ``Costs``, a dict (``{"forward": 1, "B": 2, ...}``) or a callable ``(action, stage) -> cost``.
-        schedule: if given, every forward's version is checked against ``schedules.version_of``.
+        schedule: a schedule name or record; if given, every forward's version is checked against its ``version``.
         num_microbatches: if given, every step must have exactly these microbatches.
         blocking_sends: a send waits until its receiver reaches the matching receive.
         reduce_scope: ``"global"`` (the executor's: STEP{k} waits until every stage posted REDUCE{k}, for the
@@ -179,7 +179,8 @@ class _Run:
 
     def __init__(self, actions, cost, schedule, blocking_sends, global_reduce):
         p = self.p = len(actions)
-        self.actions, self.cost, self.schedule = actions, cost, schedule
+        self.actions, self.cost = actions, cost
+        self.schedule = get_schedule(schedule) if schedule is not None else None
         self.blocking_sends, self.global_reduce = blocking_sends, global_reduce
         self.steps = sorted({a.step for acts in actions for a in acts})
         self.k0 = self.steps[0] if self.steps else 0  # the window's first step: every stage holds version k0
@@ -283,8 +284,8 @@ class _Run:
         if self.step_version[s].setdefault(a.step, a.version) != a.version:
             self.fail(s, f"{a}: step {a.step} already uses version {self.step_version[s][a.step]} here "
                          f"(gradients of one step accumulate in one version)", "mixed versions")
-        if self.schedule is not None and a.version != version_of(self.schedule, a.step, s, p):
-            self.fail(s, f"{a}: {self.schedule} prescribes version {version_of(self.schedule, a.step, s, p)}", "wrong version")
+        if self.schedule is not None and a.version != self.schedule.version(a.step, s, p):
+            self.fail(s, f"{a}: {self.schedule.name} prescribes version {self.schedule.version(a.step, s, p)}", "wrong version")
         self.fwd[s][key] = a.version
         self.inflight[s] += 1
         self.peak_inflight[s] = max(self.peak_inflight[s], self.inflight[s])
@@ -386,60 +387,3 @@ def _steady_bubble(timeline: list[list[Interval]], steps: list[int]) -> float:
         return math.nan
     busy = sum(max(0.0, min(iv.end, t1) - max(iv.start, t0)) for tl in timeline for iv in tl)
     return 1 - busy / ((t1 - t0) * len(timeline))
-
-
-# ---------------------------------------------------------------------------- picture
-
-_COLORS = {T.F: ("#3D7DD8", "#8DB7EE"), T.B: ("#E8871E", "#F5C07A"), T.STEP: ("#3A9E4F", "#3A9E4F")}
-_IDLE, _REDUCE = "#D9D9D9", "#8E44AD"
-
-
-def plot_timeline(timeline, path: str, title: str = "") -> str:
-    """Draw a ``SimResult`` (or its per-stage ``timeline``) as a PNG: a row per stage, forward / backward
-    (two shades alternating by step, labelled ``step.microbatch``), optimizer step, reduction posts, idle."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    res = timeline if isinstance(timeline, SimResult) else None
-    tls = res.timeline if res else timeline
-    p = len(tls)
-    end = max((iv.end for tl in tls for iv in tl), default=0.0) or 1.0
-    busy = sum(iv.end - iv.start for tl in tls for iv in tl)
-    unit = min((iv.end - iv.start for tl in tls for iv in tl if iv.action.type in (T.F, T.B) and iv.end > iv.start), default=end)
-    width = min(24.0, max(8.0, 0.26 * end / unit))  # about a quarter inch for the shortest forward/backward
-    fig, ax = plt.subplots(figsize=(width, 0.5 * p + 1.5))
-    one_mb = all(iv.action.microbatch in (0, None) for tl in tls for iv in tl)  # pipedream: label steps only
-    ax.barh(range(p), [end] * p, left=0, height=0.8, color=_IDLE, linewidth=0)
-    for s, tl in enumerate(tls):
-        for b, e, a in tl:
-            if a.type == T.REDUCE:
-                ax.plot([b, b], [s - 0.42, s + 0.42], color=_REDUCE, lw=1.5)
-            elif a.type in _COLORS and e > b:
-                color = _COLORS[a.type][a.step % 2]
-                ax.barh(s, e - b, left=b, height=0.8, color=color, edgecolor="black", linewidth=0.4)
-                label = (f"S{a.step}" if a.type == T.STEP else f"{a.step}" if one_mb else f"{a.step}.{a.microbatch}")
-                if (e - b) * width / end < 0.06 * len(label) + 0.04:
-                    continue  # no room for the label
-                ax.text((b + e) / 2, s, label, ha="center", va="center", fontsize=6.5,
-                        color="white" if a.type == T.STEP or a.step % 2 == 0 else "black")
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, end)
-    ax.set_xlabel("time")
-    handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"), Patch(color=_COLORS[T.B][0], label="backward"),
-               Patch(color=_COLORS[T.STEP][0], label="optimizer step (S k)"),
-               Line2D([], [], color=_REDUCE, lw=1.5, label="reduction posted"), Patch(color=_IDLE, label="idle")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.15 / (0.5 * p + 1.5)), ncol=5,
-              fontsize=8, frameon=False)
-    stats = f"bubble {1 - busy / (p * end):.1%}"
-    if res is not None and not math.isnan(res.steady_bubble):
-        stats += f", steady state {res.steady_bubble:.1%}"
-    ax.set_title(f"{title}  ({stats})" if title else stats, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -1,0 +1,423 @@
+"""The pipeline executor: this rank's stage runs its action list as one stream of steps.
+
+One executor for every schedule (the ``Schedule`` record makes the action lists; the simulator checks them), so
+sync and async runs differ only in their lists. Its parts live beside it: weight versions (``versions.py``),
+transfers (``p2p.py``), the reduction thread (``reducer.py``), checkpoint files (``stage_state.py``).
+
+Streaming. ``run(batches, first_step, num_steps)`` executes the steps as one action list and yields each step's
+result as soon as every stage has applied it: the loss lives on the last stage and the grad norm/lr at every
+stage's STEP, so at STEP{k} each rank posts a non-blocking all-reduce of step k's loss on a gloo group of its own
+(``StepReports``) and the caller gets step k a step or so later, while the pipeline keeps running. Nothing in
+reporting waits on a peer; the pipeline drains only at the end of a ``run`` call, which the trainer makes only
+where the numbers need it (a checkpoint, an evaluation, the end).
+
+Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report.
+Batches are pulled from the iterator at a step's first forward and dropped after its last; receives of known
+shape are posted one ahead (see ``P2P.post``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from ..config import Recipe
+from ..engine import NonFiniteError, StepResult, autocast
+from ..evaluation import nll_per_block
+from ..lr import build_scheduler
+from ..optim import apply_delay_correction, build_optimizer
+from ..optim.ef import ef_buffers
+from ..partition import merge_state_dicts, partition_model, tied_parameters
+from ..topology import Topology, local_device, make_groups
+from . import stage_state
+from .p2p import P2P, PeerFailure
+from .reducer import Reducer
+from .schedules import Action, ActionType, get_schedule
+from .versions import Versions
+
+__all__ = ["PipelineEngine", "StepReports"]
+
+T = ActionType
+
+
+@dataclass
+class _Micro:
+    """What a forwarded microbatch keeps until its backward."""
+
+    version: int
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    grad_to_prev: list | None = None  # input gradients, sent back to the previous stage
+    grad_from_next: list | None = None  # output gradients, received from the next stage
+    saved_bytes: int = 0
+
+
+@dataclass
+class _Window:
+    """State of one ``run``: the steps between two drain points."""
+
+    first_step: int
+    m: int
+    batches: Iterator[torch.Tensor]
+    shape: tuple
+    data: dict = field(default_factory=dict)  # step -> its batch, from the step's first forward to its last
+    micro: dict = field(default_factory=dict)  # (step, microbatch) -> _Micro
+    step_version: dict = field(default_factory=dict)
+    loss_sums: dict = field(default_factory=dict)  # last stage: step -> summed microbatch losses (on the device)
+    end_step: int = 0
+    recv_shapes: dict = field(default_factory=dict)  # kind -> meta tensors; fixed within a window
+    prefetch: dict = field(default_factory=dict)  # (kind, (step, microbatch)) -> posted receive
+    act_header_sent: bool = False
+
+    def next_micro(self, key: tuple[int, int]) -> tuple[int, int] | None:
+        """The microbatch after ``key`` in this window. Receives of one kind come in microbatch order in every
+        schedule (messages are FIFO per pair of stages), so it is also the next receive of the kind."""
+        k, i = key
+        nxt = (k, i + 1) if i + 1 < self.m else (k + 1, 0)
+        return nxt if nxt[0] < self.end_step else None
+
+
+class StepReports:
+    """Per-step results delivered without blocking any stage.
+
+    At STEP{k} every rank posts an asynchronous all-reduce of [its loss contribution] on the gloo report group:
+    the last stage contributes step k's mean loss over microbatches, the others zero; the sum over the data-parallel
+    replicas divided by their number is the step's loss. Ranks post in step order, so the collectives match.
+    ``ready`` returns the completed reports in step order without waiting; ``drain`` waits for all of them.
+    """
+
+    def __init__(self, group, dp_size: int, timeout_s: float):
+        self.group, self.dp_size, self.timeout = group, dp_size, timedelta(seconds=timeout_s)
+        self.pending: deque = deque()  # (work, buffer, step, norm, lr, finite)
+
+    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | None, lr: float, finite: bool) -> None:
+        buf = torch.zeros(1, dtype=torch.float64)
+        if loss_mean is not None:
+            buf[0] = loss_mean.to("cpu", torch.float64)
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        self.pending.append((work, buf, step, norm, lr, finite))
+
+    def _result(self, wait: bool) -> StepResult:
+        work, buf, step, norm, lr, finite = self.pending.popleft()
+        if wait:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as e:
+                raise PeerFailure(f"the loss report of step {step} did not arrive within "
+                                  f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
+        return StepResult(step, float(buf[0] / self.dp_size), norm, lr, finite, not finite)
+
+    def ready(self) -> list[StepResult]:
+        out = []
+        while self.pending and self.pending[0][0].is_completed():
+            out.append(self._result(wait=True))  # completed: wait() only surfaces an error
+        return out
+
+    def drain(self) -> list[StepResult]:
+        return [self._result(wait=True) for _ in range(len(self.pending))]
+
+
+class PipelineEngine:
+    """This rank's stage of the pipeline; the same ``engine.Engine`` interface as ``engine.LocalEngine``."""
+
+    def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
+        self.recipe, self.topo, self.config, self.device = recipe, topo, model.config, local_device()
+        rc, p = recipe.pipeline, recipe.pipeline.num_stages
+        self.schedule = get_schedule(rc.schedule)
+        stages = partition_model(model, p, rc.layers_per_stage, seq_len=recipe.data.seq_len)
+        tied_pairs = tied_parameters(stages)
+        self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
+        del stages
+        self.first, self.last = topo.first, topo.last
+        self.params = dict(self.stage.named_parameters())
+        self.tied_names = [n for pair in tied_pairs for n in pair if n in self.params]
+        self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, recipe.training)
+        timeout_s = rc.p2p_timeout_s
+        self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
+        # a stage-local norm (pipedream without clipping) is not logged as grad_norm
+        self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
+        self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s, self.global_norm)
+        self.p2p = P2P(topo, timeout_s, self.device)
+        self.reports = StepReports(self.groups.report, topo.dp_size, timeout_s)
+        self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
+        self.nonfinite_skipped = 0
+        self.peak_inflight = 0
+        self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
+        self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1}
+        # measured time and count per action kind (ActionType is a str enum: "F" finds ActionType.F)
+        self.action_seconds: dict[ActionType, float] = defaultdict(float)
+        self.action_counts: dict[ActionType, int] = defaultdict(int)
+        self._handlers = {T.F: self._do_forward, T.B: self._do_backward, T.SEND_ACT: self._do_send_act,
+                          T.RECV_ACT: self._do_recv_act, T.SEND_GRAD: self._do_send_grad,
+                          T.RECV_GRAD: self._do_recv_grad, T.REDUCE: self._do_reduce, T.STEP: self._do_step}
+
+    # ------------------------------------------------------------------ the stream
+    def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
+        """Run steps [first_step, first_step + num_steps), pulling one ``(m, microbatch_size, seq_len)`` batch per
+        step from ``batches``; yields each step's result, in order, once every stage has applied it. The pipeline
+        is drained when the generator is exhausted."""
+        batches = iter(batches)
+        head = next(batches)
+        w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
+                    end_step=first_step + num_steps)
+        actions = self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
+                                              first_step, self.recipe.pipeline.extra_warmup)
+        handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
+        clock = time.perf_counter
+        for a in actions:
+            t0 = clock()
+            handlers[a.type](a, w)
+            secs[a.type] += clock() - t0
+            counts[a.type] += 1
+            if pending and pending[0][0].is_completed():
+                yield from self.reports.ready()
+        self.p2p.drain()
+        yield from self.reports.drain()
+
+    def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
+        """``run`` over a list, collected (drained at the end)."""
+        return list(self.run(batches, first_step, len(batches)))
+
+    def _batch(self, w: _Window, k: int) -> torch.Tensor:
+        b = w.data.get(k)
+        if b is None:
+            b = w.data[k] = next(w.batches)
+            if tuple(b.shape) != w.shape:
+                raise ValueError(f"pipeline: every step's batch must have one shape between drain points "
+                                 f"(step {w.first_step}: {w.shape}, step {k}: {tuple(b.shape)})")
+        return b
+
+    # ------------------------------------------------------------------ actions
+    def _do_forward(self, a: Action, w: _Window) -> None:
+        k, i = a.step, a.microbatch
+        mb = w.micro.get((k, i))
+        if mb is None:
+            mb = w.micro[(k, i)] = _Micro(a.version)
+        mb.version = a.version
+        w.step_version.setdefault(k, a.version)
+        batch = self._batch(w, k)
+        if i == w.m - 1:
+            del w.data[k]  # the step's last forward: its batch is no longer needed here
+        ids = batch[i].to(self.device, non_blocking=True) if self.first or self.last else None
+        out = self._forward(mb, ids)
+        self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
+        if self.track_memory:
+            self.mem["activations"] += mb.saved_bytes
+            self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
+            self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
+        if self.last:
+            mb.loss = out
+            s = w.loss_sums.get(k)
+            # float64 on the device: no host sync per microbatch
+            w.loss_sums[k] = out.detach().double() if s is None else s + out.detach()
+        else:
+            mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def _do_backward(self, a: Action, w: _Window) -> None:
+        mb = w.micro[(a.step, a.microbatch)]
+        self._backward(mb, w.m)
+        self.versions.inflight[mb.version] -= 1
+        if self.track_memory:
+            self.mem["activations"] -= mb.saved_bytes
+            self.mem["accumulating"] = 1
+            self._count_grad_sets()
+        if self.first:
+            del w.micro[(a.step, a.microbatch)]
+
+    def _do_send_act(self, a: Action, w: _Window) -> None:
+        self.p2p.send(w.micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=not w.act_header_sent)
+        w.act_header_sent = True
+
+    def _do_recv_act(self, a: Action, w: _Window) -> None:
+        mb = w.micro.get((a.step, a.microbatch))
+        if mb is None:
+            mb = w.micro[(a.step, a.microbatch)] = _Micro(-1)
+        mb.inputs = self._receive(w, T.RECV_ACT, (a.step, a.microbatch), self.topo.stage - 1, None)
+
+    def _do_recv_grad(self, a: Action, w: _Window) -> None:
+        mb = w.micro[(a.step, a.microbatch)]
+        like = [o for o in mb.outputs if o.is_floating_point()]
+        mb.grad_from_next = self._receive(w, T.RECV_GRAD, (a.step, a.microbatch), self.topo.stage + 1, like)
+
+    def _do_send_grad(self, a: Action, w: _Window) -> None:
+        mb = w.micro.pop((a.step, a.microbatch))
+        self.p2p.send(mb.grad_to_prev, self.topo.stage - 1, with_header=False)
+
+    def _do_reduce(self, a: Action, w: _Window) -> None:
+        leaves = self.versions.leaves_for(w.step_version.pop(a.step))
+        grads = {}
+        for n, leaf in leaves.items():
+            grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            leaf.grad = None
+        self.reducer.submit(a.step, grads)
+        if self.track_memory:
+            self.mem["accumulating"], self.mem["pending_grads"] = 0, self.mem["pending_grads"] + 1
+            self._count_grad_sets()
+
+    def _do_step(self, a: Action, w: _Window) -> None:
+        k = a.step
+        grads, norm = self.reducer.result(k)
+        cfg = self.recipe.training
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = math.isfinite(norm)
+        if not finite and cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"step {k}: non-finite gradient norm {norm}; stopping (training.on_nonfinite: stop). "
+                                 "The last checkpoint is intact; lower optimizer.learning_rate or set training.on_nonfinite: skip")
+        self.versions.prepare_update()
+        if finite:
+            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
+            for n, prm in self.params.items():
+                prm.grad = grads[n].mul_(coef) if coef != 1.0 else grads[n]
+            self.optimizer.step()
+            self.scheduler.step()
+            for prm in self.params.values():
+                prm.grad = None
+        else:
+            self.nonfinite_skipped += 1
+        if self.track_memory:
+            self.mem["pending_grads"] -= 1
+        loss = w.loss_sums.pop(k) / w.m if self.last else None
+        self.reports.post(k, loss, norm if self.global_norm else None, lr, finite)
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, micro: _Micro, ids: torch.Tensor | None):
+        leaves = self.versions.leaves_for(micro.version)
+        if self.first:
+            arg = ids
+        else:
+            for t in micro.inputs:
+                if t.is_floating_point():
+                    t.requires_grad_()
+            arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
+        kwargs = {"labels": ids} if self.last and ids is not None else None
+        if not self.track_memory:
+            with autocast(self.recipe.training.bf16):
+                return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+        weights = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
+        seen: set = set()
+
+        def pack(t):  # count the activation bytes autograd keeps for this microbatch's backward
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key[0] not in weights and key not in seen:
+                seen.add(key)
+                micro.saved_bytes += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
+            return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+
+    def _backward(self, micro: _Micro, m: int) -> None:
+        if self.last:
+            (micro.loss / m).backward()
+        else:
+            floats = [o for o in micro.outputs if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, micro.grad_from_next) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.first:
+            micro.grad_to_prev = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in micro.inputs if t.is_floating_point()
+            ]
+        micro.inputs, micro.outputs = [], [o.detach() for o in micro.outputs]
+
+    def _receive(self, w: _Window, kind: ActionType, key: tuple[int, int], stage: int, like: list | None) -> list[torch.Tensor]:
+        """This receive (posted earlier if its shapes were known), then post the next one of its kind."""
+        posted = w.prefetch.pop((kind, key), None)
+        if posted is not None:
+            data = self.p2p.complete(posted)
+        else:
+            data = self.p2p.recv(stage, like=w.recv_shapes.get(kind, like))
+        if kind not in w.recv_shapes:  # shapes are fixed within a window: learned from its first receive
+            w.recv_shapes[kind] = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in data]
+        nxt = w.next_micro(key)
+        if nxt is not None:
+            w.prefetch[(kind, nxt)] = self.p2p.post(stage, w.recv_shapes[kind])
+        return data
+
+    # ------------------------------------------------------------------ accounting
+    def _count_grad_sets(self) -> None:
+        """Gradient sets alive: one accumulating + those reduced and waiting for their STEP (2BW: up to 2)."""
+        self.mem["peak_grad_sets"] = max(self.mem["peak_grad_sets"], self.mem["accumulating"] + self.mem["pending_grads"])
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes this stage really held at its peak (with ``track_memory``): weight versions, gradients, optimizer
+        state, EF buffer, activations."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        param_bytes = nbytes(self.params.values())
+        opt_state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        rep = {"weights": param_bytes * self.versions.peak, "grads": param_bytes * self.mem["peak_grad_sets"],
+               "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(self.optimizer)),
+               "activations": self.mem["peak_activations"]}
+        rep["total"] = sum(rep.values())
+        return rep
+
+    def profile(self) -> list[dict] | None:
+        """Seconds and counts per action kind of every stage so far (collective; the main process gets the list)."""
+        mine = ({"stage": self.topo.stage, "seconds": {t.value: s for t, s in self.action_seconds.items()},
+                 "counts": {t.value: c for t, c in self.action_counts.items()}} if self.topo.dp_rank == 0 else None)
+        parts = [None] * self.topo.world_size if self.topo.is_main else None
+        dist.gather_object(mine, parts, dst=0)
+        return sorted((x for x in parts if x), key=lambda x: x["stage"]) if self.topo.is_main else None
+
+    def close(self) -> None:
+        """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""
+        self.reducer.close()
+        self.groups.destroy()
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]:
+        """Forward-only microbatches through the stages with the newest weights; NLL summed on the last stage."""
+        self.stage.eval()
+        mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        leaves = self.versions.leaves_for(self.versions.latest)
+        for i in range(0, len(mine), batch_size):
+            ids = mine[i : i + batch_size].to(self.device)
+            arg = ids
+            if not self.first:
+                inputs = self.p2p.recv(self.topo.stage - 1)
+                arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
+            with autocast(self.recipe.training.bf16):
+                out = functional_call(self.stage, leaves, (arg,), strict=False)
+            if self.last:
+                logits = out if torch.is_tensor(out) else out.logits
+                total[0] += nll_per_block(logits, ids).sum()
+                total[1] += ids[:, 1:].numel()
+            else:
+                self.p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], self.topo.stage + 1, with_header=True)
+        self.p2p.drain()
+        dist.all_reduce(total)
+        self.stage.train()
+        return float(total[0]), int(total[1])
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Newest weights merged by name on the main process (collective: every rank calls it)."""
+        sd = {n: t.detach().cpu().clone() for n, t in self.stage.state_dict().items()} if self.topo.dp_rank == 0 else None
+        parts = [None] * self.topo.world_size if self.topo.is_main else None
+        dist.gather_object(sd, parts, dst=0)
+        if not self.topo.is_main:
+            return None
+        return merge_state_dicts([p for p in parts if p is not None])
+
+    def save(self, tmp: Path) -> None:
+        """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained)."""
+        if self.topo.dp_rank == 0:
+            stage_state.save_stage(tmp, self.topo.stage, self.stage, self.optimizer, self.scheduler, self.versions,
+                                   {"nonfinite_skipped": self.nonfinite_skipped})
+
+    def load(self, path: Path) -> None:
+        """Restore this stage from a checkpoint of any number of stages (matched by parameter name)."""
+        meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
+                                      self.recipe.optimizer.ef_lambda)
+        self.nonfinite_skipped = meta["nonfinite_skipped"]

@@ -1,0 +1,134 @@
+"""What a run tells its user while it trains: metrics.jsonl, the trackers, the progress bar, the loss curve.
+
+Only the main process writes. ``metrics.jsonl`` gets one record per step (``step, loss, lr, grad_norm, tokens,
+tokens_per_s, applied, elapsed_s``: seconds since this process started training, when the result arrived) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``); the trackers and the log
+get the mean over each ``training.logging_steps`` interval, as the HF Trainer does. Reporting never waits on the
+pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing in what is computed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from .config import Recipe, recipe_to_dict
+
+log = logging.getLogger("hf_asyncpp")
+
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (a missing file reads as none)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunLog:
+    def __init__(self, out: Path, recipe: Recipe, accelerator, start_step: int, tokens_per_step: int):
+        self.path, self.recipe, self.accelerator = out / METRICS, recipe, accelerator
+        self.main = accelerator.is_main_process
+        self.tokens_per_step = tokens_per_step
+        self.interval: list[dict] = []
+        self.bar = None
+        if self.main:
+            self._truncate(start_step)
+            accelerator.init_trackers("hf_asyncpp", config=_flat(recipe))
+            from tqdm.auto import tqdm  # only the main process draws a bar
+
+            self.bar = tqdm(total=recipe.training.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self._start = time.perf_counter()
+        self.restart_clock()
+
+    def _truncate(self, step: int) -> None:
+        """On resume, drop records past the checkpoint so metrics.jsonl reads as one uninterrupted run."""
+        keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def _write(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def restart_clock(self) -> None:
+        """Start measuring tokens/s afresh (after an evaluation or a checkpoint, which are not training time).
+
+        A step's ``tokens_per_s`` is the rate since the clock started: results arrive a step or so after they are
+        computed, sometimes two at once, so the time between two results is no measure of one step."""
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def step(self, result, tokens: int) -> None:
+        """One step's result (every rank calls it; only the main process records)."""
+        self._steps += 1
+        if not self.main:
+            return
+        now = time.perf_counter()
+        rate = self._steps * self.tokens_per_step / max(now - self._t0, 1e-9)
+        rec = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+               "tokens": tokens, "tokens_per_s": rate, "applied": result.applied, "elapsed_s": round(now - self._start, 4)}
+        if result.skipped_nonfinite:
+            rec["skipped_nonfinite"] = True
+        self._write(rec)
+        self.interval.append(rec)
+        self.bar.update(1)
+        every = self.recipe.training.logging_steps or 1
+        if rec["step"] % every == 0 or rec["step"] == self.recipe.training.max_steps:
+            self._flush_interval()
+
+    def _flush_interval(self) -> None:
+        rows, self.interval = self.interval, []
+        mean = lambda key: (sum(r[key] for r in rows if r[key] is not None) / max(1, sum(r[key] is not None for r in rows)))
+        step = rows[-1]["step"]
+        summary = {"loss": mean("loss"), "lr": rows[-1]["lr"], "tokens_per_s": mean("tokens_per_s"), "tokens": rows[-1]["tokens"]}
+        if any(r["grad_norm"] is not None for r in rows):
+            summary["grad_norm"] = mean("grad_norm")
+        self.accelerator.log(summary, step=step)
+        self.bar.set_postfix(loss=f"{summary['loss']:.3f}", tok_s=f"{summary['tokens_per_s']:.0f}")
+
+    def eval(self, step: int, nll: float, tokens: int, res: dict) -> dict:
+        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens}
+        if self.main:
+            self._write(rec)
+            self.accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+        return rec
+
+    def close(self) -> None:
+        if self.interval:
+            self._flush_interval()
+        if self.bar is not None:
+            self.bar.close()
+
+    def plot_loss(self) -> Path | None:
+        """loss_curve.png from metrics.jsonl: the train loss per step and the evaluations."""
+        import matplotlib  # heavy: only at the end of a run
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = read_metrics(self.path)
+        train_rows = [r for r in rows if "loss" in r]
+        eval_rows = [r for r in rows if "eval_loss" in r]
+        if not train_rows:
+            return None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss", lw=1)
+        if eval_rows:
+            ax.plot([r["step"] for r in eval_rows], [r["eval_loss"] for r in eval_rows], "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        path = self.path.parent / "loss_curve.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _flat(recipe: Recipe) -> dict:
+    flat = {}
+    for section, values in recipe_to_dict(recipe).items():
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return flat

@@ -1,0 +1,97 @@
+"""Where this process sits (pipeline stage x data-parallel rank), its device, and the process groups it joins.
+
+``world_size = dp_size * num_stages``; the ranks of one stage are contiguous (rank = stage * dp_size + dp_rank).
+Every group is created collectively, in the same order on every rank (``make_groups``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    """Where this process sits: ``world_size = dp_size * num_stages``; ranks of a stage are contiguous in dp."""
+
+    rank: int = 0
+    world_size: int = 1
+    num_stages: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        """The rank of ``stage`` in this process's data-parallel replica."""
+        return stage * self.dp_size + self.dp_rank
+
+
+def local_device() -> torch.device:
+    """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass
+class Groups:
+    """Process groups, created collectively in the same order on every rank."""
+
+    dp: object = None  # this stage's data-parallel replicas
+    pipe: object = None  # the stages of this data-parallel replica
+    tie: object = None  # first + last stage of this replica (tied embeddings)
+    report: object = None  # every rank, gloo: per-step results travel here without blocking a stage
+    dp_ranks: list = field(default_factory=list)
+
+    def destroy(self) -> None:
+        for g in {id(x): x for x in (self.dp, self.pipe, self.tie, self.report) if x is not None}.values():
+            dist.destroy_process_group(g)
+
+
+def make_groups(topo: Topology, tied: bool, timeout: timedelta) -> Groups:
+    g = Groups()
+    p, dp = topo.num_stages, topo.dp_size
+    for s in range(p):
+        ranks = [s * dp + d for d in range(dp)]
+        grp = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
+        if s == topo.stage:
+            g.dp, g.dp_ranks = grp, ranks
+    for d in range(dp):
+        ranks = [s * dp + d for s in range(p)]
+        grp = dist.new_group(ranks, timeout=timeout)
+        if d == topo.dp_rank:
+            g.pipe = grp
+    if tied and p > 1:
+        for d in range(dp):
+            ranks = [d, (p - 1) * dp + d]
+            grp = dist.new_group(ranks, timeout=timeout)
+            if d == topo.dp_rank and topo.stage in (0, p - 1):
+                g.tie = grp
+    # gloo whatever the default backend: the reports are a few CPU scalars, and a NCCL collective would
+    # be ordered on the compute stream
+    g.report = dist.new_group(list(range(topo.world_size)), timeout=timeout, backend="gloo")
+    return g
