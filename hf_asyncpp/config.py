@@ -119,8 +119,10 @@ class OptimizerConfig:
     """Muon (and SGD) momentum."""
     nesterov: bool = True
     ns_steps: int = field(default=5, metadata=_range(lo=1, hi=99))
-    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Newton-Schulz precision (bfloat16 as torch.optim.Muon; float32 for bit-level comparisons)."""
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Newton-Schulz precision. auto: bfloat16 on a GPU (as torch.optim.Muon: fast there), float32 on a CPU, where
+    bfloat16 matmuls are emulated (17x slower than float32 on the CPUs we measured). float32 also for bit-level
+    comparisons."""
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     """Muon lr scaling: Keller Jordan's ``original`` or Moonshot's ``match_rms_adamw``."""
     adamw_lr: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))

@@ -114,7 +114,7 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
         adam = dict(use_muon=False, lr=adam_lr, betas=betas, eps=cfg.adam_epsilon)
         pg = [dict(params=groups["muon"], name="muon", use_muon=True, lr=cfg.learning_rate, momentum=cfg.momentum,
                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr,
-                   ns_dtype=cfg.ns_dtype),
+                   ns_dtype=_ns_dtype(cfg.ns_dtype, groups["muon"])),
               dict(params=groups["adamw"], name="adamw", weight_decay=adam_wd, **adam),
               dict(params=groups["adamw_no_decay"], name="adamw_no_decay", weight_decay=0.0, **adam)]
         opt = Muon([g for g in pg if g["params"]])
@@ -135,3 +135,11 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
     for g in opt.param_groups:
         log(_summary(cfg.name, g))
     return opt
+
+
+def _ns_dtype(setting: str, params: list) -> str:
+    """``optimizer.ns_dtype: auto``: the fast dtype of the device the matrices live on (bfloat16 on a GPU,
+    float32 on a CPU, which emulates bfloat16 matmuls)."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if params and params[0].device.type == "cuda" else "float32"
