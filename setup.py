@@ -5,10 +5,15 @@ setup(
     version="0.1.0",
     description="Asynchronous pipeline-parallel (PipeDream-2BW) LLM pretraining for the Hugging Face ecosystem",
     python_requires=">=3.10",
-    packages=find_packages(include=["hf_asyncpp", "hf_asyncpp.*"]),
-    package_data={"hf_asyncpp": ["metrics/*/*.py"]},
+    # the model-card template and the accelerate configs live at the top of the checkout (model_cards/,
+    # recipes/accelerate/) and ship inside the package, so a wheel install can export and print launch commands
+    packages=find_packages(include=["hf_asyncpp", "hf_asyncpp.*"]) + ["hf_asyncpp.model_cards", "hf_asyncpp.accelerate_configs"],
+    package_dir={"hf_asyncpp.model_cards": "model_cards", "hf_asyncpp.accelerate_configs": "recipes/accelerate"},
+    package_data={"hf_asyncpp": ["metrics/*/*.py"], "hf_asyncpp.model_cards": ["*.md"],
+                  "hf_asyncpp.accelerate_configs": ["*.yaml"]},
+    entry_points={"console_scripts": ["hf-asyncpp=hf_asyncpp.cli:main"]},
     install_requires=[
-        "torch>=2.9,<2.15",  # 2.13.0 CPU wheel on our machines; an open range would pull a CUDA build
+        "torch>=2.9",  # install the CPU or CUDA build you want first (the package index decides, not this range)
         "transformers>=5,<6",
         "accelerate>=1.10",
         "datasets>=4",
@@ -21,5 +26,9 @@ setup(
         "matplotlib>=3.8",
         "tensorboard>=2.15",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        "test": ["pytest>=8"],
+        "wandb": ["wandb>=0.17"],
+        "mlflow": ["mlflow>=2.10"],
+    },
 )

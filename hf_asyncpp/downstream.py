@@ -156,7 +156,7 @@ def check_model_dir(path) -> None:
     for needed, what in (("config.json", "config"), ("tokenizer_config.json", "tokenizer")):
         if not (p / needed).exists():
             raise FileNotFoundError(f"{p}: no {needed}; the {what} is missing (is it a model folder? export a checkpoint "
-                                    "with scripts/export.py)")
+                                    "with hf-asyncpp export)")
 
 
 def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict[str, str] | None = None,

@@ -15,12 +15,13 @@ from .config import Recipe, load_recipe
 from .downstream import TASKS
 from .pipeline.schedules import SCHEDULES
 from .reporting import METRICS, read_metrics
+from .shipped import shipped_file
 
 __all__ = ["CARD_FIELDS", "add_eval_results", "card_from_checkpoint", "card_from_recipe", "clean_card", "render_model_card"]
 
 log = logging.getLogger("hf_asyncpp.export")
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "template.md"
+TEMPLATE = shipped_file("model_cards", "template.md")
 
 CARD_FIELDS = {
     "model_id": "Hub id or name: card title, model-index name and the id in the 'How to use' snippet",

@@ -25,6 +25,7 @@ from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, trai
 from .engine import Engine, LocalEngine, NonFiniteError
 from .evaluation import perplexity_from_sums
 from .export import export_run
+from .launch import launch_command, processes_needed
 from .modeling import build_model
 from .pipeline.executor import PipelineEngine
 from .pipeline.p2p import PeerFailure
@@ -34,11 +35,6 @@ from .tokenizer import load_or_train_tokenizer
 from .topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
-
-CPU_LAUNCH = (
-    "accelerate launch --config_file recipes/accelerate/cpu-{n}proc.yaml scripts/pretrain.py {recipe}"
-)
-
 
 # ---------------------------------------------------------------------------- setup
 
@@ -53,23 +49,12 @@ def make_accelerator(recipe: Recipe):
     )
 
 
-def pipeline_stages(recipe: Recipe) -> int:
-    """Processes per pipeline (1 for ``schedule: none``, where num_stages only shapes a simulated delay)."""
-    return recipe.pipeline.num_stages if recipe.pipeline.schedule != "none" else 1
-
-
 def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
-    p = pipeline_stages(recipe)
+    p = processes_needed(recipe)
     if world_size % p != 0:
-        cfg = Path(__file__).resolve().parent.parent / "recipes" / "accelerate" / f"cpu-{p}proc.yaml"
-        cpu = (CPU_LAUNCH.format(n=p, recipe=recipe_path) if cfg.exists() else
-               f"ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {p} scripts/pretrain.py {recipe_path}")
         raise RecipeError(
             f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
-            f"{'was' if world_size == 1 else 'were'} started. Run:\n  {cpu}\n"
-            f"(on GPUs: accelerate launch --multi_gpu --num_processes {p} scripts/pretrain.py {recipe_path}); "
-            "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process"
-        )
+            f"{'was' if world_size == 1 else 'were'} started. Run:\n{launch_command(recipe, recipe_path)}")
 
 
 def check_output_dir(path: str) -> Path:
@@ -119,7 +104,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     out = check_output_dir(t.output_dir)
     if accelerator.is_main_process:
         save_recipe(recipe, out / "recipe.yaml")
-    topo = Topology(rank=rank, world_size=world, num_stages=pipeline_stages(recipe))
+    topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
 
     # data and tokenizer: the main process prepares, the others reuse its files
     with accelerator.main_process_first():
@@ -184,7 +169,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: accelerate launch scripts/pretrain.py RECIPE.yaml [--section.field=value ...]")
+        print("usage: hf-asyncpp train RECIPE.yaml [--section.field=value ...]")
         return 0 if argv else 2
     try:
         recipe = load_recipe(argv[0], argv[1:])

@@ -1,37 +1,7 @@
-"""Export a training checkpoint to a standard Hugging Face folder with a model card.
-
-    python scripts/export.py runs/cpu-tiny/checkpoint-0000300 out/cpu-tiny
-
-The checkpoint holds model.safetensors or stage-XX.safetensors (original HF names), config.json,
-tokenizer/ and optionally recipe.yaml and trainer_state.json; the card takes the training setup from
-them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.export).
-"""
-import argparse
-import os
+"""`hf-asyncpp export` from a checkout: see hf_asyncpp/cli/export.py."""
 import sys
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # repo root, not scripts/ (scripts/evaluate.py would shadow `evaluate`)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint")
-    ap.add_argument("out")
-    ap.add_argument("--max-shard-size", default="2GB", help="split safetensors shards above this size (e.g. 500MB)")
-    ap.add_argument("--model-id", default=None, help="Hub id for the card title and the usage snippet")
-    args = ap.parse_args()
-    from hf_asyncpp.export import card_from_checkpoint, export_hf_model, load_checkpoint_state
-
-    try:
-        state, config, tok = load_checkpoint_state(args.checkpoint)
-        card = card_from_checkpoint(args.checkpoint)
-        if args.model_id:
-            card["model_id"] = args.model_id
-        out = export_hf_model(state, config, args.out, tokenizer=tok, card=card, max_shard_size=args.max_shard_size)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        sys.exit(f"error: {e}")
-    print(f"exported {args.checkpoint} -> {out}")
-
+from hf_asyncpp.cli.export import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

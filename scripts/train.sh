@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job: set up, prepare the default corpus, pretrain the default
-# recipe (recipes/cpu-tiny.yaml) with 2 processes on CPU, export and evaluate.
-# Extra arguments are recipe overrides, e.g. --training.max_steps=50
+# recipe (recipes/cpu-tiny.yaml) on 2 stages (2 processes on CPU, started by the
+# trainer itself), export and evaluate. Extra arguments are recipe overrides,
+# e.g. --training.max_steps=50
 source "$(dirname "$0")/setup_env.sh"
 python scripts/prepare_data.py
-exec accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml scripts/pretrain.py recipes/cpu-tiny.yaml "$@"
+exec accelerate launch scripts/pretrain.py recipes/cpu-tiny.yaml "$@"

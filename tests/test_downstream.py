@@ -95,7 +95,7 @@ def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
     assert "| arc_easy | acc |" in table and "trained" in table and "untrained" in table
     png = plot_results(res, tmp_path / "chart.png")
     assert Path(png).stat().st_size > 1000
-    r = subprocess.run([sys.executable, "scripts/evaluate.py", *dirs, "--tasks", "arc_easy,mmlu", "--task-file",
+    r = subprocess.run([sys.executable, "scripts/eval_models.py", *dirs, "--tasks", "arc_easy,mmlu", "--task-file",
                         f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                                                                                    "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})

@@ -228,7 +228,7 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
 
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps({"text": s * 3}) + "\n" for s in SENTENCES[:5]))
-    r = run("scripts/evaluate.py", str(tmp_path / "hf"), "--data", str(data), "--seq-len", "16", "--max-blocks", "4",
+    r = run("scripts/eval_models.py", str(tmp_path / "hf"), "--data", str(data), "--seq-len", "16", "--max-blocks", "4",
             "--out", str(tmp_path / "ppl.json"), "--no-card")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "ppl.json").read_text())

@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from dist_utils import free_port
+from hf_asyncpp.launch import NO_SPAWN
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"
@@ -73,13 +74,34 @@ def test_two_stage_2bw_run_exports_and_evaluates(tmp_path):
     assert 0 <= prof["simulated_steady_bubble"] < 0.5 and "pipeline: stage 0 busy" in log
 
 
-def test_too_few_processes_prints_the_working_command(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "scripts/pretrain.py", str(write_recipe(tmp_path / "r.yaml", tmp_path / "o"))],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_one_process_starts_the_pipeline_itself(tmp_path):
+    """`python scripts/pretrain.py RECIPE` (from another directory) and `accelerate launch scripts/pretrain.py RECIPE`
+    (no accelerate config: one process on a CPU machine) both run the recipe's 2 stages; with HF_ASYNCPP_NO_SPAWN=1
+    the one process stops with commands that work from any directory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf-home")}  # no user accelerate config
+    env.pop(NO_SPAWN, None)
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "python", max_steps=4, save_steps=4)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), str(recipe), "--training.export=true"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "starting 2 local processes" in r.stdout
+    prof = json.loads((tmp_path / "python" / "pipeline_profile.json").read_text())
+    assert [s["stage"] for s in prof["stages"]] == [0, 1]
+    assert (tmp_path / "python" / "export" / "config.json").exists()
+
+    recipe = write_recipe(tmp_path / "a.yaml", tmp_path / "accelerate", max_steps=4, save_steps=4)
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "scripts/pretrain.py", str(recipe)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert {p.name for p in (tmp_path / "accelerate" / "checkpoint-0000004").iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), str(recipe)], cwd=tmp_path,
+                       env={**env, NO_SPAWN: "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "2 stages need a multiple of 2 processes, but 1 was started" in r.stderr
-    assert "accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml scripts/pretrain.py" in r.stderr
+    config = ROOT / "recipes" / "accelerate" / "cpu-2proc.yaml"
+    assert f"accelerate launch --config_file {config} -m hf_asyncpp.cli.train {recipe}" in r.stderr
 
 
 def test_sigkill_then_resume_is_exact(tmp_path):

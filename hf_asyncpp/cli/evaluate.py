@@ -1,22 +1,29 @@
 """Evaluate exported (or any AutoModelForCausalLM) folders: zero-shot multiple-choice tasks and perplexity,
 several models side by side.
 
-    python scripts/evaluate.py runs/sync/export runs/async/export --tasks hellaswag,piqa,arc_easy,mmlu --limit 500
-    python scripts/evaluate.py runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl            # perplexity
-    python scripts/evaluate.py MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
+    hf-asyncpp evaluate runs/sync/export runs/async/export --tasks hellaswag,piqa,arc_easy,mmlu --limit 500
+    hf-asyncpp evaluate runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl            # perplexity
+    hf-asyncpp evaluate MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
 
-Prints a table, writes JSON (--out) and a bar chart PNG next to it, and adds the results to each model's card.
+Prints a table, writes JSON (--out, default ./eval_results.json) and a bar chart PNG next to it, and adds the results
+to each model's card.
 """
 import argparse
 import json
 import os
 import sys
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # repo root, not scripts/ (this file would shadow `evaluate`)
+from transformers import AutoTokenizer
+
+from hf_asyncpp.config import DataConfig
+from hf_asyncpp.data import eval_blocks, expand_files
+from hf_asyncpp.downstream import check_model_dir, evaluate_models, plot_results, results_table
+from hf_asyncpp.model_card import add_eval_results
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hf-asyncpp evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dirs", nargs="+")
     ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, perplexity")
     ap.add_argument("--task-file", action="append", default=[], help="TASK=FILE: local data in the Hub record format")
@@ -26,12 +33,9 @@ def main():
     ap.add_argument("--max-blocks", type=int, default=64)
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--out", default=None, help="JSON results (default: FIRST_MODEL_DIR/eval_results.json)")
+    ap.add_argument("--out", default=None, help="JSON results (default: eval_results.json in the current directory)")
     ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
-    args = ap.parse_args()
-    from hf_asyncpp.model_card import add_eval_results as add_to_model_card
-    from hf_asyncpp.downstream import check_model_dir, evaluate_models, plot_results, results_table
-
+    args = ap.parse_args(argv)
     tasks = args.tasks.split(",") if args.tasks else (["perplexity"] if args.data else [])
     if not tasks:
         ap.error("give --tasks or --data")
@@ -44,11 +48,6 @@ def main():
         for d in args.model_dirs:
             check_model_dir(d)
         if "perplexity" in tasks:
-            from transformers import AutoTokenizer
-
-            from hf_asyncpp.config import DataConfig
-            from hf_asyncpp.data import eval_blocks, expand_files
-
             if not args.data:
                 ap.error("task perplexity needs --data FILES")
             tok = AutoTokenizer.from_pretrained(args.model_dirs[0])
@@ -57,9 +56,10 @@ def main():
         results = evaluate_models(args.model_dirs, tasks, task_files=task_files, limit=args.limit, perplexity_blocks=blocks,
                                   batch_size=args.batch_size)
     except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(results_table(results))
-    out = args.out or os.path.join(args.model_dirs[0], "eval_results.json")
+    out = args.out or "eval_results.json"
     single = len(args.model_dirs) == 1 and tasks == ["perplexity"]
     payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": len(blocks)} if single else results
     with open(out, "w") as f:
@@ -68,9 +68,10 @@ def main():
         print(f"chart: {plot_results(results, os.path.splitext(out)[0] + '.png')}")
     if not args.no_card:
         for d, r in results.items():
-            add_to_model_card(d, r)
+            add_eval_results(d, r)
     print(f"results: {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

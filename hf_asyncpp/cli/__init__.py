@@ -1,0 +1,43 @@
+"""The ``hf-asyncpp`` command: one entry point for everything a user runs.
+
+    hf-asyncpp train RECIPE.yaml [--section.field=value ...]   pretrain (starts the stage processes itself)
+    hf-asyncpp export CHECKPOINT OUT                           checkpoint -> Hugging Face folder with a card
+    hf-asyncpp evaluate MODEL_DIR ... --tasks ... | --data ... zero-shot tasks and perplexity
+    hf-asyncpp plan RECIPE.yaml [--num-stages N]               memory and speed of a recipe, nothing allocated
+    hf-asyncpp timeline --schedule 2bw --stages 4              draw a schedule's simulated timeline
+    hf-asyncpp prepare-data                                    the default corpus as local jsonl shards
+
+``python -m hf_asyncpp ...`` is the same command; ``scripts/*.py`` in a checkout are thin wrappers.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("hf_asyncpp.cli.train", "pretrain a causal LM from a recipe (starts the stage processes itself)"),
+    "export": ("hf_asyncpp.cli.export", "export a checkpoint to a Hugging Face folder with a model card"),
+    "evaluate": ("hf_asyncpp.cli.evaluate", "zero-shot tasks and perplexity of model folders, side by side"),
+    "plan": ("hf_asyncpp.cli.plan", "will a recipe fit, how fast: memory and simulated step time, nothing allocated"),
+    "timeline": ("hf_asyncpp.cli.timeline", "draw a pipeline schedule's simulated timeline"),
+    "prepare-data": ("hf_asyncpp.cli.prepare_data", "prepare the default corpus (State of the Union addresses)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return "usage: hf-asyncpp COMMAND [ARGS]\n\ncommands:\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()) + "\n\n'hf-asyncpp COMMAND --help' for its options"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    # import only the chosen command: training pulls in torch.distributed and transformers, `plan` does not need them
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0

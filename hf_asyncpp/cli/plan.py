@@ -1,0 +1,113 @@
+"""Plan a run before launching it: partition, per-stage memory, whether it fits, simulated step time and
+bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (meta device).
+
+    hf-asyncpp plan recipes/moe-10b.yaml --num-stages 16 --gpu-memory 80GB
+    hf-asyncpp plan recipes/smollm2-360m.yaml --num-stages 4
+    hf-asyncpp plan recipes/cpu-tiny.yaml --measure   # also time every layer here and balance by time
+
+The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
+
+``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
+recipe's microbatch shape; run it on a quiet machine of the kind that will train (the head's memory-bound
+softmax slows down most when other processes share the memory bus). It prints the split to put in the recipe
+(``pipeline.layers_per_stage``).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+from hf_asyncpp.config import load_recipe
+from hf_asyncpp.modeling import build_model
+from hf_asyncpp.partition import measure_costs
+from hf_asyncpp.pipeline.planner import plan_memory, simulate_schedules
+from hf_asyncpp.pipeline.timeline import plot_timeline
+
+
+def parse_bytes(text: str) -> float:
+    t = text.strip().upper().replace("IB", "B")
+    for unit, mult in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if t.endswith(unit):
+            return float(t[: -len(unit)]) * mult
+    return float(t)
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hf-asyncpp plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="--section.field=value")
+    ap.add_argument("--num-stages", type=int, default=None)
+    ap.add_argument("--gpu-memory", default="80GB")
+    ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
+    ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
+    ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
+    ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
+    args = ap.parse_args(argv)
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    p = args.num_stages or recipe.pipeline.num_stages
+    plan, mem, _ = plan_memory(recipe, p)
+    cap = parse_bytes(args.gpu_memory)
+    total_params = sum(m.params for m in mem)
+    print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
+          f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
+          f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
+    print(plan.format() + "\n")
+    print(f"{'stage':>5} {'layers':>7} {'weights':>8} {'grads':>7} {'optim':>7} {'EF':>6} {'activ.':>7} {'in-flight':>9} {'total GB':>9}  fits {args.gpu_memory}?")
+    worst = max(mem, key=lambda m: m.total)
+    for m in mem:
+        ok = "yes" if m.total <= cap * 0.9 else "NO"
+        print(f"{m.stage:>5} {m.layers:>7} {gb(m.weights):>8} {gb(m.grads):>7} {gb(m.optimizer):>7} {gb(m.ef):>6} "
+              f"{gb(m.activations):>7} {m.inflight:>9} {gb(m.total):>9}  {ok}")
+    if worst.total > cap * 0.9:
+        act_share = worst.activations / worst.total
+        hint = ("lower pipeline.microbatch_size (activations dominate)" if act_share > 0.4 else
+                f"use more stages (--num-stages {p * 2}) or data parallelism with fewer weights per stage")
+        print(f"\nstage {worst.stage} needs {gb(worst.total)} GB > 90% of {args.gpu_memory}: {hint}; "
+              "optimizer.delay_correction: none saves the EF buffer; training.bf16 halves activations")
+    else:
+        print(f"\nfits: the largest stage needs {gb(worst.total)} GB of {args.gpu_memory} (90% budget)")
+    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12)
+    steps = 8
+    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per step:")
+    base = sims["1f1b"].makespan
+    for name, r in sims.items():
+        print(f"  {name:>5}: {r.makespan / steps:.3f} s/step, bubble {r.bubble:.1%} ({base / r.makespan:.2f}x the speed of 1f1b)")
+    name = os.path.splitext(os.path.basename(args.recipe))[0]
+    png = args.png or f"{name}-{p}stages.png"
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
+    print(f"\ntimeline: {png}")
+    if args.measure:
+        measure(recipe, plan, p, args.device)
+    return 0
+
+
+def measure(recipe, plan, p: int, device: str | None) -> None:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)  # as one pipeline rank on CPU
+    torch.manual_seed(0)
+    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device)
+    mid = sorted(c.layers)[len(c.layers) // 2]
+    print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
+          f"{recipe.data.seq_len}): layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
+          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers)")
+    flops_split = [len(s.layers) for s in plan.stages]
+    time_split = c.balance(p)
+    for name, split in (("cost model", flops_split), ("measured", time_split)):
+        secs = c.stage_seconds(split)
+        print(f"  {name:>10} split {split}: stage seconds {' '.join(f'{x * 1e3:.1f}' for x in secs)} ms, "
+              f"slowest / mean {max(secs) / (sum(secs) / len(secs)):.3f}")
+    if time_split != flops_split:
+        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

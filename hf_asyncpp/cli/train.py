@@ -1,0 +1,34 @@
+"""Pretrain a transformers causal LM from a recipe.
+
+    hf-asyncpp train recipes/cpu-tiny.yaml [--training.max_steps=50 ...]
+    accelerate launch scripts/pretrain.py recipes/cpu-tiny.yaml
+    torchrun --nproc_per_node 2 -m hf_asyncpp.cli.train recipes/cpu-tiny.yaml
+
+Started as one process for a recipe of several stages, it starts the stage processes itself (``launch.py``).
+"""
+from __future__ import annotations
+
+import sys
+
+from hf_asyncpp import trainer
+from hf_asyncpp.config import RecipeError, load_recipe
+from hf_asyncpp.launch import should_spawn, spawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: hf-asyncpp train RECIPE.yaml [--section.field=value ...]\n{__doc__}")
+        return 0 if argv else 2
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if should_spawn(recipe):
+        return spawn(recipe, argv)
+    return trainer.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
