@@ -45,7 +45,7 @@ def recipe(schedule: str, stages: int, m: int, extra_warmup: int = 0):
                      "layers_per_stage": LAYERS_PER_STAGE if stages > 1 else None,
                      "extra_warmup": extra_warmup},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
-        "training": {"max_steps": 1000, "warmup_ratio": 0.0, "report_to": []},
+        "training": {"max_steps": 1000, "warmup_steps": 0, "report_to": []},
     })
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import types
 import typing
@@ -17,6 +18,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from .pipeline.schedules import SCHEDULES
+
+log = logging.getLogger("hf_asyncpp")
 
 __all__ = [
     "RecipeError",
@@ -42,6 +45,18 @@ class RecipeError(ValueError):
 
 def _range(lo=None, hi=None, lo_open=False):
     return {"lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                        "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
+"""transformers' ``SchedulerType`` values that need no metric (a test keeps this list equal to transformers')."""
+
+RENAMED = {
+    "training.min_lr_ratio": "renamed: for a cosine decay to a fraction of the peak use lr_scheduler_type: "
+                             "cosine_with_min_lr with lr_scheduler_kwargs: {min_lr_rate: 0.1} (transformers' names; "
+                             "lr_scheduler_type: cosine now decays to 0, as in transformers)",
+}
+"""Recipe fields that changed name, and what to write instead."""
 
 
 @dataclass(kw_only=True)
@@ -140,10 +155,17 @@ class OptimizerConfig:
 class TrainingConfig:
     output_dir: str = "runs/default"
     max_steps: int = field(default=100, metadata=_range(lo=1))
-    warmup_ratio: float = field(default=0.1, metadata=_range(lo=0.0, hi=1.0))
-    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = field(default=0.1, metadata=_range(lo=0.0, hi=1.0))
-    """Final lr as a fraction of the peak (cosine and linear)."""
+    warmup_steps: Union[int, float] = field(default=0, metadata=_range(lo=0))
+    """Linear warm-up from 0 to the peak lr, as transformers 5: an integer is a number of steps, a number in [0, 1)
+    a fraction of ``max_steps``."""
+    warmup_ratio: Optional[float] = field(default=None, metadata=_range(lo=0.0, hi=1.0))
+    """Deprecated (as in transformers 5): use ``warmup_steps`` with a number below 1."""
+    lr_scheduler_type: SchedulerName = "linear"
+    """A ``transformers.get_scheduler`` name, with its meaning: ``cosine`` decays to 0, ``cosine_with_min_lr`` to
+    ``lr_scheduler_kwargs.min_lr_rate`` of the peak, ``constant`` has no warm-up (``constant_with_warmup`` has)."""
+    lr_scheduler_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the schedule (transformers' ``scheduler_specific_kwargs``), e.g. ``{min_lr_rate: 0.1}``
+    for ``cosine_with_min_lr``, ``{num_decay_steps: 100}`` for ``warmup_stable_decay``."""
     max_grad_norm: float = field(default=1.0, metadata=_range(lo=0.0))
     """Global gradient-norm clip across all stages (0 disables)."""
     seed: int = 42
@@ -173,7 +195,10 @@ class TrainingConfig:
 class HubConfig:
     push_to_hub: bool = False
     hub_model_id: Optional[str] = None
-    hub_strategy: Literal["end", "every_save"] = "end"
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = "end"
+    """As the HF Trainer's: ``end`` pushes the exported model at the end; ``every_save`` also pushes the model (a
+    loadable HF folder) at every checkpoint; ``checkpoint`` also pushes the latest checkpoint to ``last-checkpoint/``
+    (resumable); ``all_checkpoints`` pushes every checkpoint to its own folder. Pushes run in the background."""
     private: bool = True
 
 
@@ -300,6 +325,10 @@ def _build(cls, data, where: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
+    for name in unknown:
+        dotted = f"{where}.{name}" if where else name
+        if dotted in RENAMED:
+            raise RecipeError(f"{dotted}: {RENAMED[dotted]}")
     if unknown:
         prefix = f"{where}." if where else ""
         raise RecipeError(
@@ -335,6 +364,21 @@ def _cross_checks(r: Recipe) -> None:
             f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "
             f"use it with pipeline.schedule 'none' (the {p.schedule!r} schedule produces its delay for real)"
         )
+    t = r.training
+    if isinstance(t.warmup_steps, float) and t.warmup_steps >= 1 and not t.warmup_steps.is_integer():
+        raise RecipeError(f"training.warmup_steps: {t.warmup_steps} is neither a number of steps (an integer) nor a "
+                          "fraction of max_steps (below 1)")
+    if isinstance(t.warmup_steps, float) and t.warmup_steps >= 1:
+        t.warmup_steps = int(t.warmup_steps)
+    if t.warmup_ratio is not None:
+        if t.warmup_steps:
+            raise RecipeError("training.warmup_ratio: deprecated and given together with training.warmup_steps; "
+                              f"keep only warmup_steps: {t.warmup_ratio} (a number below 1 is a fraction of max_steps)")
+        log.warning("training.warmup_ratio is deprecated (as in transformers 5): write warmup_steps: %s (a number below "
+                    "1 is a fraction of max_steps)", t.warmup_ratio)
+    if t.lr_scheduler_type == "constant" and (t.warmup_steps or t.warmup_ratio):
+        log.warning("training.lr_scheduler_type: constant has no warm-up (transformers' meaning); the warm-up is "
+                    "ignored. For a warm-up use lr_scheduler_type: constant_with_warmup")
     if r.hub.push_to_hub and not r.hub.hub_model_id:
         raise RecipeError("hub.hub_model_id: required when hub.push_to_hub is true (e.g. 'user/my-model')")
     if r.data.train_files is not None and r.data.dataset is not None:

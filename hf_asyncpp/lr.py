@@ -1,32 +1,26 @@
-"""Learning-rate schedule: linear warmup, then cosine/linear decay to ``min_lr_ratio`` of the peak."""
+"""Learning-rate schedules: transformers' own (``get_scheduler``), by their names and with their meanings.
+
+The scheduler advances once per *applied* update (a skipped non-finite step does not move it), so under a delayed
+schedule the k-th applied update uses lr(k) whatever its step index.
+"""
 from __future__ import annotations
 
 import math
 
-import torch
+from transformers import get_scheduler
 
 from .config import TrainingConfig
 
 
 def warmup_steps(cfg: TrainingConfig) -> int:
-    return math.ceil(cfg.warmup_ratio * cfg.max_steps)
-
-
-def lr_factor(k: int, cfg: TrainingConfig) -> float:
-    """Multiplier of the peak lr for the k-th applied update (k = 0, 1, ...)."""
-    w = warmup_steps(cfg)
-    if k < w:
-        return (k + 1) / w
-    if cfg.lr_scheduler_type == "constant":
-        return 1.0
-    span = max(1, cfg.max_steps - w)
-    progress = min(1.0, (k - w) / span)
-    if cfg.lr_scheduler_type == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+    """``training.warmup_steps`` as transformers 5 reads it: an integer is steps, a number in [0, 1) a fraction of
+    ``max_steps`` (the deprecated ``warmup_ratio`` is that fraction)."""
+    w = cfg.warmup_steps
+    if cfg.warmup_ratio is not None and not w:
+        w = cfg.warmup_ratio
+    return math.ceil(w * cfg.max_steps) if isinstance(w, float) and w < 1 else int(w)
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k, cfg))
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg),
+                         num_training_steps=cfg.max_steps, scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs))

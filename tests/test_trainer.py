@@ -7,16 +7,19 @@ export the README promises.
 from __future__ import annotations
 
 import json
+import logging
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.config import recipe_from_dict
-from hf_asyncpp.lr import lr_factor
+from hf_asyncpp.config import RecipeError, load_recipe, recipe_from_dict
+from hf_asyncpp.lr import build_scheduler, warmup_steps
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny(out: Path, **overrides) -> dict:
@@ -106,13 +109,52 @@ def test_export_and_perplexity_at_the_end(tmp_path):
     assert model(ids).logits.shape[-1] >= 300
 
 
-def test_lr_schedule_warmup_then_cosine_to_floor():
-    r = recipe_from_dict(tiny(Path("/tmp/x"), training__max_steps=100, training__warmup_ratio=0.1, training__min_lr_ratio=0.1))
+def test_shipped_schedule_is_transformers_cosine_to_a_tenth():
+    """recipes/*.yaml keep the paper's schedule (warm-up over 10% of the steps, cosine to 10% of the peak), now written
+    with transformers' names; the lrs are transformers' own get_scheduler's."""
+    from transformers import get_scheduler
+
+    r = load_recipe(ROOT / "recipes" / "cpu-tiny.yaml", ["--training.max_steps=100"])
     t = r.training
-    assert lr_factor(0, t) == pytest.approx(0.1) and lr_factor(9, t) == pytest.approx(1.0)
-    assert lr_factor(10, t) == pytest.approx(1.0)
-    assert lr_factor(55, t) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lr_factor(100, t) == pytest.approx(0.1) and lr_factor(500, t) == pytest.approx(0.1)
+    assert (t.lr_scheduler_type, t.lr_scheduler_kwargs, warmup_steps(t)) == ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 10)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched, lrs = build_scheduler(opt, t), []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref = get_scheduler("cosine_with_min_lr", ref_opt, num_warmup_steps=10, num_training_steps=100,
+                        scheduler_specific_kwargs={"min_lr_rate": 0.1})
+    assert lrs == [ref.lr_lambdas[0](k) for k in range(100)]
+    assert lrs[0] == 0.0 and lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_renamed_recipe_values_name_the_new_ones(caplog):
+    base = tiny(Path("/tmp/x"), training__max_steps=100)
+    with pytest.raises(RecipeError, match=r"training\.min_lr_ratio: renamed.*cosine_with_min_lr.*min_lr_rate"):
+        recipe_from_dict({**base, "training": {**base["training"], "min_lr_ratio": 0.1}})
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        r = recipe_from_dict({**base, "training": {**base["training"], "warmup_ratio": 0.2}})
+    assert "warmup_ratio is deprecated" in caplog.text and "warmup_steps: 0.2" in caplog.text
+    assert warmup_steps(r.training) == 20
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        recipe_from_dict({**base, "training": {**base["training"], "lr_scheduler_type": "constant", "warmup_steps": 5}})
+    assert "constant_with_warmup" in caplog.text
+    with pytest.raises(RecipeError, match=r"training\.lr_scheduler_type: 'cosine_to_floor' is not allowed"):
+        recipe_from_dict({**base, "training": {**base["training"], "lr_scheduler_type": "cosine_to_floor"}})
+    with pytest.raises(RecipeError, match=r"training\.warmup_steps: 2\.5 is neither"):
+        recipe_from_dict({**base, "training": {**base["training"], "warmup_steps": 2.5}})
+
+
+def test_scheduler_names_are_transformers_own():
+    from transformers.trainer_utils import SchedulerType
+
+    from hf_asyncpp.config import SchedulerName
+
+    needs_a_metric = {"reduce_lr_on_plateau", "greedy"}
+    assert set(typing.get_args(SchedulerName)) == {s.value for s in SchedulerType} - needs_a_metric
 
 
 def test_too_few_processes_prints_the_command_that_works():
