@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import Recipe
 from .evaluation import nll_per_block
+from .export import shard_file, write_shard
 from .lr import build_scheduler
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .partition import partition_plan
@@ -54,6 +55,10 @@ class Engine(Protocol):
     def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]: ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+        """Write this process's weights as shard(s) of an HF folder (collective); the main process gets every shard's
+        (file name, {on-disk tensor name: bytes}), no tensors."""
 
     def save(self, tmp: Path) -> None: ...
 
@@ -186,6 +191,12 @@ class LocalEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights by original HF name (on the main process)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+        if not self.topo.is_main:
+            return None
+        name = shard_file(0, 1)
+        return [(name, write_shard(self.model.state_dict(), self.config, folder / name))]
 
     def save(self, tmp: Path) -> None:
         """Write this engine's part of a checkpoint (only dp rank 0 writes shared state)."""

@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 
 from . import checkpoint as ckpt
 from .checkpoint import replace_dir
@@ -31,7 +33,7 @@ from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, car
 from .reporting import METRICS, read_metrics
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
-           "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card"]
+           "export_engine", "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card", "write_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +218,87 @@ def export_from_model(model, out_dir, tokenizer=None, card: dict | None = None, 
 
 
 # ---------------------------------------------------------------------------------------------------
+# a sharded export: every stage writes its own weights
+
+
+def shard_file(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _meta_model(config, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM  # heavy: only when exporting
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+
+
+def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict[str, int]:
+    """Write one stage's weights (original HF names) as one safetensors shard of the HF folder; returns
+    {on-disk name: bytes}. The on-disk layout is the one ``from_pretrained`` expects: transformers' own weight
+    conversions (e.g. fused MoE expert matrices) are reverted by its ``revert_weight_conversion``, and a tied
+    head copy is left out (the model re-ties it on load)."""
+    from transformers.core_model_loading import revert_weight_conversion  # heavy: only when exporting
+
+    model = _meta_model(config, _dominant_float_dtype(state_dict))
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    sd = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tied}
+    sd = revert_weight_conversion(model, _untie_shared_storage(sd)) if sd else {}
+    save_file(sd, str(path), metadata={"format": "pt"})
+    return {k: v.numel() * v.element_size() for k, v in sd.items()}
+
+
+def export_engine(engine, out_dir, *, tokenizer=None, card: dict | None = None) -> Path | None:
+    """Export the engine's newest weights as an HF folder without gathering them: every stage (data-parallel rank 0)
+    writes its own shard, the main process gets only names and sizes and writes the index
+    (``model.safetensors.index.json``), config, generation config, tokenizer and card. Collective: every rank calls
+    it; returns the folder on the main process (None elsewhere). An existing export is replaced only when the new
+    one is complete."""
+    out = Path(out_dir)
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    tmp = out.parent / f".{out.name}.partial"
+    if main:
+        _check_out_dir(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    shards = engine.export_shards(tmp)  # collective: (file, {name: bytes}) of every stage, on the main process
+    if not main:
+        return None
+    try:
+        _finish_folder(tmp, shards, engine.config, tokenizer, card, out)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, tokenizer, card, out: Path) -> None:
+    from transformers import GenerationConfig  # heavy: only when exporting
+
+    weight_map = {k: f for f, sizes in shards for k in sizes}
+    ckpt.save_json(tmp / "model.safetensors.index.json", {
+        "metadata": {"total_size": sum(sum(sizes.values()) for _, sizes in shards)}, "weight_map": weight_map})
+    config = copy.deepcopy(config)
+    config.dtype = torch.float32  # the stages train fp32 master weights
+    config.save_pretrained(str(tmp))
+    generation = GenerationConfig.from_model_config(config)
+    if tokenizer is not None:
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, attr, None) is not None:
+                setattr(generation, attr, getattr(tokenizer, attr))
+        tokenizer.save_pretrained(str(tmp))
+    generation.save_pretrained(str(tmp))
+    card = clean_card(card)
+    curve = card.get("loss_curve")
+    if curve and Path(curve).is_file():
+        shutil.copy(curve, tmp / Path(curve).name)
+        card["loss_curve"] = Path(curve).name
+    render_model_card(card, _meta_model(config), load_path=str(out)).save(str(tmp / "README.md"))
+
+
+# ---------------------------------------------------------------------------------------------------
 # checkpoints
 
 
@@ -252,17 +335,18 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
 # the end of a run
 
 
-def export_run(out: Path, weights: dict[str, torch.Tensor], config, tokenizer, recipe, step: int, tokens: int,
-               held_out: torch.Tensor, loss_curve: Path | None) -> dict:
-    """The end of a training run on the main process: ``out/export`` (HF folder + card), its perplexity after a
-    ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub push, and ``final_eval.json``."""
-    metrics = read_metrics(out / METRICS)
+def export_run(out: Path, engine, tokenizer, recipe, step: int, tokens: int, held_out: torch.Tensor,
+               loss_curve: Path | None) -> dict:
+    """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), then on the
+    main process its perplexity after a ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub
+    push, and ``final_eval.json`` (other ranks return {})."""
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    metrics = read_metrics(out / METRICS) if main else []
+    card = card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None)
+    export_dir = export_engine(engine, out / "export", tokenizer=tokenizer, card=card)
+    if not main:
+        return {}
     evals = [m for m in metrics if "eval_loss" in m]
-    card = card_from_recipe(recipe, step, tokens, metrics, loss_curve="loss_curve.png" if loss_curve else None)
-    export_dir = out / "export"
-    export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
-    if loss_curve:
-        shutil.copy(loss_curve, export_dir / "loss_curve.png")
     reloaded = evaluate_model_dir(export_dir, held_out)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}

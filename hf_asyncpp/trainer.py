@@ -155,11 +155,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     prof = engine.profile()  # collective under the pipeline; None in one process
     if prof is not None:
         summary["pipeline_profile"] = write_report(out, prof, rp, t.max_grad_norm)
-    if t.export:
-        weights = engine.full_state_dict()  # collective under the pipeline: merged on the main process only
-        if accelerator.is_main_process:
-            summary.update(export_run(out, weights, engine.config, tokenizer, recipe, state.step, state.tokens,
-                                      held_out, runlog.plot_loss()))
+    if t.export:  # collective: every stage writes its own shard of the HF folder
+        curve = runlog.plot_loss() if accelerator.is_main_process else None
+        summary.update(export_run(out, engine, tokenizer, recipe, state.step, state.tokens, held_out, curve))
     accelerator.wait_for_everyone()
     engine.close()
     accelerator.end_training()

@@ -32,6 +32,7 @@ from torch.func import functional_call
 from ..config import Recipe
 from ..engine import NonFiniteError, StepResult, autocast
 from ..evaluation import nll_per_block
+from ..export import shard_file, write_shard
 from ..lr import build_scheduler
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import ef_buffers
@@ -409,6 +410,16 @@ class PipelineEngine:
         if not self.topo.is_main:
             return None
         return merge_state_dicts([p for p in parts if p is not None])
+
+    def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+        """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
+        mine = None
+        if self.topo.dp_rank == 0:
+            name = shard_file(self.topo.stage, self.topo.num_stages)
+            mine = (name, write_shard(self.stage.state_dict(), self.config, folder / name))
+        parts = [None] * self.topo.world_size if self.topo.is_main else None
+        dist.gather_object(mine, parts, dst=0)
+        return [x for x in parts if x is not None] if self.topo.is_main else None
 
     def save(self, tmp: Path) -> None:
         """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained)."""
