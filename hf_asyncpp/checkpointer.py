@@ -19,7 +19,10 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, save_recipe
 from .engine import Engine
-from .hub import push_folder
+from .export import export_engine
+from .hub import Pusher, snapshot
+from .model_card import card_from_recipe
+from .reporting import METRICS, read_metrics
 from .topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
@@ -48,8 +51,9 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Saves and resumes a run in ``out``; every method is collective (every rank calls it)."""
 
-    def __init__(self, out: Path, recipe: Recipe, topo: Topology, accelerator, tokenizer):
+    def __init__(self, out: Path, recipe: Recipe, topo: Topology, accelerator, tokenizer, pusher: Pusher | None = None):
         self.out, self.recipe, self.topo, self.accelerator, self.tokenizer = out, recipe, topo, accelerator, tokenizer
+        self.pusher = pusher  # the main process's background Hub pushes (None elsewhere or without push_to_hub)
 
     def save(self, state: RunState, engine: Engine, stream) -> Path:
         """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied)."""
@@ -76,13 +80,31 @@ class Checkpointer:
                                                       "world_size": topo.world_size, "num_stages": topo.num_stages,
                                                       "schedule": self.recipe.pipeline.schedule})
             ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size, "num_stages": topo.num_stages})
-            ckpt.prune(self.out, self.recipe.training.save_total_limit)
             log.info("saved %s", final.name)
-            hub = self.recipe.hub
-            if hub.push_to_hub and hub.hub_strategy == "every_save":
-                push_folder(final, hub, path_in_repo="last-checkpoint", commit_message=f"checkpoint at step {state.step}")
+        self._push(state, engine, final)
+        if acc.is_main_process:
+            ckpt.prune(self.out, self.recipe.training.save_total_limit)
         acc.wait_for_everyone()
         return final
+
+    def _push(self, state: RunState, engine: Engine, final: Path) -> None:
+        """The Trainer's hub_strategy at a save: every_save and after push the model (a loadable HF folder, written
+        by every stage), checkpoint also the checkpoint to last-checkpoint/, all_checkpoints each to its own folder.
+        Uploads run in the background on the main process; this waits only for the export (collective)."""
+        hub = self.recipe.hub
+        if not hub.push_to_hub or hub.hub_strategy == "end":
+            return
+        staging = self.out / ".hub-staging"
+        card = card_from_recipe(self.recipe, state.step, state.tokens, read_metrics(self.out / METRICS)) \
+            if self.accelerator.is_main_process else None
+        folder = export_engine(engine, staging / f"model-{state.step:07d}", tokenizer=self.tokenizer, card=card)
+        if self.pusher is None:
+            return
+        self.pusher.push(folder, commit_message=f"hf_asyncpp: model at step {state.step}", remove_after=True)
+        if hub.hub_strategy in ("checkpoint", "all_checkpoints"):
+            where = "last-checkpoint" if hub.hub_strategy == "checkpoint" else final.name
+            self.pusher.push(snapshot(final, staging / final.name), path_in_repo=where, remove_after=True,
+                             commit_message=f"hf_asyncpp: checkpoint at step {state.step}")
 
     def resume(self, path: Path, engine: Engine, stream) -> RunState:
         return resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule)

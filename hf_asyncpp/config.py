@@ -200,6 +200,10 @@ class HubConfig:
     loadable HF folder) at every checkpoint; ``checkpoint`` also pushes the latest checkpoint to ``last-checkpoint/``
     (resumable); ``all_checkpoints`` pushes every checkpoint to its own folder. Pushes run in the background."""
     private: bool = True
+    license: Optional[str] = None
+    """Card metadata, e.g. ``apache-2.0``."""
+    language: Optional[list[str]] = None
+    """Card metadata, e.g. ``[en]``."""
 
 
 @dataclass(kw_only=True)

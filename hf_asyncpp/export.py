@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from .checkpoint import replace_dir
 from .downstream import evaluate_models, results_table
 from .evaluation import evaluate_model_dir
-from .hub import push_folder
+from .hub import Pusher
 from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, card_from_recipe, clean_card, render_model_card
 from .reporting import METRICS, read_metrics
 
@@ -277,9 +277,12 @@ def export_engine(engine, out_dir, *, tokenizer=None, card: dict | None = None) 
 def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, tokenizer, card, out: Path) -> None:
     from transformers import GenerationConfig  # heavy: only when exporting
 
-    weight_map = {k: f for f, sizes in shards for k in sizes}
-    ckpt.save_json(tmp / "model.safetensors.index.json", {
-        "metadata": {"total_size": sum(sum(sizes.values()) for _, sizes in shards)}, "weight_map": weight_map})
+    if len(shards) == 1:  # one shard: the name save_pretrained gives it, no index
+        (tmp / shards[0][0]).rename(tmp / "model.safetensors")
+    else:
+        weight_map = {k: f for f, sizes in shards for k in sizes}
+        ckpt.save_json(tmp / "model.safetensors.index.json", {
+            "metadata": {"total_size": sum(sum(sizes.values()) for _, sizes in shards)}, "weight_map": weight_map})
     config = copy.deepcopy(config)
     config.dtype = torch.float32  # the stages train fp32 master weights
     config.save_pretrained(str(tmp))
@@ -336,7 +339,7 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
 
 
 def export_run(out: Path, engine, tokenizer, recipe, step: int, tokens: int, held_out: torch.Tensor,
-               loss_curve: Path | None) -> dict:
+               loss_curve: Path | None, pusher: Pusher | None = None) -> dict:
     """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), then on the
     main process its perplexity after a ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub
     push, and ``final_eval.json`` (other ranks return {})."""
@@ -356,8 +359,9 @@ def export_run(out: Path, engine, tokenizer, recipe, step: int, tokens: int, hel
         add_eval_results(export_dir, res)
         result["downstream"] = res
         log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
-    if recipe.hub.push_to_hub:
-        result["hub_commit"] = push_folder(export_dir, recipe.hub, commit_message=f"hf_asyncpp export after {step} steps")
+    if pusher is not None:  # the final model, after the pushes already queued; wait for all of them
+        pusher.push(export_dir, commit_message=f"hf_asyncpp export after {step} steps")
+        result["hub_commit"] = pusher.wait()[-1]
     ckpt.save_json(out / "final_eval.json", result)
     log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"],
              result["untrained_eval_ppl"] or float("nan"))

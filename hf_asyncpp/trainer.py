@@ -25,6 +25,7 @@ from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, trai
 from .engine import Engine, LocalEngine, NonFiniteError
 from .evaluation import perplexity_from_sums
 from .export import export_run
+from .hub import Pusher
 from .launch import launch_command, processes_needed
 from .modeling import build_model
 from .pipeline.executor import PipelineEngine
@@ -116,7 +117,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
     stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
                          hold_out=train_hold_out(recipe.data, eval_files))
-    checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer)
+    pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None
+    checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, pusher)
     state = RunState()
     resume = ckpt.resolve_resume(out, t.resume_from_checkpoint)
     if resume is not None:
@@ -146,6 +148,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         runlog.restart_clock()
     runlog.close()
     if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
+        if pusher is not None:
+            pusher.wait()
         engine.close()
         accelerator.end_training()
         return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
@@ -157,7 +161,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         summary["pipeline_profile"] = write_report(out, prof, rp, t.max_grad_norm)
     if t.export:  # collective: every stage writes its own shard of the HF folder
         curve = runlog.plot_loss() if accelerator.is_main_process else None
-        summary.update(export_run(out, engine, tokenizer, recipe, state.step, state.tokens, held_out, curve))
+        summary.update(export_run(out, engine, tokenizer, recipe, state.step, state.tokens, held_out, curve, pusher))
+    elif pusher is not None:
+        pusher.wait()
     accelerator.wait_for_everyone()
     engine.close()
     accelerator.end_training()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ class Recorder:
 
     def upload_folder(self, *, repo_id, folder_path, **kw):
         files = sorted(p.name for p in Path(folder_path).iterdir())
-        Recorder.calls.append(("upload_folder", repo_id, {**kw, "files": files}))
+        Recorder.calls.append(("upload_folder", repo_id, {**kw, "files": files, "thread": threading.current_thread().name}))
         if Recorder.fail_times > 0:
             Recorder.fail_times -= 1
             raise ConnectionError(f"503 from the Hub for token {os.environ.get('HF_TOKEN')}")
@@ -54,21 +55,30 @@ def hub(monkeypatch):
     return Recorder
 
 
-def test_push_at_end_and_every_save(tmp_path, hub, caplog):
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_push_at_end_and_every_save(tmp_path, hub, caplog, strategy):
+    """The Trainer's hub_strategy: every save pushes a loadable model (checkpoint: also the checkpoint to
+    last-checkpoint/), in the background, and the end pushes the export; the card names license and versions."""
     from hf_asyncpp.trainer import train
 
     caplog.set_level(logging.INFO)
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=4, training__save_steps=2,
-                                hub__push_to_hub=True, hub__hub_model_id="me/tiny", hub__hub_strategy="every_save",
-                                hub__private=True)))
+                                hub__push_to_hub=True, hub__hub_model_id="me/tiny", hub__hub_strategy=strategy,
+                                hub__private=True, hub__license="apache-2.0")))
     creates = [c for c in hub.calls if c[0] == "create_repo"]
     uploads = [c for c in hub.calls if c[0] == "upload_folder"]
     assert all(c[1] == "me/tiny" and c[2]["private"] and c[2]["exist_ok"] for c in creates)
-    assert [u[2]["path_in_repo"] for u in uploads] == ["last-checkpoint", "last-checkpoint", None]
-    assert {"model.safetensors", "manifest.json", "config.json"} <= set(uploads[0][2]["files"])
-    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "generation_config.json"} <= set(uploads[-1][2]["files"])
+    where = [u[2]["path_in_repo"] for u in uploads]
+    assert where == ([None, None, None] if strategy == "every_save" else [None, "last-checkpoint"] * 2 + [None])
+    loadable = {"config.json", "model.safetensors", "README.md", "tokenizer.json", "generation_config.json"}
+    assert all(loadable <= set(u[2]["files"]) for u in uploads if u[2]["path_in_repo"] is None)
+    assert all({"manifest.json", "model.safetensors"} <= set(u[2]["files"]) for u in uploads if u[2]["path_in_repo"])
+    assert all(u[2]["thread"].startswith("hf_asyncpp-hub") for u in uploads)  # never on the training thread
+    assert not (out / ".hub-staging").exists() or not any((out / ".hub-staging").iterdir())  # snapshots cleaned up
     assert json.loads((out / "final_eval.json").read_text())["hub_commit"].endswith("/commit/1")
+    card = (out / "export" / "README.md").read_text()
+    assert "license: apache-2.0" in card and "transformers 5" in card
     assert "hf_SeCrEtToKeN" not in caplog.text
 
 
