@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ log = logging.getLogger("hf_asyncpp")
 class RunState:
     step: int = 0
     tokens: int = 0
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """The trackers' run id: kept in the checkpoint so a resumed run continues the same tracker run."""
 
 
 def set_seed(seed: int) -> None:
@@ -76,7 +79,8 @@ class Checkpointer:
             engine.config.to_json_file(str(tmp / "config.json"))
             self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
             save_recipe(self.recipe, tmp / "recipe.yaml")
-            ckpt.save_json(tmp / ckpt.TRAINER_STATE, {"step": state.step, "tokens": state.tokens, "data": data_states,
+            ckpt.save_json(tmp / ckpt.TRAINER_STATE, {"step": state.step, "tokens": state.tokens, "run_id": state.run_id,
+                                                      "data": data_states,
                                                       "world_size": topo.world_size, "num_stages": topo.num_stages,
                                                       "schedule": self.recipe.pipeline.schedule})
             ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size, "num_stages": topo.num_stages})
@@ -135,4 +139,4 @@ def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "
     if not same:
         log.info("resumed a %d-process, %d-stage checkpoint on %d processes, %d stages", meta["world_size"],
                  meta["num_stages"], topo.world_size, topo.num_stages)
-    return RunState(step=meta["step"], tokens=meta["tokens"])
+    return RunState(step=meta["step"], tokens=meta["tokens"], **({"run_id": meta["run_id"]} if "run_id" in meta else {}))

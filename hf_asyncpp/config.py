@@ -180,7 +180,12 @@ class TrainingConfig:
     resume_from_checkpoint: Optional[str] = None
     """``latest`` or a checkpoint directory."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """accelerate trackers (tensorboard, wandb, ...); [] or [none] disables."""
+    """accelerate trackers (tensorboard, wandb, mlflow, trackio, ...); [] or [none] disables. A tracker whose package
+    is not installed is an error naming it."""
+    run_name: Optional[str] = None
+    """The trackers' run name (default: the output directory's name); a resumed run continues the same tracker run."""
+    peak_tflops: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
+    """Peak dense TFLOP/s of one device, for ``train/mfu`` (known GPUs are looked up; CPUs have no MFU)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     torch_threads: Optional[int] = field(default=None, metadata=_range(lo=1))
     """Intra-op threads per process (None: 1 per rank when several ranks share the CPU)."""

@@ -12,11 +12,53 @@ import logging
 import time
 from pathlib import Path
 
-from .config import Recipe, recipe_to_dict
+import accelerate.utils
+import torch
+from tqdm.auto import tqdm
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+from .config import Recipe, RecipeError, recipe_to_dict
 
 log = logging.getLogger("hf_asyncpp")
 
 METRICS = "metrics.jsonl"
+PROJECT = "hf_asyncpp"
+# peak dense bf16 TFLOP/s of one device, for train/mfu (training.peak_tflops overrides; no entry: no MFU)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def check_trackers(report_to: list[str]) -> list[str]:
+    """The trackers to start: each must be one accelerate knows and have its package installed (accelerate would
+    drop it with a debug log; a run the user thinks is tracked must not silently be untracked)."""
+    names = [r for r in report_to if r != "none"]
+    for name in names:
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise RecipeError(f"training.report_to: {name!r} is not a tracker; choose from "
+                              f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))} (or none)")
+        if not getattr(accelerate.utils, f"is_{name}_available")():
+            raise RecipeError(f"training.report_to: {name!r} needs the package {name}, which is not installed: "
+                              f"pip install {name} (or hf_asyncpp[{name}]), or remove it from training.report_to")
+    return names
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token, 6 N + 12 L H T (PaLM, appendix B): N parameters, L layers, H hidden, T sequence."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from transformers import AutoModelForCausalLM  # heavy: the parameter count of the config, on the meta device
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    layers, hidden = getattr(cfg, "num_hidden_layers", 0) or 0, getattr(cfg, "hidden_size", 0) or 0
+    return 6.0 * n + 12.0 * layers * hidden * seq_len
+
+
+def device_peak_flops(override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -27,18 +69,28 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class RunLog:
-    def __init__(self, out: Path, recipe: Recipe, accelerator, start_step: int, tokens_per_step: int):
+    """Tracker keys as the HF Trainer's users expect: ``train/loss``, ``train/lr``, ``train/grad_norm``,
+    ``train/tokens_per_s``, ``train/mfu`` (where the device's peak is known), ``eval/loss``, ``eval/perplexity``.
+    The tracker run is named ``training.run_name`` and continues on resume (its id is the run's, in the checkpoint)."""
+
+    def __init__(self, out: Path, recipe: Recipe, accelerator, state, tokens_per_step: int,
+                 flops_per_token: float | None = None):
         self.path, self.recipe, self.accelerator = out / METRICS, recipe, accelerator
         self.main = accelerator.is_main_process
         self.tokens_per_step = tokens_per_step
+        peak = device_peak_flops(recipe.training.peak_tflops)
+        self.peak = peak * accelerator.num_processes if peak and flops_per_token else None
+        self.flops_per_token = flops_per_token
         self.interval: list[dict] = []
         self.bar = None
         if self.main:
-            self._truncate(start_step)
-            accelerator.init_trackers("hf_asyncpp", config=_flat(recipe))
-            from tqdm.auto import tqdm  # only the main process draws a bar
-
-            self.bar = tqdm(total=recipe.training.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            self._truncate(state.step)
+            run_name = recipe.training.run_name or out.resolve().name
+            accelerator.init_trackers(PROJECT, config=_flat(recipe), init_kwargs={
+                "wandb": {"name": run_name, "id": state.run_id, "resume": "allow"},
+                "mlflow": {"run_name": run_name}, "trackio": {"name": run_name}, "swanlab": {"experiment_name": run_name},
+                "comet_ml": {"experiment_key": state.run_id}, "aim": {"run_hash": state.run_id}})
+            self.bar = tqdm(total=recipe.training.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
         self._start = time.perf_counter()
         self.restart_clock()
 
@@ -80,17 +132,21 @@ class RunLog:
         rows, self.interval = self.interval, []
         mean = lambda key: (sum(r[key] for r in rows if r[key] is not None) / max(1, sum(r[key] is not None for r in rows)))
         step = rows[-1]["step"]
-        summary = {"loss": mean("loss"), "lr": rows[-1]["lr"], "tokens_per_s": mean("tokens_per_s"), "tokens": rows[-1]["tokens"]}
+        summary = {"train/loss": mean("loss"), "train/lr": rows[-1]["lr"], "train/tokens_per_s": rows[-1]["tokens_per_s"],
+                   "train/tokens": rows[-1]["tokens"]}
         if any(r["grad_norm"] is not None for r in rows):
-            summary["grad_norm"] = mean("grad_norm")
+            summary["train/grad_norm"] = mean("grad_norm")
+        if self.peak:
+            summary["train/mfu"] = rows[-1]["tokens_per_s"] * self.flops_per_token / self.peak
         self.accelerator.log(summary, step=step)
-        self.bar.set_postfix(loss=f"{summary['loss']:.3f}", tok_s=f"{summary['tokens_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{summary['train/loss']:.3f}", tok_s=f"{summary['train/tokens_per_s']:.0f}")
 
     def eval(self, step: int, nll: float, tokens: int, res: dict) -> dict:
         rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens}
         if self.main:
             self._write(rec)
-            self.accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+            self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
+                                  "eval/tokens": tokens}, step=step)
         return rec
 
     def close(self) -> None:

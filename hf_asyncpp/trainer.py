@@ -31,7 +31,7 @@ from .modeling import build_model
 from .pipeline.executor import PipelineEngine
 from .pipeline.p2p import PeerFailure
 from .pipeline.profile import write_report
-from .reporting import RunLog
+from .reporting import RunLog, check_trackers, model_flops_per_token
 from .tokenizer import load_or_train_tokenizer
 from .topology import Topology
 
@@ -42,7 +42,7 @@ log = logging.getLogger("hf_asyncpp")
 
 def make_accelerator(recipe: Recipe):
     """Accelerator on CPU or GPU; on CPU it must be told ``cpu=True`` or it reports one process."""
-    report_to = [r for r in recipe.training.report_to if r != "none"]
+    report_to = check_trackers(recipe.training.report_to)
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         log_with=report_to or None,
@@ -125,7 +125,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         state = checkpointer.resume(resume, engine, stream)
         log.info("resumed from %s at step %d", resume, state.step)
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
-    runlog = RunLog(out, recipe, accelerator, state.step, tokens_per_step)
+    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
 
     def evaluate(step: int) -> dict:
         nll, n = engine.eval_nll(held_out, rp.microbatch_size)  # forward-only, through the stages

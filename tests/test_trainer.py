@@ -175,3 +175,32 @@ def test_only_evaluations_checkpoints_and_the_end_drain_the_pipeline():
                                   training__eval_steps=8, training__save_steps=10))
         assert drain_points(0, r) == [8, 10, 16, 20]
         assert drain_points(10, r) == [16, 20]
+
+
+def test_trackers_get_trainer_keys_and_a_resume_continues_the_run(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    common = dict(training__report_to=["tensorboard"], training__logging_steps=2, training__run_name="tiny-run")
+    train(recipe_from_dict(tiny(out, training__stop_after_steps=4, **common)))
+    first = ckpt.load_json(out / ckpt.checkpoint_name(4) / "trainer_state.json")["run_id"]
+    train(recipe_from_dict(tiny(out, training__resume_from_checkpoint="latest", **common)))
+    assert ckpt.load_json(out / ckpt.checkpoint_name(6) / "trainer_state.json")["run_id"] == first
+    runs = {p.parent for p in (out / "logs").rglob("events.out.tfevents.*") if p.parent.parent.name == "logs"}
+    assert len(runs) == 1  # one tracker run (one directory), continued by the resume
+    events = EventAccumulator(str(runs.pop())).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss", "eval/perplexity"} <= tags
+    assert sorted(e.step for e in events.Scalars("train/loss")) == [2, 4, 6]
+
+
+def test_a_tracker_that_cannot_run_is_an_error_naming_it():
+    from hf_asyncpp.reporting import check_trackers
+
+    assert check_trackers(["tensorboard", "none"]) == ["tensorboard"]
+    with pytest.raises(RecipeError, match=r"report_to: 'clearml' needs the package clearml, which is not installed"):
+        check_trackers(["clearml"])
+    with pytest.raises(RecipeError, match=r"report_to: 'tensorbored' is not a tracker; choose from .*tensorboard"):
+        check_trackers(["tensorbored"])
