@@ -29,6 +29,7 @@ from .evaluation import evaluate_model_dir
 from .hub import push_folder
 from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, card_from_recipe, clean_card, render_model_card
 from .reporting import METRICS, read_metrics
+from .storage import writing
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
            "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card"]
@@ -191,17 +192,18 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))
     try:
-        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        if not (tmp / "generation_config.json").exists():
-            model.generation_config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        curve = card.get("loss_curve")
-        if curve and Path(curve).is_file():
-            shutil.copy(curve, tmp / Path(curve).name)
-            card["loss_curve"] = Path(curve).name
-        render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
-        replace_dir(tmp, out)
+        with writing(out):  # a full disk or a permission error names the folder and the free space
+            model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+            if not (tmp / "generation_config.json").exists():
+                model.generation_config.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            curve = card.get("loss_curve")
+            if curve and Path(curve).is_file():
+                shutil.copy(curve, tmp / Path(curve).name)
+                card["loss_curve"] = Path(curve).name
+            render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
+            replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -262,7 +264,8 @@ def export_run(out: Path, weights: dict[str, torch.Tensor], config, tokenizer, r
     export_dir = out / "export"
     export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
     if loss_curve:
-        shutil.copy(loss_curve, export_dir / "loss_curve.png")
+        with writing(export_dir / "loss_curve.png"):
+            shutil.copy(loss_curve, export_dir / "loss_curve.png")
     reloaded = evaluate_model_dir(export_dir, held_out)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
