@@ -93,10 +93,12 @@ class _FillingFile:
         self.f.close()
 
 
-@pytest.mark.parametrize("name,nth", [("optimizer.pt", 2), ("metrics.jsonl", 5)])
-def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resumes(tmp_path, monkeypatch, capsys, name, nth):
+@pytest.mark.parametrize("name,nth,latest", [("optimizer.pt", 2, 3), ("metrics.jsonl", 5, 3), ("final_eval.json", 1, 6)])
+def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resumes(tmp_path, monkeypatch, capsys, name,
+                                                                                    nth, latest):
     out = tmp_path / "run"
-    recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3)
+    recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3,
+                         training__export=name == "final_eval.json")  # written at the end of the export
     disk = FullDisk(name, nth)
     monkeypatch.setattr(storage, "open_for_write", disk.open)
     monkeypatch.setattr(storage, "disk_free", disk.free)
@@ -104,9 +106,9 @@ def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resum
     assert code == 4 and "Traceback" not in err
     [line] = error_lines(err)
     assert f"{name}: no space left on device (0 B free" in line, line
-    assert "checkpoint-0000003 stays the latest" in line or name == "metrics.jsonl"
-    assert ckpt.resolve_resume(out, "latest") == out / ckpt.checkpoint_name(3)
-    assert ckpt.verify(out / ckpt.checkpoint_name(3)) == []
+    assert "checkpoint-0000003 stays the latest" in line or name != "optimizer.pt"
+    assert ckpt.resolve_resume(out, "latest") == out / ckpt.checkpoint_name(latest)
+    assert ckpt.verify(out / ckpt.checkpoint_name(latest)) == []
     if name == "metrics.jsonl":  # the fault left half a line behind
         assert not (out / "metrics.jsonl").read_text().endswith("\n")
     monkeypatch.undo()  # space freed: resume
@@ -172,6 +174,19 @@ def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
             problems = ckpt.verify(copy)
             assert len(problems) == 1 and problems[0].startswith(str(copy / kind)), (kind, damage, problems)
             assert ("truncated" in problems[0]) == (damage is truncate)
+
+
+def test_a_manifest_without_hashes_is_checked_for_presence_and_says_so(two_checkpoints, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(two_checkpoints / ckpt.checkpoint_name(6), old)
+    manifest = ckpt.load_json(old / ckpt.MANIFEST)
+    ckpt.save_json(old / ckpt.MANIFEST, {**manifest, "files": sorted(manifest["files"])})  # the format before hashes
+    truncate(old / "model.safetensors")
+    assert ckpt.verify(old) == []  # presence only: the contents were never recorded
+    with pytest.raises(ckpt.CheckpointError, match=r"old/model.safetensors: cannot be read \(SafetensorError"):
+        ckpt.load_tensors(old / "model.safetensors")
+    (old / "optimizer.pt").unlink()
+    assert ckpt.verify(old) == [f"{old / 'optimizer.pt'}: missing"]
 
 
 def test_resume_latest_falls_back_to_the_newest_checkpoint_that_verifies(two_checkpoints, tmp_path, capsys, caplog):
