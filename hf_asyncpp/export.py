@@ -227,7 +227,6 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
     Stage files are merged by name; a name in several files (a tied head) must hold equal values.
     ``stage-XX-versions.safetensors`` (2BW's older weight version) is not part of the model.
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(ckpt_dir)
@@ -238,10 +237,14 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
         raise FileNotFoundError(f"{path}: no model.safetensors or stage-XX.safetensors; is it a hf_asyncpp checkpoint?")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: config.json is missing")
+    if (path / ckpt.MANIFEST).is_file():  # hand-assembled folders have none; a training checkpoint is verified
+        problems = ckpt.verify(path)
+        if problems:
+            raise ckpt.CheckpointError(f"{path} does not match its manifest: {'; '.join(problems)}")
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
+        for k, v in ckpt.load_tensors(f).items():
             if k in state and not torch.equal(state[k], v):
                 raise ValueError(f"{path}: {k} differs between {owner[k]} and {f.name}")
             state[k], owner[k] = v, f.name

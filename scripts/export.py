@@ -20,7 +20,9 @@ def main():
     ap.add_argument("--max-shard-size", default="2GB", help="split safetensors shards above this size (e.g. 500MB)")
     ap.add_argument("--model-id", default=None, help="Hub id for the card title and the usage snippet")
     args = ap.parse_args()
+    from hf_asyncpp.checkpoint import CheckpointError
     from hf_asyncpp.export import card_from_checkpoint, export_hf_model, load_checkpoint_state
+    from hf_asyncpp.storage import WriteError
 
     try:
         state, config, tok = load_checkpoint_state(args.checkpoint)
@@ -28,7 +30,7 @@ def main():
         if args.model_id:
             card["model_id"] = args.model_id
         out = export_hf_model(state, config, args.out, tokenizer=tok, card=card, max_shard_size=args.max_shard_size)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, CheckpointError, WriteError) as e:
         sys.exit(f"error: {e}")
     print(f"exported {args.checkpoint} -> {out}")
 

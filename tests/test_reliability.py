@@ -174,6 +174,10 @@ def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
             problems = ckpt.verify(copy)
             assert len(problems) == 1 and problems[0].startswith(str(copy / kind)), (kind, damage, problems)
             assert ("truncated" in problems[0]) == (damage is truncate)
+    from hf_asyncpp.export import load_checkpoint_state  # scripts/export.py: a damaged checkpoint is not exported
+
+    with pytest.raises(ckpt.CheckpointError, match=r"flip-model.safetensors/model.safetensors: its sha256 differs"):
+        load_checkpoint_state(tmp_path / "flip-model.safetensors")
 
 
 def test_a_manifest_without_hashes_is_checked_for_presence_and_says_so(two_checkpoints, tmp_path):
