@@ -311,8 +311,10 @@ def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, 
 def test_a_corpus_with_nothing_usable_is_one_error_line(tmp_path, capsys):
     data = tmp_path / "data"
     reasons = bad_files(data)
-    code, err = run_main(capsys, recipe_file(tmp_path, tmp_path / "run", data__train_files=[str(data / "*.jsonl")],
-                                             data__eval_files=[str(FIXTURE)]))
+    recipe = recipe_file(tmp_path, tmp_path / "run", data__train_files=[str(data / "*.jsonl")], data__eval_files=[str(FIXTURE)])
+    code, err = run_main(capsys, recipe, "--debug")  # the traceback behind the line, on request
+    assert code == 6 and "Traceback" in err
+    code, err = run_main(capsys, recipe)
     assert code == 6 and "Traceback" not in err
     [line] = error_lines(err)
     assert line.startswith("error: DataError: no usable data file") and "data.text_column" in line
