@@ -1,16 +1,17 @@
-"""Atomic checkpoints: each process writes its part into a temp dir, the main
-process writes the manifest last and renames the dir into place.
+"""Atomic, verified checkpoints: each process writes its part into a temp dir, the main process writes the
+manifest last and renames the dir into place.
 
-A checkpoint without ``manifest.json`` is never resumed from, so a run killed
-mid-write leaves the previous checkpoint the latest one. Tensors go through
-safetensors; other state through ``torch.load(weights_only=True)`` or JSON,
-so loading never unpickles arbitrary objects.
+A checkpoint without ``manifest.json`` is never resumed from, so a run killed mid-write leaves the previous
+checkpoint the latest one. The manifest records every file's size and sha256 (hashed as it was written, see
+``storage.write_file``) and the library versions that wrote it; :func:`verify` checks a checkpoint against it
+before a resume, so a truncated or overwritten file is named instead of loaded. Tensors go through safetensors;
+other state through ``torch.load(weights_only=True)`` or JSON, so loading never unpickles arbitrary objects.
 
 The layout (every file name is spelled here and nowhere else)::
 
     checkpoint-0000100/
-      manifest.json                  written last: its presence makes the checkpoint valid
-      trainer_state.json             step, tokens, data positions per rank, topology, schedule
+      manifest.json                  written last: its presence makes the checkpoint complete
+      trainer_state.json             step, tokens, data positions per rank, the data files, topology, schedule
       rng-rank000.pt ...             python/torch RNG per rank
       config.json  tokenizer/  recipe.yaml
       model.safetensors  optimizer.pt                                      single-process run
@@ -18,6 +19,8 @@ The layout (every file name is spelled here and nowhere else)::
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata as md
 import json
 import os
 import re
@@ -25,7 +28,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save as safetensors_bytes
+
+from .storage import Written, write_file
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -33,6 +38,19 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _VERSIONS = "-versions.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_DIR = "tokenizer"
+RECIPE_FILE = "recipe.yaml"
+_LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "safetensors", "tokenizers")
+_written: dict[str, Written] = {}  # absolute path -> size and sha256 of what this process wrote, until commit
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed; the message names the file and what is wrong with it."""
+
+
+class MissingCheckpoint(CheckpointError, FileNotFoundError):
+    """``training.resume_from_checkpoint`` names no complete checkpoint."""
 
 
 def rng_file(rank: int) -> str:
@@ -75,7 +93,7 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries (so a rename survives a crash), to disk."""
+    """Flush a directory's entries (so a rename survives a crash) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,41 +101,99 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, str(path), metadata=metadata)
-    _fsync(path)
+def _record(path: Path, written: Written) -> Written:
+    _written[str(Path(path).absolute())] = written
+    return written
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> Written:
+    """Write safetensors through the storage edge (serialized in memory first: one file's worth of bytes)."""
+    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    return _record(path, write_file(path, lambda f: f.write(data)))
+
+
+def save_state(path: Path, obj) -> Written:
+    return _record(path, write_file(path, lambda f: torch.save(obj, f)))
+
+
+def save_json(path: Path, obj) -> Written:
+    data = json.dumps(obj, indent=1).encode()
+    return _record(path, write_file(path, lambda f: f.write(data)))
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {first[:200]}); the checkpoint is damaged or "
+                           "incomplete")
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
-
-
-def save_state(path: Path, obj) -> None:
-    torch.save(obj, path)
-    _fsync(path)
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: both mean this file cannot be used
+        raise _unreadable(path, e) from e
 
 
 def load_state(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def save_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated zip, a bad pickle opcode, a missing file
+        raise _unreadable(path, e) from e
 
 
 def load_json(path: Path):
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from e
 
 
-def commit(tmp: Path, final: Path, manifest: dict) -> Path:
-    """Write the manifest last, then move the complete directory into place."""
-    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    save_json(tmp / MANIFEST, {**manifest, "files": files})
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def take_written(tmp: Path) -> dict[str, dict]:
+    """Size and sha256 of the files this process wrote under ``tmp``, by relative name (forgotten here)."""
+    root = str(Path(tmp).absolute()) + os.sep
+    out = {}
+    for key in [k for k in _written if k.startswith(root)]:
+        w = _written.pop(key)
+        out[key[len(root):]] = {"size": w.size, "sha256": w.sha256}
+    return out
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in _LIBRARIES:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def commit(tmp: Path, final: Path, manifest: dict, written: dict[str, dict] | None = None) -> Path:
+    """Write the manifest last, then move the complete directory into place.
+
+    ``written``: size and sha256 of files recorded while they were written (every rank's ``take_written``);
+    the rest (written by libraries: config, tokenizer, recipe) are hashed here.
+    """
+    known = {**take_written(tmp), **(written or {})}
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            name = str(p.relative_to(tmp))
+            rec = known.get(name)
+            if rec is None or rec["size"] != p.stat().st_size:
+                rec = {"size": p.stat().st_size, "sha256": sha256_of(p)}
+            files[name] = rec
+    save_json(tmp / MANIFEST, {**manifest, "files": files, "versions": library_versions()})
+    _written.pop(str((tmp / MANIFEST).absolute()), None)
     _fsync(tmp)
     replace_dir(tmp, final)  # re-saving the same step (e.g. after a resume) replaces it
     _fsync(final.parent)
@@ -150,26 +226,90 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def resolve_resume(output_dir: str | Path, resume: str | None) -> Path | None:
-    """``latest`` (None if there is none yet) or an explicit checkpoint directory."""
+    """``latest`` (the newest complete checkpoint, None if there is none yet) or an explicit checkpoint directory.
+    Completeness only; :func:`resume_candidates` and :func:`verify` decide what is resumed."""
+    candidates = resume_candidates(output_dir, resume)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
+    """The checkpoints a resume may use, in the order to try them: for ``latest`` every complete one, newest
+    first (a damaged one falls back to the next); for an explicit path only that one.
+
+    Raises:
+        MissingCheckpoint: an explicit path without a manifest.
+    """
     if resume is None:
-        return None
+        return []
     if resume == "latest":
-        ckpts = list_checkpoints(output_dir)
-        return ckpts[-1][1] if ckpts else None
+        return [p for _, p in reversed(list_checkpoints(output_dir))]
     path = Path(resume)
     if not (path / MANIFEST).is_file():
-        raise FileNotFoundError(
+        raise MissingCheckpoint(
             f"training.resume_from_checkpoint: {resume!r} is not a complete checkpoint (no {MANIFEST}); "
             f"complete ones: {[str(p) for _, p in list_checkpoints(output_dir)]}"
         )
-    return path
+    return [path]
+
+
+def manifest_files(path: Path) -> dict[str, dict | None]:
+    """The manifest's files: name -> {size, sha256}, or name -> None for a manifest that predates verification
+    (a list of names)."""
+    manifest = load_json(Path(path) / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if isinstance(files, list):
+        return {name: None for name in files}
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{Path(path) / MANIFEST}: no file list; the checkpoint is damaged")
+    return files
+
+
+def verify(path: Path, names: list[str] | None = None) -> list[str]:
+    """Problems of checkpoint ``path`` against its manifest (empty: it verifies), each naming the file.
+
+    Checks each listed file's presence, size and sha256 (only presence for a manifest without them);
+    ``names`` restricts the check to some of the files (ranks share the hashing).
+    """
+    path = Path(path)
+    try:
+        files = manifest_files(path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    for name in (sorted(files) if names is None else names):
+        rec, f = files.get(name), path / name
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+        elif rec is None:
+            continue
+        elif f.stat().st_size != rec["size"]:
+            problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {rec['size']} (truncated or overwritten)")
+        elif sha256_of(f) != rec["sha256"]:
+            problems.append(f"{f}: its sha256 differs from the manifest's (the file was changed or damaged)")
+    return problems
+
+
+def checkpoint_size(path: Path) -> int:
+    """Bytes of a checkpoint: the manifest's sizes, or what is on disk for an older manifest."""
+    try:
+        files = manifest_files(path)
+    except CheckpointError:
+        files = {}
+    if files and all(rec is not None for rec in files.values()):
+        return sum(rec["size"] for rec in files.values())
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def clear_stale(output_dir: str | Path) -> None:
+    """Remove temp dirs of checkpoints that were never committed (a crash or a full disk left them)."""
+    for p in Path(output_dir).glob(".tmp-checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def prune(output_dir: str | Path, limit: int | None) -> None:
     """Keep the newest ``limit`` complete checkpoints; also clear stale temp dirs."""
     root = Path(output_dir)
-    for p in root.glob(".tmp-checkpoint-*"):
-        shutil.rmtree(p, ignore_errors=True)
+    clear_stale(root)
     if not limit:
         return
     ckpts = list_checkpoints(root)

@@ -1,15 +1,21 @@
 """Writing and resuming a run's checkpoints: what goes in one, from which rank, in which order.
 
-``checkpoint.py`` holds the atomic primitives and the file names; this module is the choreography: every rank
-writes its engine part and RNG state into a temp dir, the data positions are gathered, the main process adds
-config, tokenizer, recipe and ``trainer_state.json``, commits (manifest last), prunes, and pushes when asked.
-Resume reverses it, and re-shards the data position when the data-parallel size changed.
+``checkpoint.py`` holds the atomic primitives and the file names; this module is the choreography: the main
+process first checks there is room (at least the previous checkpoint's size free, else the run stops cleanly
+with the previous checkpoint the latest), every rank writes its engine part and RNG state into a temp dir, the
+data positions and the sizes and hashes of what each rank wrote are gathered, the main process adds config,
+tokenizer, recipe and ``trainer_state.json``, commits (manifest last), prunes, and pushes when asked.
+
+Resume reverses it: :func:`choose_resume` verifies the checkpoint against its manifest (the ranks share the
+hashing) and, for ``latest``, falls back to the newest one that verifies; :func:`check_model` refuses a recipe
+whose model contradicts the checkpoint's; :func:`resume` restores the state and re-shards the data position when
+the data-parallel size changed.
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +24,15 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from . import storage, supervision
 from .config import Recipe, RecipeError, save_recipe
 from .engine import Engine
 from .export import export_engine
 from .hub import Pusher, snapshot
 from .model_card import card_from_recipe
+from .modeling import build_config
 from .reporting import METRICS, read_metrics
+from .storage import WriteError, human, write_error, writing
 from .topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
@@ -35,6 +44,17 @@ class RunState:
     tokens: int = 0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """The trackers' run id: kept in the checkpoint so a resumed run continues the same tracker run."""
+
+
+_CONFIG_NOISE = {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "attn_implementation",
+                 "output_attentions", "output_hidden_states", "return_dict"}  # (and private "_..." keys): not the model
+
+
+def data_fingerprint(files: list[str] | None) -> list | None:
+    """What identifies the training files across a moved folder: (name, size) of each."""
+    if files is None:
+        return None
+    return [[Path(f).name, os.path.getsize(f) if os.path.exists(f) else None] for f in files]
 
 
 def set_seed(seed: int) -> None:
@@ -54,40 +74,86 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Saves and resumes a run in ``out``; every method is collective (every rank calls it)."""
 
-    def __init__(self, out: Path, recipe: Recipe, topo: Topology, accelerator, tokenizer, pusher: Pusher | None = None):
+    def __init__(self, out: Path, recipe: Recipe, topo: Topology, accelerator, tokenizer, data_files=None,
+                 pusher: Pusher | None = None):
         self.out, self.recipe, self.topo, self.accelerator, self.tokenizer = out, recipe, topo, accelerator, tokenizer
         self.pusher = pusher  # the main process's background Hub pushes (None elsewhere or without push_to_hub)
+        self.data_files = data_fingerprint(data_files)
+
+    def _from_main(self, obj):
+        if self.topo.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _latest(self) -> str:
+        done = ckpt.list_checkpoints(self.out)
+        return f"{done[-1][1].name} stays the latest checkpoint" if done else "no checkpoint was completed yet"
+
+    def _space_problem(self, step: int) -> str | None:
+        """Why ``checkpoint-{step}`` must not be started: less free space than the previous checkpoint took
+        (the previous ones are deleted only after the new one is committed, so it must fit beside them)."""
+        prev = [p for s, p in ckpt.list_checkpoints(self.out) if s != step]
+        if not prev:
+            return None
+        need, free = ckpt.checkpoint_size(prev[-1]), storage.disk_free(self.out)
+        if free is None or free >= need:
+            return None
+        return (f"not enough space for {ckpt.checkpoint_name(step)} in {self.out}: the previous checkpoint took "
+                f"{human(need)} and {human(free)} are free; stopped before writing it, so {prev[-1].name} stays the "
+                "latest (free space, then resume with --training.resume_from_checkpoint=latest)")
 
     def save(self, state: RunState, engine: Engine, stream) -> Path:
         """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied)."""
         acc, topo = self.accelerator, self.topo
         tmp = ckpt.temp_dir(self.out, state.step)
+        problem = None
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        engine.save(tmp)
-        ckpt.save_state(tmp / ckpt.rng_file(topo.rank), rng_state())
-        data_states = [None] * topo.world_size
+            ckpt.clear_stale(self.out)
+            problem = self._space_problem(state.step)
+            if problem is None:
+                try:
+                    tmp.mkdir(parents=True)
+                except OSError as e:
+                    problem = f"{write_error(tmp, e)}; {self._latest()}"
+        problem = self._from_main(problem)
+        if problem:
+            raise WriteError(problem)
+        try:
+            engine.save(tmp)
+            ckpt.save_state(tmp / ckpt.rng_file(topo.rank), rng_state())
+        except WriteError as e:
+            raise WriteError(f"{e}; {self._latest()}") from None
+        mine = {"data": stream.state_dict(), "written": ckpt.take_written(tmp)}
+        parts = [None] * topo.world_size
         if topo.world_size > 1:
-            dist.all_gather_object(data_states, stream.state_dict())
+            dist.all_gather_object(parts, mine)
         else:
-            data_states = [stream.state_dict()]
+            parts = [mine]
         acc.wait_for_everyone()
         final = self.out / ckpt.checkpoint_name(state.step)
         if acc.is_main_process:
-            engine.config.to_json_file(str(tmp / "config.json"))
-            self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-            save_recipe(self.recipe, tmp / "recipe.yaml")
-            ckpt.save_json(tmp / ckpt.TRAINER_STATE, {"step": state.step, "tokens": state.tokens, "run_id": state.run_id,
-                                                      "data": data_states,
-                                                      "world_size": topo.world_size, "num_stages": topo.num_stages,
-                                                      "schedule": self.recipe.pipeline.schedule})
-            ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size, "num_stages": topo.num_stages})
+            try:
+                with writing(tmp / ckpt.CONFIG_FILE):
+                    engine.config.to_json_file(str(tmp / ckpt.CONFIG_FILE))
+                with writing(tmp / ckpt.TOKENIZER_DIR):
+                    self.tokenizer.save_pretrained(str(tmp / ckpt.TOKENIZER_DIR))
+                with writing(tmp / ckpt.RECIPE_FILE):
+                    save_recipe(self.recipe, tmp / ckpt.RECIPE_FILE)
+                ckpt.save_json(tmp / ckpt.TRAINER_STATE, {
+                    "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
+                    "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
+                    "schedule": self.recipe.pipeline.schedule})
+                supervision.check_parent()  # never commit a checkpoint after the launcher died
+                written = {k: v for p in parts for k, v in p["written"].items()}
+                ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size,
+                                         "num_stages": topo.num_stages}, written)
+            except WriteError as e:
+                raise WriteError(f"{e}; {self._latest()}") from None
+            ckpt.prune(self.out, self.recipe.training.save_total_limit)
             log.info("saved %s", final.name)
         self._push(state, engine, final)
-        if acc.is_main_process:
-            ckpt.prune(self.out, self.recipe.training.save_total_limit)
         acc.wait_for_everyone()
         return final
 
@@ -110,14 +176,88 @@ class Checkpointer:
             self.pusher.push(snapshot(final, staging / final.name), path_in_repo=where, remove_after=True,
                              commit_message=f"hf_asyncpp: checkpoint at step {state.step}")
 
-    def resume(self, path: Path, engine: Engine, stream) -> RunState:
-        return resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule)
+    def resume(self, path: Path, engine: Engine, stream, data_files=None) -> RunState:
+        return resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule, data_files)
 
 
-def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "none") -> RunState:
+def _verify_shared(path: Path, topo: Topology) -> list[str]:
+    """``ckpt.verify`` with the files dealt out over the ranks; every rank gets every problem."""
+    try:
+        names = sorted(ckpt.manifest_files(path))
+    except ckpt.CheckpointError as e:
+        return [str(e)]
+    mine = ckpt.verify(path, names[topo.rank::topo.world_size])
+    if topo.world_size == 1:
+        return mine
+    parts = [None] * topo.world_size
+    dist.all_gather_object(parts, mine)
+    return sorted(p for part in parts for p in part)
+
+
+def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None:
+    """The checkpoint to resume (collective): ``training.resume_from_checkpoint`` verified against its manifest.
+
+    ``latest`` falls back to the newest checkpoint that verifies, with a warning naming what was skipped and why;
+    an explicit path that fails is an error naming the file. None: nothing to resume.
+    """
+    candidates = ckpt.resume_candidates(out, setting)
+    skipped = []
+    for path in candidates:
+        problems = _verify_shared(path, topo)
+        if not problems:
+            files = ckpt.manifest_files(path)
+            if skipped:
+                log.warning("skipped %d damaged checkpoint(s): %s; resuming from %s instead", len(skipped),
+                            "; ".join(skipped), path.name)
+            if any(rec is None for rec in files.values()):
+                log.warning("%s predates verified checkpoints: its %d files are present, their contents were not "
+                            "checked", path, len(files))
+            else:
+                log.info("%s verified: its %d files have the sizes and sha256 of its manifest", path, len(files))
+            return path
+        detail = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        if setting != "latest":
+            others = [p.name for _, p in ckpt.list_checkpoints(out) if p != path]
+            raise ckpt.CheckpointError(f"training.resume_from_checkpoint: {path} does not match its manifest: {detail}; "
+                                       f"resume from another checkpoint ({', '.join(others) or 'none in ' + str(out)}) "
+                                       "or start afresh")
+        skipped.append(f"{path.name} ({detail})")
+    if skipped:
+        raise ckpt.CheckpointError(f"no checkpoint in {out} matches its manifest: {'; '.join(skipped)}; move them "
+                                   "aside to start afresh")
+    return None
+
+
+def check_model(path: Path, recipe: Recipe, tokenizer) -> None:
+    """Refuse a recipe whose model contradicts the checkpoint's, naming each field (before anything is written)."""
+    from transformers import AutoConfig
+
+    try:
+        saved = AutoConfig.from_pretrained(str(path)).to_dict()
+    except (OSError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path / ckpt.CONFIG_FILE}: cannot be read ({e})") from e
+    mine = build_config(recipe.model, tokenizer).to_dict()
+    fields = []
+    for key in sorted(set(saved) | set(mine)):
+        if key in _CONFIG_NOISE or key.startswith("_") or saved.get(key) == mine.get(key):
+            continue
+        if recipe.model.config is not None and key in recipe.model.config:
+            field = f"model.config.{key}"
+        elif recipe.model.name_or_path:
+            field = f"model.name_or_path ({key})"
+        else:
+            field = f"model.config.{key}"
+        fields.append(f"{field}: the checkpoint has {saved.get(key)!r}, the recipe {mine.get(key)!r}")
+    if fields:
+        raise RecipeError(f"{'; '.join(fields)} ({path.name} was trained with another model; resume with its recipe.yaml, "
+                          "or start a new run in another training.output_dir)")
+
+
+def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "none", data_files=None) -> RunState:
     """Restore engine, data position and RNG. A pipelined checkpoint may resume on another number of stages
     (weights, optimizer/EF state and weight versions are matched by parameter name); with another
-    data-parallel size the data order cannot be the uninterrupted one, which is logged."""
+    data-parallel size the data order cannot be the uninterrupted one, which is logged. With other training
+    files the saved position means nothing: the stream starts at their beginning, which is logged."""
     meta = ckpt.load_json(path / ckpt.TRAINER_STATE)
     written = meta.get("schedule", schedule)
     if written != schedule:
@@ -126,7 +266,11 @@ def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "
     same = meta["world_size"] == topo.world_size and meta["num_stages"] == topo.num_stages
     engine.load(path)
     old_dp = meta["world_size"] // meta["num_stages"]
-    if old_dp == topo.dp_size:
+    saved_files, files = meta.get("data_files"), data_fingerprint(data_files)
+    if saved_files is not None and files is not None and saved_files != files:
+        log.warning("data.train_files differ from the ones %s was trained on (%d files then, %d now): the data stream "
+                    "starts at the beginning of the new files", path.name, len(saved_files), len(files))
+    elif old_dp == topo.dp_size:
         stream.load_state_dict(meta["data"][topo.dp_rank])
     else:
         states = meta["data"][:old_dp]

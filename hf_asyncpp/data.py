@@ -34,29 +34,30 @@ corpus) and yields exactly the blocks an uninterrupted stream would have. A
 state with only ``{"epoch", "blocks"}`` (e.g. after changing the data-parallel
 size) is also accepted: the epoch is then re-tokenized and that many blocks skipped.
 
-Bad data never crashes a run: empty files, empty or blank documents and
+Bad data never crashes a run: unreadable, binary (not UTF-8), non-JSON and
+wrong-column files among good ones (``skipped_files``, each named in the log;
+see :mod:`hf_asyncpp.datafiles`), empty files, empty or blank documents and
 non-string values (``skipped_empty``), documents with invalid UTF-8 (decoded
 with U+FFFD replacement characters, then skipped: ``skipped_invalid_utf8``) and
 documents with fewer than ``min_document_tokens`` tokens (``skipped_short``;
 default: ``seq_len``, so a document shorter than one block is dropped; 0 keeps
 and packs every document) are skipped, counted in ``BlockStream.stats`` and
 logged (logger ``hf_asyncpp.data``). A corpus with no usable document at all,
-or fewer tokens than one block, is a ``ValueError`` naming its files.
+or fewer tokens than one block, is a ``DataError`` (a ``ValueError``) naming its
+files, each skipped file's reason and the column.
 """
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
-import os
 import zlib
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
 from .config import DataConfig
 from .corpus import prepare_default_corpus, sotu_speeches_dir
+from .datafiles import DataError, builder as _builder, expand_files, screen_files
 
 __all__ = [
     "BlockStream",
@@ -70,27 +71,14 @@ __all__ = [
     "iter_documents",
     "is_held_out",
     "train_hold_out",
+    "DataError",
 ]
 
 log = logging.getLogger("hf_asyncpp.data")
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 _TOKENIZE_BATCH = 64  # documents per tokenizer call
 
 
 # ---------------------------------------------------------------------------- sources
-
-
-def expand_files(patterns: list[str], field: str) -> list[str]:
-    """Paths and globs (``**`` allowed) -> sorted, de-duplicated files; a pattern that matches nothing is an error."""
-    files: list[str] = []
-    for p in patterns:
-        hits = sorted(glob.glob(p, recursive=True)) if any(c in p for c in "*?[") else ([p] if os.path.exists(p) else [])
-        hits = [h for h in hits if os.path.isfile(h)]
-        if not hits:
-            raise FileNotFoundError(f"{field}: {p!r} matches no file")
-        files.extend(h for h in hits if h not in files)
-    return files
 
 
 def resolve_data_files(cfg: DataConfig) -> tuple[list[str] | None, list[str] | None]:
@@ -105,20 +93,6 @@ def resolve_data_files(cfg: DataConfig) -> tuple[list[str] | None, list[str] | N
     if cfg.train_files:
         return expand_files(cfg.train_files, "data.train_files"), evals
     return prepare_default_corpus(cfg.data_dir)
-
-
-def _builder(files: list[str]) -> str:
-    kinds = set()
-    for f in files:
-        name = f.lower()
-        for c in _COMPRESSION:
-            name = name.removesuffix(c)
-        kinds.add(_BUILDERS.get(Path(name).suffix))
-    if None in kinds or len(kinds) != 1:
-        raise ValueError(f"data files must all be of one kind: text ({', '.join(k for k, v in _BUILDERS.items() if v == 'text')}), "
-                         f"jsonl (.jsonl, .json) or parquet (.parquet), optionally compressed ({', '.join(_COMPRESSION)}); "
-                         f"got {files[:5]}")
-    return kinds.pop()
 
 
 def load_stream(cfg: DataConfig, files: list[str] | None, *, split: str = "train"):
@@ -144,13 +118,13 @@ def load_stream(cfg: DataConfig, files: list[str] | None, *, split: str = "train
         if kind == "parquet" and not ds.features:
             import pyarrow.parquet as pq
 
-            raise ValueError(f"data.text_column: {cfg.text_column!r} is not a column of {files[0]} "
+            raise DataError(f"data.text_column: {cfg.text_column!r} is not a column of {files[0]} "
                              f"(columns: {sorted(pq.read_schema(files[0]).names)})")
         return ds
     if not cfg.dataset:
-        raise ValueError("data: no data files and no data.dataset")
+        raise DataError("data: no data files and no data.dataset")
     if split == "eval" and not cfg.eval_split:
-        raise ValueError("data.eval_split: not set; the held-out documents come from the training split instead")
+        raise DataError("data.eval_split: not set; the held-out documents come from the training split instead")
     name = cfg.eval_split if split == "eval" else cfg.train_split
     return datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=name, streaming=True)
 
@@ -168,16 +142,35 @@ def train_hold_out(cfg: DataConfig, eval_files: list[str] | None) -> str | None:
 
 def iter_documents(files: list[str], text_column: str = "text") -> Iterator[str]:
     """The usable documents of local files in file order, as :class:`BlockStream` reads them
-    (no shuffle, no sharding; empty, blank, non-text and invalid UTF-8 documents left out)."""
-    readable = [f for f in files if os.path.getsize(f) > 0]
+    (no shuffle, no sharding; unusable files, empty, blank, non-text and invalid UTF-8 documents left out)."""
+    readable, _, skipped = screen_files(files, text_column)
+    log_skipped_files(skipped)
     if not readable:
+        if skipped:
+            raise DataError(nothing_usable(skipped, text_column))
         return
     ds = load_stream(DataConfig(text_column=text_column), readable)
     col = "text" if _builder(readable) == "text" else text_column
-    for ex in ds:
+    it = iter(ds)
+    while True:
+        try:
+            ex = next(it)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid is a ValueError
+            raise DataError(f"reading {readable}: {type(e).__name__}: {e}") from e
         text = ex.get(col)
         if _skip_reason(text) is None:
             yield text
+
+
+def log_skipped_files(skipped: dict[str, str]) -> None:
+    if skipped:
+        log.warning("skipping %d unusable data file(s): %s", len(skipped), "; ".join(skipped.values()))
+
+
+def nothing_usable(skipped: dict[str, str], column: str) -> str:
+    return f"no usable data file (data.text_column={column!r}): {'; '.join(skipped.values())}"
 
 
 def _skip_reason(text) -> Optional[str]:
@@ -230,13 +223,13 @@ class BlockStream:
         self.min_tokens = cfg.seq_len if cfg.min_document_tokens is None else cfg.min_document_tokens
         self.eos = tokenizer.eos_token_id
         self.files = list(files) if files else None
-        empty = [f for f in self.files or () if os.path.getsize(f) == 0]
-        self._readable = [f for f in self.files or () if f not in empty]
+        self._readable, empty, self.skipped_files = screen_files(self.files or [], self._column())
         self.source = self.files if self.files else f"dataset {cfg.dataset!r} split {self._split_name()!r}"
         self.stats = {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_invalid_utf8": 0, "skipped_short": 0,
-                      "dropped_tail_tokens": 0, "empty_files": len(empty)}
+                      "dropped_tail_tokens": 0, "empty_files": len(empty), "skipped_files": len(self.skipped_files)}
         if empty:
             log.warning("skipping %d empty data file(s): %s", len(empty), empty[:5])
+        log_skipped_files(self.skipped_files)
         self.epoch, self.blocks = 0, 0
         self._pos: tuple[int, int] | None = (0, 0)  # (document index, token offset) of the next block; None: unknown
         self._skip_blocks = 0
@@ -260,7 +253,7 @@ class BlockStream:
         for key, mine in (("seq_len", self.cfg.seq_len), ("world_size", self.world_size), ("rank", self.rank),
                           ("seed", self.seed)):
             if key in sd and sd[key] != mine:
-                raise ValueError(f"data state was saved with {key}={sd[key]}, this stream has {key}={mine}; the saved "
+                raise DataError(f"data state was saved with {key}={sd[key]}, this stream has {key}={mine}; the saved "
                                  f"position does not apply (resume with the same data.seq_len, data-parallel layout "
                                  f"and training.seed, or pass only {{'epoch', 'blocks'}} to re-derive the position)")
         self.epoch, self.blocks = int(sd["epoch"]), int(sd["blocks"])
@@ -283,7 +276,7 @@ class BlockStream:
                 block, self._pos = next(self._it)
             except StopIteration:
                 if self.blocks == 0:
-                    raise ValueError(self._empty_message()) from None
+                    raise DataError(self._empty_message()) from None
                 self._end_of_epoch()
                 if not self.repeat:
                     raise
@@ -304,16 +297,16 @@ class BlockStream:
             from datasets.distributed import split_dataset_by_node
 
             if self.files is not None and not self._readable:
-                raise ValueError(self._empty_message())
+                raise DataError(self._empty_message())
             try:
                 ds = load_stream(self.cfg, self._readable or None, split=self.split)
             except (ValueError, OSError) as e:  # e.g. malformed JSON lines (pyarrow.ArrowInvalid is a ValueError)
-                if not self.files or str(e).startswith("data"):
+                if not self.files or isinstance(e, DataError):
                     raise
-                raise ValueError(f"reading {self.source}: {type(e).__name__}: {e}") from e
+                raise DataError(f"reading {self._readable}: {type(e).__name__}: {e}") from e
             col = self._column()
             if ds.features and col not in ds.features:
-                raise ValueError(f"data.text_column: {col!r} is not a column of {self.source} "
+                raise DataError(f"data.text_column: {col!r} is not a column of {self.source} "
                                  f"(columns: {sorted(ds.features)})")
             if self.world_size > 1:
                 if ds.n_shards % self.world_size:
@@ -337,7 +330,7 @@ class BlockStream:
             except StopIteration:
                 return
             except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid is a ValueError
-                raise ValueError(f"reading {self.source}: {type(e).__name__}: {e}") from e
+                raise DataError(f"reading {self._readable or self.source}: {type(e).__name__}: {e}") from e
             text = ex.get(col) if isinstance(ex, dict) else None
             if self.hold_out and isinstance(text, str) and is_held_out(text) != (self.hold_out == "only"):
                 continue
@@ -369,7 +362,7 @@ class BlockStream:
                     reason = "skipped_short"
                 if i == doc and offset:  # the document the saved position points into (counted before the save)
                     if reason or offset > len(toks):
-                        raise ValueError(f"data state points at token {offset} of document {doc} of epoch {epoch}, "
+                        raise DataError(f"data state points at token {offset} of document {doc} of epoch {epoch}, "
                                          f"which this data and tokenizer do not have; was the corpus or tokenizer changed?")
                     toks.append(eos)
                     buf.extend(toks[offset:])
@@ -423,6 +416,8 @@ class BlockStream:
                         c["skipped_short"], c["skipped_short"] + c["documents"], self.epoch, self.min_tokens)
 
     def _empty_message(self) -> str:
+        if self.files is not None and not self._readable and self.skipped_files:
+            return nothing_usable(self.skipped_files, self._column())
         c = self._epoch_counts
         where = f"{self.source} (rank {self.rank} of {self.world_size}"
         where += {None: ")", "exclude": ", without the hashed hold-out)", "only": ", hashed hold-out: 1 in 50 documents)"}[self.hold_out]

@@ -141,7 +141,8 @@ class LocalEngine:
                 if cfg.training.on_nonfinite == "stop":
                     raise NonFiniteError(
                         f"step {step}: non-finite loss {float(loss_mean)} or grad norm {grad_norm}; stopping "
-                        "(training.on_nonfinite: stop). The last checkpoint is intact; lower optimizer.learning_rate "
+                        "(training.on_nonfinite: stop). Checkpoints already written are left as they are; if this is "
+                        "the first step after a resume, suspect the checkpoint, else lower optimizer.learning_rate "
                         "or set training.on_nonfinite: skip"
                     )
                 skipped = True

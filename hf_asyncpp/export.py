@@ -31,6 +31,7 @@ from .evaluation import evaluate_model_dir
 from .hub import Pusher
 from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, card_from_recipe, clean_card, render_model_card
 from .reporting import METRICS, read_metrics
+from .storage import writing
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
            "export_engine", "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card", "write_shard"]
@@ -193,17 +194,18 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))
     try:
-        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        if not (tmp / "generation_config.json").exists():
-            model.generation_config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        curve = card.get("loss_curve")
-        if curve and Path(curve).is_file():
-            shutil.copy(curve, tmp / Path(curve).name)
-            card["loss_curve"] = Path(curve).name
-        render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
-        replace_dir(tmp, out)
+        with writing(out):  # a full disk or a permission error names the folder and the free space
+            model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+            if not (tmp / "generation_config.json").exists():
+                model.generation_config.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            curve = card.get("loss_curve")
+            if curve and Path(curve).is_file():
+                shutil.copy(curve, tmp / Path(curve).name)
+                card["loss_curve"] = Path(curve).name
+            render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
+            replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -243,7 +245,8 @@ def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     sd = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tied}
     sd = revert_weight_conversion(model, _untie_shared_storage(sd)) if sd else {}
-    save_file(sd, str(path), metadata={"format": "pt"})
+    with writing(path):
+        save_file(sd, str(path), metadata={"format": "pt"})
     return {k: v.numel() * v.element_size() for k, v in sd.items()}
 
 
@@ -266,8 +269,9 @@ def export_engine(engine, out_dir, *, tokenizer=None, card: dict | None = None) 
     if not main:
         return None
     try:
-        _finish_folder(tmp, shards, engine.config, tokenizer, card, out)
-        replace_dir(tmp, out)
+        with writing(tmp):
+            _finish_folder(tmp, shards, engine.config, tokenizer, card, out)
+            replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,7 +315,6 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
     Stage files are merged by name; a name in several files (a tied head) must hold equal values.
     ``stage-XX-versions.safetensors`` (2BW's older weight version) is not part of the model.
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(ckpt_dir)
@@ -322,10 +325,14 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
         raise FileNotFoundError(f"{path}: no model.safetensors or stage-XX.safetensors; is it a hf_asyncpp checkpoint?")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: config.json is missing")
+    if (path / ckpt.MANIFEST).is_file():  # hand-assembled folders have none; a training checkpoint is verified
+        problems = ckpt.verify(path)
+        if problems:
+            raise ckpt.CheckpointError(f"{path} does not match its manifest: {'; '.join(problems)}")
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
+        for k, v in ckpt.load_tensors(f).items():
             if k in state and not torch.equal(state[k], v):
                 raise ValueError(f"{path}: {k} differs between {owner[k]} and {f.name}")
             state[k], owner[k] = v, f.name

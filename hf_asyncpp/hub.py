@@ -19,12 +19,20 @@ from pathlib import Path
 from .config import HubConfig
 
 log = logging.getLogger("hf_asyncpp.hub")
-# every token form huggingface_hub issues: user tokens hf_..., OAuth hf_oauth_..., app tokens api_..., api_org_...
-_TOKEN = re.compile(r"\b(?:hf|api)_[A-Za-z0-9_]{8,}")
+# Every token form huggingface_hub knows: user access tokens (hf_...), OAuth access and refresh tokens
+# (hf_oauth_...), organization API tokens (api_org_...), and whatever follows "Bearer" in a header.
+# (User tokens are hf_ + 34 letters and digits; 16 is the floor, so that names like hf_asyncpp stay readable.)
+_TOKEN = re.compile(r"\b(?:hf|api_org)_[A-Za-z0-9_]{16,}|(?<=Bearer )[^\s'\"]+")
+_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
 
 
 def _scrub(text: str) -> str:
-    return _TOKEN.sub("hf_***", text)
+    """``text`` without tokens: the token-shaped strings, and the token values set in the environment (any form)."""
+    for name in _TOKEN_ENV:
+        value = os.environ.get(name, "").strip()
+        if len(value) >= 8:
+            text = text.replace(value, "***")
+    return _TOKEN.sub("***", text)
 
 
 def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None = None, commit_message: str = "",

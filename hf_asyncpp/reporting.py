@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
 from .config import Recipe, RecipeError, recipe_to_dict
+from .storage import write_file, writing
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -62,10 +64,23 @@ def device_peak_flops(override_tflops: float | None) -> float | None:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl (a missing file reads as none)."""
+    """The records of a metrics.jsonl (a missing file reads as none). A line that is not a JSON record (a run
+    killed, or a disk filled, in the middle of writing it) is left out with a warning naming it."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            log.warning("%s line %d is not a whole record (a write cut short?); left out: %r", path, number, line[:80])
+            continue
+        rows.append(rec)
+    return rows
 
 
 class RunLog:
@@ -97,11 +112,14 @@ class RunLog:
     def _truncate(self, step: int) -> None:
         """On resume, drop records past the checkpoint so metrics.jsonl reads as one uninterrupted run."""
         keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        data = "".join(json.dumps(r) + "\n" for r in keep).encode()
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        write_file(tmp, lambda f: f.write(data))
+        os.replace(tmp, self.path)  # a kill here leaves the old file or the new one, never half of one
 
     def _write(self, rec: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        data = (json.dumps(rec) + "\n").encode()
+        write_file(self.path, lambda f: f.write(data), append=True, fsync=False)
 
     def restart_clock(self) -> None:
         """Start measuring tokens/s afresh (after an evaluation or a checkpoint, which are not training time).
@@ -149,6 +167,12 @@ class RunLog:
                                   "eval/tokens": tokens}, step=step)
         return rec
 
+    def abort(self) -> None:
+        """The run failed: close the progress bar (nothing else is flushed)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
     def close(self) -> None:
         if self.interval:
             self._flush_interval()
@@ -177,7 +201,8 @@ class RunLog:
         ax.grid(alpha=0.3)
         path = self.path.parent / "loss_curve.png"
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        with writing(path):
+            fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
 

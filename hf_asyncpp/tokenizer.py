@@ -14,10 +14,11 @@ import shutil
 import time
 from pathlib import Path
 
-from .config import ModelConfig
-from .data import iter_documents
+from .config import ModelConfig, RecipeError
+from .data import DataError, iter_documents
+from .storage import writing
 
-__all__ = ["load_or_train_tokenizer", "train_tokenizer", "EOS", "PAD"]
+__all__ = ["load_or_train_tokenizer", "checkpoint_tokenizer", "adopt_tokenizer", "train_tokenizer", "EOS", "PAD"]
 
 log = logging.getLogger("hf_asyncpp.tokenizer")
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -60,21 +61,58 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     seen = [0]
     tok.train_from_iterator(_capped(iter_documents(files, text_column), max_train_chars, seen), trainer=trainer)
     if not seen[0]:
-        raise ValueError(f"no text to train a tokenizer on in {files[:5]} (data.text_column={text_column!r})")
+        raise DataError(f"no text to train a tokenizer on in {files[:5]} (data.text_column={text_column!r})")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
 
 
-def _save_atomic(tok, out: Path) -> None:
-    """save_pretrained into a temporary folder, then move the files in, ``tokenizer.json`` (the
-    completeness marker that :func:`load_or_train_tokenizer` checks) last."""
+def _save_atomic(tok, out: Path, copy_from: Path | None = None) -> None:
+    """save_pretrained (or copy ``copy_from``'s files) into a temporary folder, then move the files in,
+    ``tokenizer.json`` (the completeness marker that :func:`load_or_train_tokenizer` checks) last."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(str(tmp))
-    out.mkdir(parents=True, exist_ok=True)
-    names = sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json")
-    for name in names:
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
+    with writing(out):
+        if copy_from is not None:
+            shutil.copytree(copy_from, tmp)
+        else:
+            tok.save_pretrained(str(tmp))
+        out.mkdir(parents=True, exist_ok=True)
+        names = sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json")
+        for name in names:
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+
+
+def checkpoint_tokenizer(path: Path, model_cfg: ModelConfig):
+    """The tokenizer a checkpoint was trained with (its ``tokenizer/``), whatever the training files now are.
+
+    Raises:
+        RecipeError: the recipe names another tokenizer (``model.tokenizer_name_or_path`` or ``name_or_path``).
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    asked = model_cfg.tokenizer_name_or_path or model_cfg.name_or_path
+    if asked:
+        other = AutoTokenizer.from_pretrained(asked)
+        if other.get_vocab() != tok.get_vocab():
+            field = "model.tokenizer_name_or_path" if model_cfg.tokenizer_name_or_path else "model.name_or_path"
+            raise RecipeError(f"{field}: the tokenizer of {asked!r} ({len(other)} tokens) is not the one {path.parent.name} "
+                              f"was trained with ({len(tok)} tokens, in {path}); leave it unset to resume with the "
+                              "checkpoint's, or start a new run")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def adopt_tokenizer(path: Path, out_dir) -> None:
+    """Make a checkpoint's tokenizer files the run's ``out_dir`` tokenizer (the export and later runs use it)."""
+    out = Path(out_dir)
+    mine = out / "tokenizer.json"
+    if mine.exists() and mine.read_bytes() == (Path(path) / "tokenizer.json").read_bytes():
+        return
+    if mine.exists():
+        log.warning("replacing the tokenizer in %s with the one %s was trained with", out, Path(path).parent.name)
+    _save_atomic(None, out, copy_from=Path(path))
 
 
 def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | None, text_column: str, out_dir):
@@ -103,7 +141,7 @@ def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | Non
                         "train a new one)", len(tok), out, model_cfg.vocab_size)
     else:
         if not train_files:
-            raise ValueError("model.tokenizer_name_or_path: no tokenizer given and no local training files to train "
+            raise RecipeError("model.tokenizer_name_or_path: no tokenizer given and no local training files to train "
                              "one on (streamed Hub datasets need a tokenizer); set model.tokenizer_name_or_path")
         t0 = time.perf_counter()
         tok = train_tokenizer(train_files, model_cfg.vocab_size, text_column)
@@ -112,7 +150,7 @@ def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | Non
                  time.perf_counter() - t0, out)
         source = str(out)
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer {source}: it has no eos token, which packing needs to join documents; "
+        raise RecipeError(f"model.tokenizer_name_or_path: tokenizer {source}: it has no eos token, which packing needs to join documents; "
                          "choose another model.tokenizer_name_or_path")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -12,16 +12,19 @@ import itertools
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
+
+from . import supervision  # first: it notes the launcher's pid before the slow imports below
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, RunState, set_seed
+from .checkpointer import Checkpointer, RunState, check_model, choose_resume, set_seed
 from .config import Recipe, RecipeError, load_recipe, save_recipe
-from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, train_hold_out
+from .data import BlockStream, DataError, eval_blocks, next_batch, resolve_data_files, train_hold_out
 from .engine import Engine, LocalEngine, NonFiniteError
 from .evaluation import perplexity_from_sums
 from .export import export_run
@@ -32,10 +35,17 @@ from .pipeline.executor import PipelineEngine
 from .pipeline.p2p import PeerFailure
 from .pipeline.profile import write_report
 from .reporting import RunLog, check_trackers, model_flops_per_token
-from .tokenizer import load_or_train_tokenizer
+from .storage import WriteError, writing
+from .tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
 from .topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
+
+EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troubleshooting.md lists them)
+    (RecipeError, 2), (NonFiniteError, 3), (PeerFailure, 3), (WriteError, 4), (ckpt.CheckpointError, 5),
+    (DataError, 6),
+)
+DEBUG_ENV = "HF_ASYNCPP_DEBUG"  # set to 1 (or pass --debug) for the traceback behind an `error:` line
 
 # ---------------------------------------------------------------------------- setup
 
@@ -95,6 +105,7 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
     t, rp = recipe.training, recipe.pipeline
+    supervision.watch_parent()  # a rank never outlives its launcher
     accelerator = make_accelerator(recipe)
     world, rank = accelerator.num_processes, accelerator.process_index
     check_topology(recipe, world, recipe_path)
@@ -103,14 +114,19 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = check_output_dir(t.output_dir)
-    if accelerator.is_main_process:
-        save_recipe(recipe, out / "recipe.yaml")
     topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
+    resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
 
-    # data and tokenizer: the main process prepares, the others reuse its files
+    # data and tokenizer (a resumed run's own, from its checkpoint): the main process prepares, the others reuse
     with accelerator.main_process_first():
         train_files, eval_files = resolve_data_files(recipe.data)
-        tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
+        if resume is not None:
+            tokenizer = checkpoint_tokenizer(resume / ckpt.TOKENIZER_DIR, recipe.model)
+            check_model(resume, recipe, tokenizer)  # before anything is written
+            if accelerator.is_main_process:
+                adopt_tokenizer(resume / ckpt.TOKENIZER_DIR, out / "tokenizer")
+        else:
+            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
         held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
     set_seed(t.seed)
@@ -118,12 +134,14 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
                          hold_out=train_hold_out(recipe.data, eval_files))
     pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None
-    checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, pusher)
+    checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, train_files, pusher)
     state = RunState()
-    resume = ckpt.resolve_resume(out, t.resume_from_checkpoint)
     if resume is not None:
-        state = checkpointer.resume(resume, engine, stream)
+        state = checkpointer.resume(resume, engine, stream, train_files)
         log.info("resumed from %s at step %d", resume, state.step)
+    if accelerator.is_main_process:  # only now: a run that failed to start leaves the folder's recipe as it was
+        with writing(out / ckpt.RECIPE_FILE):
+            save_recipe(recipe, out / ckpt.RECIPE_FILE)
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
     runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
 
@@ -137,15 +155,19 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
 
     batches = (next_batch(stream, rp.num_microbatches, rp.microbatch_size) for _ in itertools.count())
     runlog.restart_clock()
-    for end in drain_points(state.step, recipe):
-        for r in engine.run(batches, state.step, end - state.step):  # one stream; results arrive as they are known
-            state.step, state.tokens = r.step + 1, state.tokens + tokens_per_step
-            runlog.step(r, state.tokens)
-        if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
-            evaluate(state.step)
-        if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
-            checkpointer.save(state, engine, stream)
-        runlog.restart_clock()
+    try:
+        for end in drain_points(state.step, recipe):
+            for r in engine.run(batches, state.step, end - state.step):  # one stream; results arrive as known
+                state.step, state.tokens = r.step + 1, state.tokens + tokens_per_step
+                runlog.step(r, state.tokens)
+            if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
+                evaluate(state.step)
+            if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
+                checkpointer.save(state, engine, stream)
+            runlog.restart_clock()
+    except BaseException:
+        runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
+        raise
     runlog.close()
     if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
         if pusher is not None:
@@ -170,20 +192,30 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     return summary
 
 
+def exit_code(e: BaseException) -> int | None:
+    """The exit code of an error a user can meet (None: a bug, shown with its traceback)."""
+    return next((code for kind, code in EXIT_CODES if isinstance(e, kind)), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hf-asyncpp train RECIPE.yaml [--section.field=value ...]")
+        print("usage: hf-asyncpp train RECIPE.yaml [--section.field=value ...] [--debug]")
         return 0 if argv else 2
     try:
         recipe = load_recipe(argv[0], argv[1:])
         summary = train(recipe, argv[0])
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, PeerFailure) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 3
+    except Exception as e:  # noqa: BLE001 - the user's errors become one line; anything else keeps its traceback
+        code = exit_code(e)
+        if code is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        kind = "" if isinstance(e, RecipeError) else f"{type(e).__name__}: "
+        print(f"error: {kind}{e}", file=sys.stderr)
+        return code
     if not summary.get("is_main", True):
         return 0
     if summary.get("stopped_early"):

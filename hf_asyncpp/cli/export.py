@@ -9,7 +9,9 @@ them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.export
 import argparse
 import sys
 
+from hf_asyncpp.checkpoint import CheckpointError
 from hf_asyncpp.export import card_from_checkpoint, export_hf_model, load_checkpoint_state
+from hf_asyncpp.storage import WriteError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_id:
             card["model_id"] = args.model_id
         out = export_hf_model(state, config, args.out, tokenizer=tok, card=card, max_shard_size=args.max_shard_size)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, CheckpointError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"exported {args.checkpoint} -> {out}")

@@ -273,7 +273,9 @@ class PipelineEngine:
         finite = math.isfinite(norm)
         if not finite and cfg.on_nonfinite == "stop":
             raise NonFiniteError(f"step {k}: non-finite gradient norm {norm}; stopping (training.on_nonfinite: stop). "
-                                 "The last checkpoint is intact; lower optimizer.learning_rate or set training.on_nonfinite: skip")
+                                 "Checkpoints already written are left as they are; if this is the first step after "
+                                 "a resume, suspect the checkpoint, else lower optimizer.learning_rate or set "
+                                 "training.on_nonfinite: skip")
         self.versions.prepare_update()
         if finite:
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0

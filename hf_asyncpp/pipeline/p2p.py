@@ -58,7 +58,12 @@ class P2P:
         while pending and pending[0][0].is_completed():  # release finished sends: a stream never drains
             self._wait(pending.popleft()[0], peer, "completing a send to")
         for t in tensors:
-            pending.append((dist.isend(t, peer), t))
+            try:
+                work = dist.isend(t, peer)
+            except RuntimeError as e:  # gloo: "Connection reset by peer" when the peer has died
+                raise PeerFailure(f"rank {self.topo.rank} (stage {self.topo.stage}): sending to rank {peer} failed; "
+                                  f"the peer has probably died ({e})") from None
+            pending.append((work, t))
 
     def recv(self, stage: int, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Receive from ``stage``: with ``like`` the shapes are known, otherwise a header comes first."""
