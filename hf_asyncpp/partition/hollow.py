@@ -58,7 +58,9 @@ def absent(module: nn.Module) -> nn.Module:
 
     def forward(*args, **kwargs):
         device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        with torch.no_grad():
+        from .trace import MetaValues
+
+        with torch.no_grad(), MetaValues():
             out = cls.forward(shell, *tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
 

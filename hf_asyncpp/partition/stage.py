@@ -201,7 +201,7 @@ class Stage(nn.Module):
                 h = self._run.hidden_in  # a last stage without layers: the received state is the last layer's output
             if a.out_index is None:
                 return h
-            return tuple(h if i == a.out_index else None for i in range(a.out_index + 1))
+            return tuple(h if i == a.out_index else None for i in range(a.out_len))
         return call
 
     # -------------------------------------------------------------- materialization

@@ -40,6 +40,7 @@ class Anatomy:
     head: str | None  # the output embedding module
     hidden_arg: int | str  # where a layer takes its hidden state: 0 (first positional) or a keyword
     out_index: int | None  # None: a layer returns the hidden state; else its index in the returned tuple
+    out_len: int = 1  # length of that tuple (stand-ins fill the other places with None)
     side: list[list[tuple[int, int | str]]] = field(default_factory=list)  # carried tensors: their (layer, arg) slots
     forward_kwargs: dict = field(default_factory=dict)  # passed to the model's forward on every stage
 
@@ -91,6 +92,8 @@ class _Watch(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             return _DATA_DEPENDENT[func]  # a meta model has no values: take the branch for "no padding, no packing"
+        if getattr(func, "__name__", "") == "__get__" or func in _METADATA:
+            return func(*args, **kwargs)  # reading a weight's dtype or shape is not using it
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t) in self.owners:
                 owners = self.owners[id(t)]
@@ -100,6 +103,8 @@ class _Watch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.get_device,
+             torch.Tensor.is_floating_point, torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.__len__}
 _DATA_DEPENDENT = {torch.Tensor.__bool__: False, torch.Tensor.item: 0, torch.Tensor.__int__: 0,
                    torch.Tensor.__float__: 0.0, torch.Tensor.tolist: []}
 
@@ -165,7 +170,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                 except Exception:  # e.g. MoE routing on the meta device: assume the layer returns a tensor
                     out = h
             elif isinstance(real0["out"], (tuple, list)):
-                out = type(real0["out"])(h if i == _hidden_index(real0["out"], h) else x for i, x in enumerate(real0["out"]))
+                out = tuple(h if i == _hidden_index(real0["out"], h) else None for i in range(len(real0["out"])))
             clock["done"] += 1
             clock["inside"] = False
             clock["phase"] = _phase(clock, L)
@@ -227,10 +232,6 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if isinstance(out0, (tuple, list)):
         h0 = a0[0] if a0 else k0[first]
         out_index = _hidden_index(out0, h0)
-        extra = [i for i, x in enumerate(out0) if isinstance(x, torch.Tensor) and i != out_index and x.requires_grad]
-        if extra:
-            raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns more than its hidden state (elements {extra} of "
-                                 "its output carry gradient); the stage builder passes only the hidden state between layers")
     elif out0 is not None and not isinstance(out0, torch.Tensor):
         raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns {type(out0).__name__}, not a tensor or a tuple")
 
@@ -239,8 +240,9 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = [paths[emb]] if emb is not None and emb in paths else []
+    out_len = len(out0) if isinstance(out0, (tuple, list)) else 1
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, side, model_kwargs(model))
+                   out_index, out_len, side, model_kwargs(model))
 
 
 def _hidden_index(out, h) -> int:
