@@ -46,7 +46,7 @@ def _to_meta(x):
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
-def absent(module: nn.Module) -> nn.Module:
+def absent(module: nn.Module, device_of=lambda: None) -> nn.Module:
     """A hollow ``module`` that computes its output's shape on the meta device and returns zeros of it.
 
     Used for modules another stage owns (the token embedding on a middle stage): what the model's code computes
@@ -57,7 +57,9 @@ def absent(module: nn.Module) -> nn.Module:
     cls = type(module)
 
     def forward(*args, **kwargs):
-        device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        # the stage's device: the model may have moved the input to this module's (meta) weights' device
+        device = device_of() or next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)),
+                                     torch.device("cpu"))
         from .trace import MetaValues
 
         with torch.no_grad(), MetaValues():

@@ -41,8 +41,8 @@ class _Exit(Exception):
 class _Run:
     """State of one stage forward, read by the layer wrappers (set by ``Stage.forward``, cleared after)."""
 
-    def __init__(self, hidden=None, side=None):
-        self.hidden_in, self.side_in = hidden, side or {}
+    def __init__(self, device, hidden=None, side=None):
+        self.device, self.hidden_in, self.side_in = device, hidden, side or {}
         self.hidden_out, self.side_out = None, {}
 
 
@@ -120,7 +120,7 @@ class Stage(nn.Module):
         if phase == "copy":
             return copy.deepcopy(module)  # stateless (rotary frequencies, dropout): every stage runs its own
         if phase == "pre" and not self.is_first or phase == "post" and not self.is_last:
-            return absent(module)
+            return absent(module, lambda: self._run.device if self._run is not None else None)
         if any(n in copied for n, _ in module.named_parameters(prefix=path, remove_duplicate=False)):
             return copy.deepcopy(module)  # e.g. a tied lm_head on the last stage: its own copy of the embedding
         return module
@@ -264,14 +264,15 @@ class Stage(nn.Module):
             raise ValueError(f"stage {self.index} of {self.num_stages}: labels go to the last stage only")
         aux = self._aux
         if self.is_first:
-            ids, run = x, _Run()
+            ids, run = x, _Run(x.device)
             stats = None
         else:
             parts = list(x) if isinstance(x, (tuple, list)) else [x]
             h = parts[0]
             side = dict(zip(self._side_in, parts[1:1 + len(self._side_in)]))
             stats = parts[1 + len(self._side_in):] if aux else None
-            ids, run = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device), _Run(h, side)
+            bd = self._a.batch_dim
+            ids, run = torch.zeros(h.shape[bd:bd + 2], dtype=torch.long, device=h.device), _Run(h.device, h, side)
         kwargs = dict(self._loss_kwargs)
         if labels is not None:
             kwargs["labels"] = labels

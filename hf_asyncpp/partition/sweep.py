@@ -26,9 +26,20 @@ TINY = [(("hidden_size", "n_embd", "d_model", "n_embed"), 64), (("num_hidden_lay
         (("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k"), 2), (("moe_intermediate_size", "expert_intermediate_size"), 32),
         (("max_position_embeddings", "n_positions", "n_ctx"), 128), (("kv_lora_rank", "q_lora_rank"), 16),
         (("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"), 8), (("rotary_dim",), 8), (("sliding_window",), 8),
-        (("attention_window",), 8), (("chunk_size",), 8), (("output_router_logits",), True), (("router_aux_loss_coef",), 0.05)]
+        (("attention_window",), 8), (("chunk_size",), 8), (("n_group", "topk_group"), 1),
+        (("vocab_size_per_layer_input",), 512), (("output_router_logits",), True), (("router_aux_loss_coef",), 0.05)]
 # per-type corrections where the generic sizes break a config's own validation or shape rules
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0}, ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "gemma3n_text": dict(num_kv_shared_layers=0),
+    "gemma4_unified_assistant": dict(num_kv_shared_layers=0),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    "zaya": dict(num_experts_per_tok=1),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+}
 _MULTIMODAL_KEYS = ("vision", "audio", "image", "speech", "vq_", "visual")
 
 
@@ -61,6 +72,9 @@ def tiny_config(model_type: str):
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(d.get(k), int) and d[k] >= 512:
             kw[k] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[k]
+    if "kv_lora_rank" in d:  # multi-head latent attention: head sizes come from the rope / nope / v dims
+        kw.pop("head_dim", None)
+        kw["num_key_value_heads"] = 4
     kw.update(OVERRIDES.get(model_type, {}))
     return AutoConfig.for_model(model_type, **kw)
 

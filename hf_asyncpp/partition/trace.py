@@ -41,6 +41,7 @@ class Anatomy:
     hidden_arg: int | str  # where a layer takes its hidden state: 0 (first positional) or a keyword
     out_index: int | None  # None: a layer returns the hidden state; else its index in the returned tuple
     out_len: int = 1  # length of that tuple (stand-ins fill the other places with None)
+    batch_dim: int = 0  # where (batch, sequence) sit in the hidden state's shape (Gemma-3n stacks 4 streams first)
     side: list[list[tuple[int, int | str]]] = field(default_factory=list)  # carried tensors: their (layer, arg) slots
     forward_kwargs: dict = field(default_factory=dict)  # passed to the model's forward on every stage
 
@@ -201,7 +202,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                    nn.modules.module.register_module_forward_hook(post_hook)]
         dev = next((t.device for t in model.parameters()), torch.device("cpu"))
         vocab = getattr(model.config, "vocab_size", None) or 2
-        ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
+        ids = torch.randint(0, vocab, (_B, seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
         kw = model_kwargs(model)
         if "output_router_logits" in inspect.signature(type(model).forward).parameters:
             kw["output_router_logits"] = False  # the stand-in layers route nothing
@@ -241,8 +242,15 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = [paths[emb]] if emb is not None and emb in paths else []
     out_len = len(out0) if isinstance(out0, (tuple, list)) else 1
+    shape = list((a0[0] if a0 else k0[first]).shape)
+    batch_dim = next((i for i in range(len(shape) - 1) if shape[i:i + 2] == [_B, seq_len]), None)
+    if batch_dim is None:
+        raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence)")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, out_len, side, model_kwargs(model))
+                   out_index, out_len, batch_dim, side, model_kwargs(model))
+
+
+_B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
 
 
 def _hidden_index(out, h) -> int:
