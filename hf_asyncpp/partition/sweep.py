@@ -31,8 +31,10 @@ TINY = [(("hidden_size", "n_embd", "d_model", "n_embed"), 64), (("num_hidden_lay
 # per-type corrections where the generic sizes break a config's own validation or shape rules
 OVERRIDES: dict[str, dict] = {
     "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0}, ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
-    "dots3_note_text": dict(num_key_value_heads=4),
-    "gemma3n_text": dict(num_kv_shared_layers=0),
+    "dots3_note_text": dict(num_key_value_heads=4, head_dim=16, index_head_dim=16, index_topk=8,
+                            shared_experts_intermediate_size=32, per_layer_config={}),
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
+    "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16),
     "gemma4_unified_assistant": dict(num_kv_shared_layers=0),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
