@@ -22,6 +22,7 @@ CONFIGS = {
                                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
                                                               max_position_embeddings=256, num_local_experts=8,
                                                               num_experts_per_tok=2, output_router_logits=True)),
+    "mamba h128 x 4 (SSM, tied)": ("mamba", dict(hidden_size=128, num_hidden_layers=4, vocab_size=4096, state_size=16)),
 }
 
 

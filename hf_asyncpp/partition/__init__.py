@@ -17,8 +17,11 @@ Stage contract (the runtime and the tests rely on it):
   one stage, except tied input/output embeddings: the first and the last stage each hold a copy, and
   ``tied_parameters(stages)`` lists ``(first-stage name, last-stage name)`` pairs whose gradients must be summed
   and whose values must stay equal. ``merge_state_dicts(stage_state_dicts, tied)`` re-ties them.
-- Stages share the model's layer modules (no copies) and hold no reference to the model: layers no stage uses
-  are freed with the model. Rotary embeddings and causal / sliding / chunked masks are rebuilt in every stage.
+- Every stage runs the model's own forward (stage.py): its layers are the model's modules (shared, not copied),
+  other stages' layers and weights are hollow stand-ins, so masks, rotary / ALiBi, per-layer embeddings, scalings,
+  norms and heads are the model's code. Layer arguments with gradient computed before the layers (per-layer
+  embeddings) travel after the hidden state, in the order of ``anatomy(model).side``. Stages hold no reference to
+  the model: layers no stage uses are freed with the model.
 - A stage built from a meta model can be ``.to_empty(device=...)``'d (non-persistent buffers such as rotary
   frequencies are recomputed; load the weights next) or ``init_weights()``'d.
 - Model types outside ``VERIFIED_MODEL_TYPES`` are checked numerically against the model at partition time; a

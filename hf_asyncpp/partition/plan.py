@@ -5,118 +5,29 @@ model can be planned without allocating it.
 """
 from __future__ import annotations
 
-import inspect
+import copy
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-# Mask builder per ``config.layer_types`` entry (names from transformers.masking_utils; None: the layer takes no mask).
-MASK_BUILDERS = {
-    "full_attention": "create_causal_mask",
-    "sliding_attention": "create_sliding_window_causal_mask",
-    "chunked_attention": "create_chunked_causal_mask",
-    "linear_attention": None,
-}
-_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm")
-_PRE_NAMES = ("drop", "emb_dropout", "embed_dropout", "embd_dropout", "embedding_dropout")
+from .trace import Anatomy, PartitionError, get_module, trace
 
-
-class PartitionError(ValueError):
-    """The model or the requested split cannot be partitioned; the message names the module or the knob and why."""
-
-
-@dataclass
-class Anatomy:
-    """Module paths of a decoder-only model: first stage ``embed[0]`` (+ positions) + ``pre``, then layers, then norm + head."""
-
-    embed: list[str]  # [token embedding]
-    layers: str  # the ModuleList of decoder layers
-    norm: str  # final norm (last stage)
-    head: str  # lm_head (last stage)
-    rotary: str | None  # rotary embedding (buffers only): every stage gets its own copy
-    learned_positions: str | None = None  # GPT-2's wpe, added to the token embeddings
-    pre: list[str] = field(default_factory=list)  # hidden -> hidden modules after the embedding (dropouts), in order
-
-
-def get_module(model: nn.Module, path: str | None) -> nn.Module | None:
-    if not path:
-        return None
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def _pp_plan_order(model: nn.Module) -> list[str]:
-    """Module paths of the model's ``_pp_plan`` / ``base_model_pp_plan`` in execution order (may be empty)."""
-    prefix = getattr(model, "base_model_prefix", "model")
-    base = get_module(model, prefix)
-    base_plan = dict(getattr(base, "_pp_plan", None) or getattr(model, "base_model_pp_plan", None) or {})
-    paths = [k if k.startswith(prefix + ".") else f"{prefix}.{k}" for k in base_plan]
-    paths += [k for k in (getattr(model, "_pp_plan", None) or {}) if k not in paths]
-    return [p for p in paths if get_module(model, p) is not None]
+_ANATOMY: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def anatomy(model: nn.Module) -> Anatomy:
-    """Find embed / layers / norm / head, following the model's pipeline plan where it has one."""
-    cls = type(model).__name__
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    emb, head = (get_in(), get_out()) if get_in and get_out else (None, None)
-    if emb is None or head is None:
-        raise PartitionError(f"{cls}: cannot find the decoder layers between input and output embeddings; only decoder-only "
-                             "causal LMs with embed / layers / norm / head can be split")
-    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    embed, head_path = names[emb], names[head]
-    order = _pp_plan_order(model)
-    layers = next((k for k in order if isinstance(get_module(model, k), nn.ModuleList)), None)
-    if layers is None:  # no plan (GPT-2, OLMoE, ...): the decoder's one non-empty ModuleList
-        cands = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.count(".") == 1 and len(m) > 0]
-        if len(cands) != 1:
-            raise PartitionError(f"{cls}: cannot find the decoder layers (ModuleLists: {cands}); only decoder-only models "
-                                 "with embed / layers / norm / head can be split")
-        layers = cands[0]
-    base = layers.rsplit(".", 1)[0]
-    if order and layers in order:
-        i = order.index(layers)
-        pre = [k for k in order[:i] if k != embed]
-        post = [k for k in order[i + 1:] if k != head_path]
-    else:
-        pre = [f"{base}.{n}" for n in _PRE_NAMES if get_module(model, f"{base}.{n}") is not None]
-        post = [f"{base}.{n}" for n in _NORM_NAMES if get_module(model, f"{base}.{n}") is not None][:1]
-    wpe = f"{base}.wpe" if get_module(model, f"{base}.wpe") is not None else None
-    pre = [p for p in pre if p != wpe]
-    if len(post) != 1:
-        raise PartitionError(f"{cls}: expected exactly one final norm between {layers} and {head_path}, found {post or 'none'}")
-    rotary = f"{base}.rotary_emb" if get_module(model, f"{base}.rotary_emb") is not None else None
-    a = Anatomy([embed], layers, post[0], head_path, rotary, wpe, pre)
-    _check_supported(model, a)
-    return a
-
-
-def _check_supported(model: nn.Module, a: Anatomy) -> None:
-    """Refuse, naming the module, what the stage builder cannot reproduce (instead of computing something else)."""
-    cls = type(model).__name__
-    placed = [*a.embed, a.layers, a.norm, a.head, *a.pre] + [p for p in (a.rotary, a.learned_positions) if p]
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        if not any(name.startswith(p + ".") for p in placed):
-            owner = name.rsplit(".", 1)[0]
-            raise PartitionError(f"{cls}: parameter {name} (module {owner}) is outside embed / layers / norm / head; the stage "
-                                 "builder does not know where in the pipeline that module runs")
-    layers = get_module(model, a.layers)
-    given = {"attention_mask", "position_ids"} | ({"position_embeddings"} if a.rotary else set())  # what stages pass
-    for i, layer in enumerate(layers):
-        sig = inspect.signature(layer.forward)
-        required = [n for n, p in list(sig.parameters.items())[1:] if n not in given
-                    and p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if required:
-            raise PartitionError(f"{cls}: {a.layers}.{i} ({type(layer).__name__}.forward) requires {required}, which the "
-                                 "base model computes outside its layers (e.g. ALiBi biases); it cannot be split into stages")
-    types = getattr(model.config, "layer_types", None) or []
-    for i, t in enumerate(types[: len(layers)]):
-        if t not in MASK_BUILDERS:
-            raise PartitionError(f"{cls}: {a.layers}.{i} has layer type {t!r}; the stage builder knows the masks of "
-                                 f"{sorted(MASK_BUILDERS)} only")
+    """Where the model's pieces run (``trace.trace``), cached per model and per structure of its layers."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise PartitionError(f"{type(model).__name__}: cannot find the decoder layers; only transformers causal LMs "
+                             "(with a config) can be split")
+    key = tuple(id(m) for m in model.modules())
+    hit = _ANATOMY.get(model)
+    if hit is None or hit[0] != key:
+        hit = (key, trace(model))
+        _ANATOMY[model] = hit
+    return copy.deepcopy(hit[1])
 
 
 # ---------------------------------------------------------------------------- plan
@@ -139,6 +50,7 @@ class PartitionPlan:
     tied: bool  # input and output embeddings share one parameter in the model
     param_names: list[list[str]]  # per stage, the names its ``named_parameters()`` yields
     _owner: dict[str, int] = field(default_factory=dict, repr=False)
+    tied_pairs: list[tuple[str, str]] = field(default_factory=list)  # (name on an earlier stage, copy's name on a later)
 
     def stage_of(self, name: str) -> int:
         """The stage owning original parameter ``name`` (a tied head's name: the last stage, which holds the copy)."""
@@ -231,7 +143,7 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     layers = get_module(model, a.layers)
     L, cfg = len(layers), model.config
     sizes = _check_split(num_stages, layers_per_stage, L)
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", 0) or 0
     E, k = _moe_shape(cfg)
 
     def layer_cost(layer: nn.Module) -> float:
@@ -239,32 +151,58 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
         return flops + 4 * seq_len * hidden
 
     costs = [layer_cost(layer) for layer in layers]
-    emb, head = get_module(model, a.embed[0]), get_module(model, a.head)
-    tied = emb.weight is head.weight
     vocab = getattr(cfg, "vocab_size", 0) or 0
-    first_cost = 2 * hidden  # embedding lookup (+ positions / scale)
-    last_cost = 2 * _numel(head) + 8 * vocab + 2 * _numel(get_module(model, a.norm))
+
+    def unit_flops(path):  # a lookup table costs a copy of one row per token, anything else 2 x its weights
+        m = get_module(model, path)
+        return sum(2 * (x.embedding_dim if isinstance(x, nn.Embedding) else sum(q.numel() for q in x.parameters(recurse=False)))
+                   for x in m.modules())
+
+    first_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "pre") or 2 * hidden
+    last_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "post") + 8 * vocab
     if sizes is None:
         sizes = balanced_sizes(costs, first_cost, last_cost, num_stages)
-
     layer_stage = [s for s, n in enumerate(sizes) for _ in range(n)]
-    first_paths = [*a.embed, *a.pre] + ([a.learned_positions] if a.learned_positions else [])
-    owner: dict[str, int] = {}
-    for name, _ in model.named_parameters():  # deduplicated: a tied weight appears under its embedding's name
-        rest = name[len(a.layers) + 1:] if name.startswith(a.layers + ".") else None
-        owner[name] = layer_stage[int(rest.split(".", 1)[0])] if rest else (
-            0 if any(name.startswith(p + ".") for p in first_paths) else num_stages - 1)
-    head_name = f"{a.head}.weight"
-    if tied:
-        owner[head_name] = num_stages - 1 if num_stages > 1 else 0
-    param_names: list[list[str]] = [[] for _ in range(num_stages)]
-    for name, s in owner.items():
-        if not (tied and num_stages == 1 and name == head_name):
-            param_names[s].append(name)
-    sizes_by_name = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+    owner, param_names, tied_pairs = _owners(model, a, layer_stage, num_stages)
+    emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
+    tied = emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
+    numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
     stages, start = [], 0
     for s, n in enumerate(sizes):
         cost = sum(costs[start:start + n]) + (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
-        stages.append(StagePlan(range(start, start + n), sum(sizes_by_name[x] for x in param_names[s]), cost))
+        stages.append(StagePlan(range(start, start + n), sum(numel[x] for x in param_names[s]), cost))
         start += n
-    return PartitionPlan(stages, a, L, tied, param_names, owner)
+    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs)
+
+
+def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int) -> int:
+    """The stage holding the module or parameter at ``path`` (a layer's: its layer's stage; else its unit's)."""
+    if path.startswith(a.layers + "."):
+        return layer_stage[int(path[len(a.layers) + 1:].split(".", 1)[0])]
+    unit = max((u for u in a.units if path == u or path.startswith(u + ".")), key=len, default=None)
+    return num_stages - 1 if unit is not None and a.units[unit] == "post" else 0
+
+
+def _owners(model, a: Anatomy, layer_stage: list[int], num_stages: int):
+    """Per parameter name its stage; per stage the names its ``named_parameters()`` yields; the tied pairs.
+
+    A tensor the model uses under several names (tied embeddings) is held once per stage that needs it: later
+    stages get a copy, and (earlier name, later name) is a pair whose gradients are summed and values kept equal.
+    """
+    owner: dict[str, int] = {}
+    names: list[list[str]] = [[] for _ in range(num_stages)]
+    first_seen: dict[int, tuple[int, str]] = {}  # tensor -> (stage, name) where it is first held
+    held: set[tuple[int, int]] = set()
+    pairs = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        s = stage_of_path(a, name, layer_stage, num_stages)
+        owner[name] = s
+        if (id(p), s) in held:
+            continue  # the stage's named_parameters() yields a shared tensor once
+        held.add((id(p), s))
+        names[s].append(name)
+        if id(p) in first_seen:
+            pairs.append((first_seen[id(p)][1], name))
+        else:
+            first_seen[id(p)] = (s, name)
+    return owner, names, pairs

@@ -1,0 +1,75 @@
+"""Stand-ins for modules a stage does not hold, so that the model's own forward can run on every stage.
+
+A stage runs the whole model's ``forward``. The decoder layers of other stages and the embedding / head modules
+that another stage owns are replaced by *hollow* instances of the same class: no parameters, no buffers, the same
+plain attributes (``layer_idx``, ``attention_type``, ``embed_scale``...), so the model's code that inspects them
+still works, and ``isinstance`` still holds. Their weights are meta tensors kept as plain attributes (shapes and
+dtypes readable, nothing allocated, nothing in ``named_parameters()`` or the state dict).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+
+def hollow(module: nn.Module) -> nn.Module:
+    """An instance of ``type(module)`` without parameters, buffers or hooks; its submodules hollowed the same way."""
+    cls = type(module)
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    internal = set(new.__dict__)
+    for k, v in module.__dict__.items():
+        if k not in internal and k != "forward" and not isinstance(v, (nn.Module, torch.Tensor)):
+            new.__dict__[k] = v
+    new.training = module.training
+    for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+        new.__dict__[name] = None if t is None else torch.empty_like(t, device="meta")
+    for name, child in module._modules.items():
+        if child is not None:
+            new._modules[name] = hollow(child)
+    return new
+
+
+def alias(module: nn.Module, forward) -> nn.Module:
+    """A second instance of ``type(module)`` sharing the module's parameters, submodules and hooks, whose ``forward``
+    is ``forward`` (an instance attribute): the stage can wrap a layer without renaming its parameters or leaving a
+    hook on the model's module."""
+    cls = type(module)
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new.__dict__["forward"] = forward
+    return new
+
+
+def _to_meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def absent(module: nn.Module, device_of=lambda: None) -> nn.Module:
+    """A hollow ``module`` that computes its output's shape on the meta device and returns zeros of it.
+
+    Used for modules another stage owns (the token embedding on a middle stage): what the model's code computes
+    from their output (masks, positions) depends on shapes only, and the stage's real input replaces the hidden
+    state at its first layer. Cost: a meta forward (Python only) and one zero tensor.
+    """
+    shell = hollow(module)
+    cls = type(module)
+
+    def forward(*args, **kwargs):
+        # the stage's device: the model may have moved the input to this module's (meta) weights' device
+        device = device_of() or next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)),
+                                     torch.device("cpu"))
+        from .trace import MetaValues
+
+        with torch.no_grad(), MetaValues():
+            out = cls.forward(shell, *tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
+
+    shell.__dict__["forward"] = forward
+    return shell
+
+
+def is_hollow(module: nn.Module) -> bool:
+    return not any(True for _ in module.parameters()) and any(isinstance(v, torch.Tensor) and v.is_meta
+                                                               for v in module.__dict__.values())
