@@ -21,5 +21,9 @@ setup(
         "matplotlib>=3.8",
         "tensorboard>=2.15",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        # lm-evaluation-harness as a scorer (eval.backend: lm_eval); the parity test runs it too
+        "eval": ["lm-eval>=0.4.13,<0.5"],
+        "test": ["pytest>=8", "lm-eval>=0.4.13,<0.5"],
+    },
 )
