@@ -255,7 +255,9 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
 def export_run(out: Path, weights: dict[str, torch.Tensor], config, tokenizer, recipe, step: int, tokens: int,
                held_out: torch.Tensor, loss_curve: Path | None) -> dict:
     """The end of a training run on the main process: ``out/export`` (HF folder + card), its perplexity after a
-    ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub push, and ``final_eval.json``."""
+    ``from_pretrained`` reload, downstream tasks when the recipe asks (``eval.backend``), the Hub push, and
+    ``final_eval.json``. Evaluation runs on the device this process trained on (the current CUDA device after a GPU
+    run), batched to its memory."""
     metrics = read_metrics(out / METRICS)
     evals = [m for m in metrics if "eval_loss" in m]
     card = card_from_recipe(recipe, step, tokens, metrics, loss_curve="loss_curve.png" if loss_curve else None)
@@ -263,12 +265,12 @@ def export_run(out: Path, weights: dict[str, torch.Tensor], config, tokenizer, r
     export_hf_model(weights, config, export_dir, tokenizer=tokenizer, card=card)
     if loss_curve:
         shutil.copy(loss_curve, export_dir / "loss_curve.png")
-    reloaded = evaluate_model_dir(export_dir, held_out)
+    reloaded = evaluate_model_dir(export_dir, held_out)  # on this process's training device (resolve_device)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
     if recipe.eval.tasks:
         res = evaluate_models([str(export_dir)], recipe.eval.tasks, task_files=recipe.eval.task_files,
-                              limit=recipe.eval.limit, perplexity_blocks=held_out)[str(export_dir)]
+                              limit=recipe.eval.limit, perplexity_blocks=held_out, backend=recipe.eval.backend)[str(export_dir)]
         add_eval_results(export_dir, res)
         result["downstream"] = res
         log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
