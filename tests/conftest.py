@@ -20,7 +20,8 @@ TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challen
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    """Two exported models: one trained on the fixtures' correct answers, one untrained."""
+    """Three exported models: one trained on the fixtures' correct answers, one half-trained (step 60: its acc_norm
+    picks differ from the old with-delimiter definition on arc_easy, arc_challenge and hellaswag), one untrained."""
     from hf_asyncpp.downstream import load_items
     from hf_asyncpp.export import export_hf_model
     from hf_asyncpp.tokenizer import train_tokenizer
@@ -43,7 +44,10 @@ def folders(tmp_path_factory):
     trained.load_state_dict(untrained.state_dict())
     opt = torch.optim.AdamW(trained.parameters(), lr=3e-3)
     enc = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in texts]
+    half = None
     for step in range(300):
+        if step == 60:
+            half = {k: v.clone() for k, v in trained.state_dict().items()}
         batch = [enc[(step * 8 + j) % len(enc)] for j in range(8)]
         w = max(map(len, batch))
         ids = torch.tensor([b + [tok.pad_token_id] * (w - len(b)) for b in batch])
@@ -52,7 +56,7 @@ def folders(tmp_path_factory):
         opt.step()
         opt.zero_grad()
     out = {}
-    for name, m in (("trained", trained), ("untrained", untrained)):
-        out[name] = str(export_hf_model(m.state_dict(), cfg, root / name, tokenizer=tok))
+    for name, sd in (("trained", trained.state_dict()), ("half", half), ("untrained", untrained.state_dict())):
+        out[name] = str(export_hf_model(sd, cfg, root / name, tokenizer=tok))
     return out
 

@@ -14,12 +14,13 @@ from hf_asyncpp.downstream import choice_logliks, evaluate_models, load_task, pr
 from hf_asyncpp.lm_eval_backend import LOCAL_PREFIX, evaluate_with_lm_eval
 
 TASKS = ["hellaswag", "piqa", "arc_easy", "arc_challenge", "mmlu"]
+MODELS = ["trained", "half"]  # "half": where acc_norm with and without the delimiter pick differently
 
 
 @pytest.fixture(scope="module")
-def lm_eval_run(folders):
-    return evaluate_with_lm_eval(folders["trained"], TASKS, task_files=TASK_FILES, device="cpu", batch_size=16,
-                                 log_samples=True)
+def lm_eval_runs(folders):
+    return {name: evaluate_with_lm_eval(folders[name], TASKS, task_files=TASK_FILES, device="cpu", batch_size=16,
+                                        log_samples=True) for name in MODELS}
 
 
 def _lm_eval_docs(raw: dict, task: str, subjects: list) -> list[dict]:
@@ -35,13 +36,14 @@ def _lm_eval_docs(raw: dict, task: str, subjects: list) -> list[dict]:
     return docs
 
 
-def test_prompts_logliks_and_scores_equal_lm_eval(folders, lm_eval_run):
+@pytest.mark.parametrize("name", MODELS)
+def test_prompts_logliks_and_scores_equal_lm_eval(folders, lm_eval_runs, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folders["trained"])
-    tok = AutoTokenizer.from_pretrained(folders["trained"])
-    ours_all = evaluate_models([folders["trained"]], TASKS, task_files=TASK_FILES, device="cpu")[folders["trained"]]
-    theirs_all, raw = lm_eval_run
+    model = AutoModelForCausalLM.from_pretrained(folders[name])
+    tok = AutoTokenizer.from_pretrained(folders[name])
+    ours_all = evaluate_models([folders[name]], TASKS, task_files=TASK_FILES, device="cpu")[folders[name]]
+    theirs_all, raw = lm_eval_runs[name]
     for task in TASKS:
         items, subjects = load_task(task, TASK_FILES[task])
         docs = _lm_eval_docs(raw, task, subjects)
