@@ -58,7 +58,8 @@ def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
     png = plot_results(res, tmp_path / "chart.png")
     assert Path(png).stat().st_size > 1000
     r = subprocess.run([sys.executable, "scripts/evaluate.py", *dirs, "--tasks", "arc_easy,mmlu", "--task-file",
-                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json")],
+                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json"),
+                        "--device", "cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                                                                                    "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
