@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 
 import torch
+from accelerate.utils import find_executable_batch_size
 
-__all__ = ["METRICS_DIR", "nll_per_block", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric", "perplexity_from_sums"]
+__all__ = ["METRICS_DIR", "nll_per_block", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
+           "perplexity_from_sums", "resolve_device"]
 
 METRICS_DIR = Path(__file__).parent / "metrics"
 
@@ -31,6 +33,16 @@ def load_metric(name: str = "perplexity"):
         known = sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
         raise ValueError(f"unknown metric {name!r}; shipped metrics: {known}")
     return evaluate.load(str(path.resolve()))
+
+
+def resolve_device(device=None) -> torch.device:
+    """The device evaluation runs on: ``device`` when given, else this process's accelerator as training uses it
+    (``cuda:<current device>``, which accelerate sets per process), else the CPU."""
+    if device is not None and str(device) != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def perplexity_from_sums(nll_sums, token_counts) -> dict:
@@ -54,22 +66,28 @@ def nll_per_block(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def block_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> tuple[list[float], list[int]]:
     """Per-block summed next-token NLL (labels = inputs, shifted as HF does) and predicted-token counts.
 
-    Forward only, in eval mode (the model's mode is restored after). MoE auxiliary losses are not part of it.
+    Forward only, in eval mode (the model's mode is restored after), on the model's device. MoE auxiliary losses
+    are not part of it. The batch size halves on an out-of-memory error (accelerate's ``find_executable_batch_size``).
     """
     if blocks.ndim != 2 or len(blocks) == 0:
         raise ValueError(f"blocks must be a non-empty (n, seq_len) tensor of token ids, got shape {tuple(blocks.shape)}")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    sums, counts = [], []
-    try:
-        for i in range(0, len(blocks), batch_size):
-            ids = blocks[i : i + batch_size].to(device)  # (B, T)
+
+    @find_executable_batch_size(starting_batch_size=batch_size)
+    def run(bs: int) -> tuple[list[float], list[int]]:
+        sums, counts = [], []
+        for i in range(0, len(blocks), bs):
+            ids = blocks[i : i + bs].to(device)  # (B, T)
             sums.extend(nll_per_block(model(input_ids=ids).logits, ids).tolist())
             counts.extend([ids.shape[1] - 1] * len(ids))
+        return sums, counts
+
+    was_training = model.training
+    model.eval()
+    try:
+        return run()
     finally:
         model.train(was_training)
-    return sums, counts
 
 
 def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> dict:
@@ -77,9 +95,10 @@ def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> dic
     return perplexity_from_sums(*block_nll(model, blocks, batch_size))
 
 
-def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu") -> dict:
-    """Reload a model folder with ``from_pretrained`` (fp32) and measure its perplexity on ``blocks``."""
+def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8, device: str | torch.device | None = None) -> dict:
+    """Reload a model folder with ``from_pretrained`` (fp32) and measure its perplexity on ``blocks``, on ``device``
+    (None: see :func:`resolve_device`, the training device after a GPU run)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(resolve_device(device))
     return evaluate_perplexity(model, blocks, batch_size)

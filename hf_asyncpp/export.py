@@ -357,12 +357,12 @@ def export_run(out: Path, engine, tokenizer, recipe, step: int, tokens: int, hel
     if not main:
         return {}
     evals = [m for m in metrics if "eval_loss" in m]
-    reloaded = evaluate_model_dir(export_dir, held_out)
+    reloaded = evaluate_model_dir(export_dir, held_out)  # on this process's training device (resolve_device)
     result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
               "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
     if recipe.eval.tasks:
         res = evaluate_models([str(export_dir)], recipe.eval.tasks, task_files=recipe.eval.task_files,
-                              limit=recipe.eval.limit, perplexity_blocks=held_out)[str(export_dir)]
+                              limit=recipe.eval.limit, perplexity_blocks=held_out, backend=recipe.eval.backend)[str(export_dir)]
         add_eval_results(export_dir, res)
         result["downstream"] = res
         log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))

@@ -2,7 +2,8 @@
 
 ``card_from_recipe`` turns a run's recipe, its progress and its metrics into card fields (:data:`CARD_FIELDS`);
 ``render_model_card`` renders them with ``model_cards/template.md`` into a ``huggingface_hub.ModelCard``;
-``add_eval_results`` adds downstream scores to an existing card's model-index.
+``add_eval_results`` puts downstream scores into an existing card's model-index (replacing earlier ones of the same
+task, metric and split) and into a table in its text, each with what it was measured on and by which scorer.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from .checkpoint import TRAINER_STATE
 from .config import Recipe, load_recipe
-from .downstream import TASKS
+from .downstream import SCORER, task_spec
 from .pipeline.schedules import SCHEDULES
 from .reporting import METRICS, read_metrics
 from .shipped import shipped_file
@@ -217,24 +218,73 @@ def card_from_checkpoint(ckpt_dir) -> dict:
     return card_from_recipe(recipe, step, tokens, read_metrics(ckpt.parent / METRICS))
 
 
-def add_eval_results(model_dir, task_results: dict[str, dict]) -> None:
-    """Append the results to the model card's model-index (creating a minimal card if there is none)."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+DOWNSTREAM_BEGIN, DOWNSTREAM_END = "<!-- hf_asyncpp:downstream -->", "<!-- /hf_asyncpp:downstream -->"
 
-    path = Path(model_dir) / "README.md"
-    card = ModelCard.load(path) if path.exists() else ModelCard.from_template(ModelCardData(model_name=Path(model_dir).name))
-    results = list(card.data.eval_results or [])
+
+def _result_key(e) -> tuple:
+    return (e.task_type, e.dataset_name, e.dataset_config, e.dataset_split, e.metric_type)
+
+
+def _eval_results(task_results: dict[str, dict]) -> list:
+    """EvalResults of downstream scores: n, limit and shots in ``dataset_args`` (``num_few_shot`` as the Open LLM
+    Leaderboard's cards write it), the scorer in ``metric_config``, and all of it in the metric's pretty name, which
+    is what the Hub shows: a 200-item score must not read as the full test set."""
+    from huggingface_hub import EvalResult
+
+    results = []
     for t, r in task_results.items():
         if t == "perplexity":
             results.append(EvalResult(task_type="text-generation", dataset_type="held-out", dataset_name="held-out",
-                                      metric_type="perplexity", metric_value=round(r["eval_ppl"], 4)))
+                                      metric_type="perplexity", metric_value=round(r["eval_ppl"], 4),
+                                      dataset_args={"n": r.get("num_tokens")}, metric_config=SCORER))
             continue
-        spec = TASKS[t]
+        try:
+            spec = task_spec(t)
+            hub_id, config, split = spec.hub_id, spec.hub_config, spec.split
+        except ValueError:  # an lm-eval task this package does not define: lm-eval knows its data
+            hub_id, config, split = t, None, None
+        shots, limit = r.get("num_fewshot", 0), r.get("limit")
+        scope = f"{shots}-shot, n={r['n']}" + (f", limit {limit} per task" if limit else "")
         for m in ("acc", "acc_norm"):
-            results.append(EvalResult(task_type="multiple-choice", dataset_type=spec.hub_id, dataset_name=t,
-                                      dataset_config=spec.hub_config, dataset_split=spec.split, metric_type=m,
-                                      metric_name=f"{t} {m} (zero-shot)", metric_value=round(r[m], 4)))
-    card.data.eval_results = results
+            if m in r:
+                results.append(EvalResult(
+                    task_type="multiple-choice", dataset_type=hub_id, dataset_name=t, dataset_config=config,
+                    dataset_split=split, metric_type=m, metric_value=round(r[m], 4),
+                    metric_name=f"{t} {m} ({scope}; {r.get('scorer', SCORER)})",
+                    dataset_args={"num_few_shot": shots, "limit": limit, "n": r["n"]},
+                    metric_config=r.get("scorer", SCORER)))
+    return results
+
+
+def _downstream_section(results: list) -> str:
+    rows = [e for e in results if e.task_type == "multiple-choice"]
+    lines = [DOWNSTREAM_BEGIN, "## Downstream evaluation", "",
+             "Zero-shot multiple-choice scores. `hf_asyncpp` scores with lm-evaluation-harness's task definitions "
+             "(prompts, choices, acc/acc_norm, limit per task); `lm-eval` rows come from lm-evaluation-harness itself. "
+             "A score with a limit covers only the first documents of each task, not the full split.", "",
+             "| task | metric | value | items (n) | limit | shots | scorer |", "|---|---|---|---|---|---|---|"]
+    for e in rows:
+        a = e.dataset_args or {}
+        lines.append(f"| {e.dataset_name} | {e.metric_type} | {e.metric_value:.4f} | {a.get('n', '')} | "
+                     f"{a.get('limit') or 'none'} | {a.get('num_few_shot', '')} | {e.metric_config or ''} |")
+    return "\n".join(lines + [DOWNSTREAM_END])
+
+
+def add_eval_results(model_dir, task_results: dict[str, dict]) -> None:
+    """Put the results into the model card (creating a minimal card if there is none): the model-index, where they
+    replace earlier results of the same task, metric and split (re-evaluating never duplicates a score), and a
+    table in the card text, rewritten from the model-index."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    path = Path(model_dir) / "README.md"
+    card = ModelCard.load(path) if path.exists() else ModelCard.from_template(ModelCardData(model_name=Path(model_dir).name))
+    new = _eval_results(task_results)
+    keys = {_result_key(e) for e in new}
+    card.data.eval_results = [e for e in (card.data.eval_results or []) if _result_key(e) not in keys] + new
     if not card.data.model_name:
         card.data.model_name = Path(model_dir).name
+    text = card.text
+    if DOWNSTREAM_BEGIN in text and DOWNSTREAM_END in text:
+        text = text[: text.index(DOWNSTREAM_BEGIN)].rstrip("\n") + text[text.index(DOWNSTREAM_END) + len(DOWNSTREAM_END):]
+    card.text = text.rstrip("\n") + "\n\n" + _downstream_section(card.data.eval_results) + "\n"
     card.save(path)

@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, RunState, check_model, choose_resume, set_seed
 from .config import Recipe, RecipeError, load_recipe, save_recipe
 from .data import BlockStream, DataError, eval_blocks, next_batch, resolve_data_files, train_hold_out
+from .downstream import evaluate_tasks_during_training
 from .engine import Engine, LocalEngine, NonFiniteError
 from .evaluation import perplexity_from_sums
 from .export import export_run
@@ -162,6 +163,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
                 runlog.step(r, state.tokens)
             if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
                 evaluate(state.step)
+                evaluate_tasks_during_training(engine, tokenizer, recipe, accelerator, out, state.step)  # eval.during_training
             if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
                 checkpointer.save(state, engine, stream)
             runlog.restart_clock()

@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
@@ -7,6 +8,55 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+TASK_DIR = Path(__file__).resolve().parent / "fixtures" / "tasks"
+TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challenge", "mmlu", "piqa", "hellaswag")}
+"""Local task files in each Hub dataset's record format (tests/test_downstream.py, tests/test_lm_eval_parity.py)."""
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """Three exported models: one trained on the fixtures' correct answers, one half-trained (step 60: its acc_norm
+    picks differ from the old with-delimiter definition on arc_easy, arc_challenge and hellaswag), one untrained."""
+    from hf_asyncpp.downstream import load_items
+    from hf_asyncpp.export import export_hf_model
+    from hf_asyncpp.tokenizer import train_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("models")
+    texts = []
+    for t, f in TASK_FILES.items():
+        for ctx, choices, label in load_items(t, f):
+            texts.append(ctx + choices[label])
+    corpus = root / "answers.txt"
+    corpus.write_text("\n".join(texts * 3) + "\n")
+    tok = train_tokenizer([str(corpus)], 300)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128,
+                               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    untrained = AutoModelForCausalLM.from_config(cfg)
+    trained = AutoModelForCausalLM.from_config(cfg)
+    trained.load_state_dict(untrained.state_dict())
+    opt = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+    enc = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in texts]
+    half = None
+    for step in range(300):
+        if step == 60:
+            half = {k: v.clone() for k, v in trained.state_dict().items()}
+        batch = [enc[(step * 8 + j) % len(enc)] for j in range(8)]
+        w = max(map(len, batch))
+        ids = torch.tensor([b + [tok.pad_token_id] * (w - len(b)) for b in batch])
+        labels = torch.tensor([b + [-100] * (w - len(b)) for b in batch])
+        trained(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for name, sd in (("trained", trained.state_dict()), ("half", half), ("untrained", untrained.state_dict())):
+        out[name] = str(export_hf_model(sd, cfg, root / name, tokenizer=tok))
+    return out
+

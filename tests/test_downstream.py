@@ -8,50 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.downstream import (choice_logliks, evaluate_models, load_items, plot_results, results_table, score_task)
+from hf_asyncpp.downstream import (Item, choice_logliks, evaluate_models, load_items, load_task, plot_results, predictions,
+                                   results_table, score_task)
+
+from conftest import TASK_FILES as FILES
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = ROOT / "tests" / "fixtures" / "tasks"
-FILES = {t: str(TASKS / f"{t}.jsonl") for t in ("arc_easy", "mmlu", "piqa", "hellaswag")}
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """Two exported models: one trained on the fixtures' correct answers, one untrained."""
-    from hf_asyncpp.config import ModelConfig
-    from hf_asyncpp.export import export_hf_model
-    from hf_asyncpp.tokenizer import train_tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("models")
-    texts = []
-    for t, f in FILES.items():
-        for ctx, choices, label in load_items(t, f):
-            texts.append(ctx + choices[label])
-    corpus = root / "answers.txt"
-    corpus.write_text("\n".join(texts * 3) + "\n")
-    tok = train_tokenizer([str(corpus)], 300)
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128,
-                               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    untrained = AutoModelForCausalLM.from_config(cfg)
-    trained = AutoModelForCausalLM.from_config(cfg)
-    trained.load_state_dict(untrained.state_dict())
-    opt = torch.optim.AdamW(trained.parameters(), lr=3e-3)
-    enc = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in texts]
-    for step in range(300):
-        batch = [enc[(step * 8 + j) % len(enc)] for j in range(8)]
-        w = max(map(len, batch))
-        ids = torch.tensor([b + [tok.pad_token_id] * (w - len(b)) for b in batch])
-        labels = torch.tensor([b + [-100] * (w - len(b)) for b in batch])
-        trained(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    out = {}
-    for name, m in (("trained", trained), ("untrained", untrained)):
-        out[name] = str(export_hf_model(m.state_dict(), cfg, root / name, tokenizer=tok))
-    return out
 
 
 def test_choice_logliks_equal_a_direct_computation(folders):
@@ -96,13 +58,16 @@ def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
     png = plot_results(res, tmp_path / "chart.png")
     assert Path(png).stat().st_size > 1000
     r = subprocess.run([sys.executable, "scripts/eval_models.py", *dirs, "--tasks", "arc_easy,mmlu", "--task-file",
-                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json")],
+                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json"),
+                        "--device", "cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                                                                                    "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "r.png").exists()
     card = ModelCard.load(Path(dirs[0]) / "README.md")
-    assert any(e.dataset_name == "mmlu" and e.metric_type == "acc_norm" for e in card.data.eval_results)
+    # lm-eval reports MMLU acc only (its acc_norm divides single letters by 1, i.e. is acc)
+    assert any(e.dataset_name == "mmlu" and e.metric_type == "acc" for e in card.data.eval_results)
+    assert not any(e.dataset_name == "mmlu" and e.metric_type == "acc_norm" for e in card.data.eval_results)
 
 
 def test_bad_inputs(tmp_path, folders):
@@ -127,7 +92,87 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     from test_trainer import tiny
 
     out = tmp_path / "run"
-    train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=2,
-                                eval__tasks=["arc_easy", "perplexity"], eval__task_files={"arc_easy": FILES["arc_easy"]})))
+    train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=2, training__eval_steps=1,
+                                eval__tasks=["arc_easy", "perplexity"], eval__task_files={"arc_easy": FILES["arc_easy"]},
+                                eval__during_training=True)))
     final = json.loads((out / "final_eval.json").read_text())
     assert set(final["downstream"]) == {"arc_easy", "perplexity"} and final["downstream"]["arc_easy"]["n"] == 12
+    # eval.during_training: the tasks on the newest weights at the evaluation point (step 1), in metrics.jsonl
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    during = [r for r in rows if "eval/arc_easy/acc_norm" in r]
+    assert [r["step"] for r in during] == [1] and 0 <= during[0]["eval/arc_easy/acc"] <= 1
+
+
+def test_acc_norm_divides_by_the_choice_without_the_delimiter():
+    # the review's flip: -8 over " abcd" (4 characters + the delimiter) against -38 over 20 characters
+    items = [Item("Q:", [" abcd", " " + "x" * 20], 0)]
+    assert predictions([[-8.0, -38.0]], items) == {"acc": [0], "acc_norm": [1]}  # lm-eval: -2.00 < -1.90
+    assert predictions([[-8.0, -38.0]], [Item("Q:", ["abcd", "x" * 20], 0)])["acc_norm"] == [1]  # no delimiter: as is
+
+
+def test_mmlu_prompt_subjects_and_limit_per_subject():
+    items, subjects = load_task("mmlu", FILES["mmlu"], limit=2)
+    assert subjects == ["miscellaneous", "miscellaneous", "nutrition", "nutrition"]  # lm-eval: --limit per subject
+    assert items[2].context.startswith("The following are multiple choice questions (with answers) about nutrition.\n\n")
+    assert items[2].context.endswith("\nA. green\nB. orange\nC. yellow\nD. purple\nAnswer:")
+    assert items[2].choices == [" A", " B", " C", " D"]
+    assert len(load_items("mmlu_nutrition", FILES["mmlu"])) == 6
+    with pytest.raises(ValueError, match="no mmlu_anatomy records"):
+        load_items("mmlu_anatomy", FILES["mmlu"])
+
+
+def _devices_seen(model, fn):
+    seen = set()
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: seen.add(kwargs["input_ids"].device), with_kwargs=True)
+    try:
+        return fn(), seen
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                        reason="needs a GPU"))])
+def test_evaluation_runs_on_the_model_device(folders, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_asyncpp.evaluation import evaluate_perplexity, resolve_device
+
+    assert resolve_device(None) == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                    else torch.device("cpu"))
+    assert resolve_device("cpu") == torch.device("cpu")
+    tok = AutoTokenizer.from_pretrained(folders["trained"])
+    cpu = AutoModelForCausalLM.from_pretrained(folders["trained"])
+    model = AutoModelForCausalLM.from_pretrained(folders["trained"]).to(device)
+    items = load_items("arc_easy", FILES["arc_easy"], limit=4)
+    ll, seen = _devices_seen(model, lambda: choice_logliks(model, tok, items, batch_size=3))
+    assert {d.type for d in seen} == {device}
+    assert ll == [pytest.approx(row, abs=1e-3) for row in choice_logliks(cpu, tok, items)]
+    blocks = torch.randint(0, len(tok), (3, 16), generator=torch.Generator().manual_seed(0))
+    ppl, seen = _devices_seen(model, lambda: evaluate_perplexity(model, blocks))
+    assert {d.type for d in seen} == {device}
+    assert ppl["eval_ppl"] == pytest.approx(evaluate_perplexity(cpu, blocks)["eval_ppl"], rel=1e-3)
+    res = evaluate_models([folders["trained"]], ["arc_easy"], task_files=FILES, limit=4, device=device)
+    assert res[folders["trained"]]["arc_easy"]["n"] == 4
+
+
+def test_re_evaluating_replaces_card_results(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_asyncpp.model_card import add_eval_results
+
+    first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"},
+             "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
+    add_eval_results(tmp_path, first)
+    arc = [e for e in ModelCard.load(tmp_path / "README.md").data.eval_results if e.metric_type == "acc_norm"][0]
+    assert arc.dataset_args == {"num_few_shot": 0, "limit": 200, "n": 200} and "limit 200 per task" in arc.metric_name
+    add_eval_results(tmp_path, {"arc_easy": {"acc": 0.75, "acc_norm": 0.5, "n": 2376, "limit": None, "num_fewshot": 0,
+                                             "scorer": "lm-eval 0.4.13"}, "piqa": {"acc": 0.6, "acc_norm": 0.7, "n": 1838}})
+    card = ModelCard.load(tmp_path / "README.md")
+    got = {(e.dataset_name, e.metric_type): e for e in card.data.eval_results}
+    assert len(card.data.eval_results) == len(got) == 5  # arc_easy x2, piqa x2, perplexity: no duplicates
+    arc = got[("arc_easy", "acc_norm")]
+    assert arc.metric_value == 0.5 and arc.dataset_args == {"num_few_shot": 0, "n": 2376}  # no limit
+    assert arc.metric_config == "lm-eval 0.4.13" and "n=2376" in arc.metric_name and arc.dataset_split == "test"
+    assert got[("held-out", "perplexity")].metric_value == 12.0
+    assert card.text.count("## Downstream evaluation") == 1
+    assert "| arc_easy | acc_norm | 0.5000 | 2376 | none | 0 | lm-eval 0.4.13 |" in card.text

@@ -4,6 +4,7 @@ several models side by side.
     hf-asyncpp evaluate runs/sync/export runs/async/export --tasks hellaswag,piqa,arc_easy,mmlu --limit 500
     hf-asyncpp evaluate runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl            # perplexity
     hf-asyncpp evaluate MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
+    hf-asyncpp evaluate MODEL --tasks mmlu,hellaswag --backend lm_eval --device cuda:0     # lm-eval itself
 
 Prints a table, writes JSON (--out, default ./eval_results.json) and a bar chart PNG next to it, and adds the results
 to each model's card.
@@ -25,14 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dirs", nargs="+")
-    ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, perplexity")
+    ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, "
+                    "mmlu_<subject>, perplexity (--backend lm_eval: any lm-eval task)")
     ap.add_argument("--task-file", action="append", default=[], help="TASK=FILE: local data in the Hub record format")
-    ap.add_argument("--limit", type=int, default=None, help="items per task")
+    ap.add_argument("--limit", type=int, default=None, help="first documents per task, as lm-eval's --limit (per MMLU subject)")
+    ap.add_argument("--backend", choices=["hf_asyncpp", "lm_eval"], default="hf_asyncpp",
+                    help="scorer: ours (lm-eval's task definitions, offline) or lm-evaluation-harness itself (pip install hf_asyncpp[eval])")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the current GPU if there is one, else the CPU)")
     ap.add_argument("--data", nargs="+", default=None, help="text/jsonl/parquet files or globs for perplexity")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--max-blocks", type=int, default=64)
     ap.add_argument("--text-column", default="text")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="starting batch size; halved on an out-of-memory error")
     ap.add_argument("--out", default=None, help="JSON results (default: eval_results.json in the current directory)")
     ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
     args = ap.parse_args(argv)
@@ -54,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = DataConfig(seq_len=args.seq_len, text_column=args.text_column, shuffle_buffer=0, min_document_tokens=0)
             blocks = eval_blocks(cfg, tok, expand_files(args.data, "--data"), args.max_blocks)
         results = evaluate_models(args.model_dirs, tasks, task_files=task_files, limit=args.limit, perplexity_blocks=blocks,
-                                  batch_size=args.batch_size)
-    except (ValueError, FileNotFoundError) as e:
+                                  batch_size=args.batch_size, device=args.device, backend=args.backend)
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(results_table(results))
