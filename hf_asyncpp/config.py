@@ -392,6 +392,10 @@ def _cross_checks(r: Recipe) -> None:
                               f"keep only warmup_steps: {t.warmup_ratio} (a number below 1 is a fraction of max_steps)")
         log.warning("training.warmup_ratio is deprecated (as in transformers 5): write warmup_steps: %s (a number below "
                     "1 is a fraction of max_steps)", t.warmup_ratio)
+    if t.lr_scheduler_type in ("cosine", "linear") and not t.lr_scheduler_kwargs:
+        log.warning("training.lr_scheduler_type: %s decays to 0, as in transformers (before, hf_asyncpp's %s decayed to "
+                    "min_lr_ratio of the peak): for a floor use lr_scheduler_type: cosine_with_min_lr with "
+                    "lr_scheduler_kwargs: {min_lr_rate: 0.1}", t.lr_scheduler_type, t.lr_scheduler_type)
     if t.lr_scheduler_type == "constant" and (t.warmup_steps or t.warmup_ratio):
         log.warning("training.lr_scheduler_type: constant has no warm-up (transformers' meaning); the warm-up is "
                     "ignored. For a warm-up use lr_scheduler_type: constant_with_warmup")

@@ -91,10 +91,11 @@ def test_one_process_starts_the_pipeline_itself(tmp_path):
     assert (tmp_path / "python" / "export" / "config.json").exists()
 
     recipe = write_recipe(tmp_path / "a.yaml", tmp_path / "accelerate", max_steps=4, save_steps=4)
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "scripts/pretrain.py", str(recipe)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "scripts/pretrain.py", str(recipe),
+                        "--training.export=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert {p.name for p in (tmp_path / "accelerate" / "checkpoint-0000004").iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
+    assert (tmp_path / "accelerate" / "export" / "model.safetensors.index.json").exists()  # one shard per stage
 
     r = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), str(recipe)], cwd=tmp_path,
                        env={**env, NO_SPAWN: "1"}, capture_output=True, text=True, timeout=300)

@@ -142,6 +142,10 @@ def test_renamed_recipe_values_name_the_new_ones(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
         recipe_from_dict({**base, "training": {**base["training"], "lr_scheduler_type": "constant", "warmup_steps": 5}})
     assert "constant_with_warmup" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        recipe_from_dict({**base, "training": {**base["training"], "lr_scheduler_type": "cosine"}})
+    assert "cosine decays to 0" in caplog.text and "cosine_with_min_lr" in caplog.text
     with pytest.raises(RecipeError, match=r"training\.lr_scheduler_type: 'cosine_to_floor' is not allowed"):
         recipe_from_dict({**base, "training": {**base["training"], "lr_scheduler_type": "cosine_to_floor"}})
     with pytest.raises(RecipeError, match=r"training\.warmup_steps: 2\.5 is neither"):
