@@ -151,17 +151,24 @@ def iter_documents(files: list[str], text_column: str = "text") -> Iterator[str]
         return
     ds = load_stream(DataConfig(text_column=text_column), readable)
     col = "text" if _builder(readable) == "text" else text_column
+    for ex in _rows(ds, readable):
+        text = ex.get(col)
+        if _skip_reason(text) is None:
+            yield text
+
+
+def _rows(ds, where) -> Iterator[dict]:
+    """The rows of a streamed dataset; a read error (pyarrow.ArrowInvalid is a ValueError) becomes a
+    :class:`DataError` naming ``where``, the files being read."""
     it = iter(ds)
     while True:
         try:
             ex = next(it)
         except StopIteration:
             return
-        except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid is a ValueError
-            raise DataError(f"reading {readable}: {type(e).__name__}: {e}") from e
-        text = ex.get(col)
-        if _skip_reason(text) is None:
-            yield text
+        except (ValueError, OSError) as e:
+            raise DataError(f"reading {where}: {type(e).__name__}: {e}") from e
+        yield ex
 
 
 def log_skipped_files(skipped: dict[str, str]) -> None:
@@ -323,14 +330,7 @@ class BlockStream:
         if self.shuffle:
             ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.cfg.shuffle_buffer)
         col = self._column()
-        it = iter(ds)
-        while True:
-            try:
-                ex = next(it)
-            except StopIteration:
-                return
-            except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid is a ValueError
-                raise DataError(f"reading {self._readable or self.source}: {type(e).__name__}: {e}") from e
+        for ex in _rows(ds, self._readable or self.source):
             text = ex.get(col) if isinstance(ex, dict) else None
             if self.hold_out and isinstance(text, str) and is_held_out(text) != (self.hold_out == "only"):
                 continue
