@@ -160,13 +160,10 @@ def two_checkpoints(tmp_path_factory):
     return out
 
 
-def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
-    good = two_checkpoints / ckpt.checkpoint_name(6)
-    manifest = ckpt.load_json(good / ckpt.MANIFEST)
-    assert set(SINGLE_KINDS) <= set(manifest["files"]) and {"torch", "transformers", "safetensors"} <= set(manifest["versions"])
-    assert all(set(rec) == {"size", "sha256"} for rec in manifest["files"].values())
-    assert ckpt.verify(good) == []
-    for kind in SINGLE_KINDS:
+def assert_each_damage_is_named(good, kinds, tmp_path) -> None:
+    """A byte flip and a truncation of each file kind in a copy of ``good``: verification reports exactly that file
+    (and says "truncated" only for the truncation)."""
+    for kind in kinds:
         for damage in (flip, truncate):
             copy = tmp_path / f"{damage.__name__}-{kind.replace('/', '-')}"
             shutil.copytree(good, copy)
@@ -174,6 +171,15 @@ def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
             problems = ckpt.verify(copy)
             assert len(problems) == 1 and problems[0].startswith(str(copy / kind)), (kind, damage, problems)
             assert ("truncated" in problems[0]) == (damage is truncate)
+
+
+def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
+    good = two_checkpoints / ckpt.checkpoint_name(6)
+    manifest = ckpt.load_json(good / ckpt.MANIFEST)
+    assert set(SINGLE_KINDS) <= set(manifest["files"]) and {"torch", "transformers", "safetensors"} <= set(manifest["versions"])
+    assert all(set(rec) == {"size", "sha256"} for rec in manifest["files"].values())
+    assert ckpt.verify(good) == []
+    assert_each_damage_is_named(good, SINGLE_KINDS, tmp_path)
     from hf_asyncpp.export import load_checkpoint_state  # scripts/export.py: a damaged checkpoint is not exported
 
     with pytest.raises(ckpt.CheckpointError, match=r"flip-model.safetensors/model.safetensors: its sha256 differs"):

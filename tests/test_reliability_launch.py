@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import time
 from pathlib import Path
 
 from hf_asyncpp import checkpoint as ckpt
 from test_launch import launch, losses, write_recipe
-from test_reliability import flip, truncate
+from test_reliability import assert_each_damage_is_named, truncate
 
 
 def _ppid_and_state(pid: int) -> tuple[int, str] | None:
@@ -88,13 +87,7 @@ def test_pipelined_checkpoint_damage_is_named_and_latest_falls_back(tmp_path):
     good = out / ckpt.checkpoint_name(8)
     kinds = ["stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors",
              "stage-01-optimizer.pt", "rng-rank001.pt"]
-    for kind in kinds:
-        for damage in (flip, truncate):
-            copy = tmp_path / f"{damage.__name__}-{kind}"
-            shutil.copytree(good, copy)
-            damage(copy / kind)
-            problems = ckpt.verify(copy)
-            assert len(problems) == 1 and problems[0].startswith(str(copy / kind)), (kind, problems)
+    assert_each_damage_is_named(good, kinds, tmp_path)
     reference = losses(out)
     truncate(good / "stage-01.safetensors")
     rc, log = launch(recipe, "--training.resume_from_checkpoint=latest")
