@@ -74,17 +74,26 @@ def autocast(enabled: bool):
     return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def stage_parameter_lists(model, recipe: Recipe) -> list[list[torch.nn.Parameter]]:
-    """Parameters grouped by the pipeline stage that would own them (for simulate_delay: pipedream)."""
+def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Parameter]], list[tuple]]:
+    """Parameters grouped by the pipeline stage that would own them (for simulate_delay: pipedream), and the
+    ``(module, attribute)`` uses of a tied parameter on a later stage (the tied output head): the executor holds a
+    copy of it there, at that stage's lag (0 on the last stage), not at the owner's, so the simulation must too."""
     p = recipe.pipeline.num_stages
     if p == 1 or recipe.optimizer.simulate_delay != "pipedream":
-        return [list(model.parameters())]
+        return [list(model.parameters())], []
     plan = partition_plan(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
     by_name = dict(model.named_parameters())
     groups = [[] for _ in range(p)]
     for name, param in by_name.items():
         groups[plan.stage_of(name)].append(param)
-    return groups
+    uses = []
+    for _, later in plan.tied_pairs:
+        if plan.stage_of(later) != p - 1:
+            raise NotImplementedError(f"simulate_delay: pipedream: the tied parameter {later!r} is used on stage "
+                                      f"{plan.stage_of(later)}, not the last; only a tied output head is simulated")
+        module, _, attr = later.rpartition(".")
+        uses.append((model.get_submodule(module), attr))
+    return groups, uses
 
 
 class LocalEngine:
@@ -97,7 +106,7 @@ class LocalEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
-        self.delay = DelaySimulator(recipe.optimizer.simulate_delay, stage_parameter_lists(model, recipe))
+        self.delay = DelaySimulator(recipe.optimizer.simulate_delay, *stage_parameter_lists(model, recipe))
         self.nonfinite_skipped = 0
 
     # ------------------------------------------------------------------ training
@@ -129,30 +138,30 @@ class LocalEngine:
                 loss = self.model(input_ids=ids, labels=ids).loss
             (loss / m).backward()
             loss_sum += loss.detach().float()
+        self.delay.after_backward()  # the current weights back; a tied head's gradient summed into its parameter
         loss_mean = self._allreduce_grads(loss_sum) / m
-        apply = self.delay.after_backward()
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = None
+        max_norm = cfg.training.max_grad_norm or math.inf
+        # under every simulate_delay the gradient applied is the one just computed (at stale weights), so the
+        # non-finite decision is taken on the gradient being applied, as the executor's STEP takes it
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         skipped = False
-        if apply:
-            max_norm = cfg.training.max_grad_norm or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            if not (math.isfinite(grad_norm) and math.isfinite(float(loss_mean))):
-                if cfg.training.on_nonfinite == "stop":
-                    raise NonFiniteError(
-                        f"step {step}: non-finite loss {float(loss_mean)} or grad norm {grad_norm}; stopping "
-                        "(training.on_nonfinite: stop). Checkpoints already written are left as they are; if this is "
-                        "the first step after a resume, suspect the checkpoint, else lower optimizer.learning_rate "
-                        "or set training.on_nonfinite: skip"
-                    )
-                skipped = True
-                self.nonfinite_skipped += 1
-            else:
-                self.optimizer.step()
-                self.scheduler.step()
+        if not (math.isfinite(grad_norm) and math.isfinite(float(loss_mean))):
+            if cfg.training.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step}: non-finite loss {float(loss_mean)} or grad norm {grad_norm}; stopping "
+                    "(training.on_nonfinite: stop). Checkpoints already written are left as they are; if this is "
+                    "the first step after a resume, suspect the checkpoint, else lower optimizer.learning_rate "
+                    "or set training.on_nonfinite: skip"
+                )
+            skipped = True
+            self.nonfinite_skipped += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.delay.after_step()
-        return StepResult(step, float(loss_mean), grad_norm, lr, apply and not skipped, skipped)
+        return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped)
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)

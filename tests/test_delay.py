@@ -63,10 +63,10 @@ def test_sync_by_hand():
 
 
 def test_delay_1_by_hand():
-    x = [Y0[:2]]  # x[0]
+    x = [Y0[:2]]  # x[0]; x[-1] = x[0]
     for t in range(STEPS):
-        # x[t+1] = x[t] - lr(t-1) g(x[t-1]); step 0 applies nothing, so update k = t-1 uses lr(k)
-        x.append(x[t] if t == 0 else [v - lr_of(t - 1) * g for v, g in zip(x[t], grad_at(x[t - 1]))])
+        # x[t+1] = x[t] - lr(t) g(x[t-1]): every step applies an update, as the executor's STEP{t} does
+        x.append([v - lr_of(t) * g for v, g in zip(x[t], grad_at(x[max(0, t - 1)]))])
     traj = run("1", 2)
     assert flat(traj) == pytest.approx(flat(x[1:]), rel=1e-12, abs=1e-12)
     assert flat(traj) != pytest.approx(flat(run("0", 2)))  # the delay is real
@@ -85,22 +85,62 @@ def test_pipedream_by_hand(p):
         assert flat(traj) != pytest.approx(flat(run("1", p)))
 
 
-def test_delay_1_first_step_and_missing_gradients():
+def test_delay_1_stashes_one_version_and_applies_every_step():
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     sim = DelaySimulator(1, [a, b])  # an int mode and a flat list are accepted
-    sim.before_forward()
-    a.grad = torch.full((2,), 3.0)  # b gets no gradient at step 0
-    assert sim.after_backward() is False and a.grad is None and b.grad is None  # nothing to apply yet
-    sim.after_step()
-    sim.before_forward()
-    a.grad, b.grad = torch.full((2,), 5.0), torch.full((2,), 7.0)
-    assert sim.after_backward() is True
-    assert torch.equal(a.grad, torch.full((2,), 3.0)) and b.grad is None  # step 0's gradients, None stays None
-    sim.after_step()
-    sim.before_forward()
-    a.grad, b.grad = None, None
-    sim.after_backward()
-    assert torch.equal(a.grad, torch.full((2,), 5.0)) and torch.equal(b.grad, torch.full((2,), 7.0))
+    for t in range(4):
+        sim.before_forward()  # step t computes at x[max(0, t-1)] = max(0, t-1) * 10 + 1
+        assert a[0].item() == max(0, t - 1) * 10 + 1 and b[0].item() == max(0, t - 1) * 10 + 1
+        a.grad = torch.full((2,), float(t))  # b gets no gradient: None stays None
+        assert sim.after_backward() is True  # every step has its gradient to apply
+        assert a[0].item() == t * 10 + 1 and torch.equal(a.grad, torch.full((2,), float(t))) and b.grad is None
+        with torch.no_grad():
+            a.add_(10.0), b.add_(10.0)  # "the update": x[t+1] = x[t] + 10
+        a.grad = None
+        sim.after_step()
+        assert sim.stored_tensors() == 2  # one stashed version of each parameter, no kept gradient
+
+
+def test_delay_1_refuses_a_checkpoint_of_the_old_reference():
+    """The old '1' kept the last gradient unapplied; its state cannot continue exactly under the stash design."""
+    a = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="old simulate_delay '1' reference"):
+        DelaySimulator("1", [a]).load_state_dict({"mode": "1", "steps": 3, "lags": [0], "kept": [torch.zeros(2)],
+                                                   "history": [[]]})
+
+
+def test_pipedream_tied_head_runs_at_lag_0_by_hand():
+    """A weight used by stage 0 (embedding, p-1 versions stale) and by the last stage (tied head, current), as the
+    executor's two copies: one gradient, the sum of both uses' at their own versions, applied to the one weight."""
+    p = 3
+    w, v = torch.nn.Parameter(torch.tensor([0.8], dtype=torch.float64)), torch.nn.Parameter(torch.tensor([-0.5], dtype=torch.float64))
+    head = torch.nn.Module()
+    head.weight = w  # the tied use on the last stage
+    mid = torch.nn.Parameter(torch.tensor([0.3], dtype=torch.float64))
+    opt = torch.optim.SGD([w, mid, v], lr=LR)
+    sim = DelaySimulator("pipedream", [[w], [mid], [v]], lag0_uses=[(head, "weight")])
+    f = lambda e, m, x, h: 0.5 * e * e * 1.3 + e * m + 0.7 * m * x + 0.4 * x * h + 0.9 * h * h * e  # e: embed use, h: head use
+    traj = []
+    for _ in range(STEPS):
+        sim.before_forward()
+        f(w[0], mid[0], v[0], head.weight[0]).backward()
+        assert sim.after_backward() and head.weight is w
+        opt.step()
+        opt.zero_grad()
+        sim.after_step()
+        traj.append([w.item(), mid.item(), v.item()])
+    W = [[0.8, 0.3, -0.5]]
+    for t in range(STEPS):
+        e, m, x, h = W[max(0, t - 2)][0], W[max(0, t - 1)][1], W[t][2], W[t][0]
+        ge, gm, gx, gh = 1.3 * e + m + 0.9 * h * h, e + 0.7 * x, 0.7 * m + 0.4 * h, 0.4 * x + 1.8 * h * e
+        W.append([W[t][0] - LR * (ge + gh), W[t][1] - LR * gm, W[t][2] - LR * gx])
+    assert flat(traj) == pytest.approx(flat(W[1:]), rel=1e-12, abs=1e-12)
+    untied = W[:1]  # the old simulation: the head as stale as the embedding; measurably different
+    for t in range(STEPS):
+        e, m, x = untied[max(0, t - 2)][0], untied[max(0, t - 1)][1], untied[t][2]
+        ge, gm, gx, gh = 1.3 * e + m + 0.9 * e * e, e + 0.7 * x, 0.7 * m + 0.4 * e, 0.4 * x + 1.8 * e * e
+        untied.append([untied[t][0] - LR * (ge + gh), untied[t][1] - LR * gm, untied[t][2] - LR * gx])
+    assert flat(traj) != pytest.approx(flat(untied[1:]), rel=1e-6)
 
 
 def test_keeps_only_the_versions_it_needs():

@@ -23,7 +23,7 @@ MIXTRAL = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 32, 
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
            "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
            "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}
-LLAMA_UNTIED = {**LLAMA, "tie_word_embeddings": False}  # see test below: pipedream's tied head is stage-local
+LLAMA_UNTIED = {**LLAMA, "tie_word_embeddings": False}
 # the router aux loss is a per-batch statistic, so data parallelism (the mean of per-replica aux losses)
 # equals the global batch only without it: the data-parallel MoE case turns it off
 MIXTRAL_NO_AUX = {**MIXTRAL, "output_router_logits": False}
@@ -63,7 +63,7 @@ def reference(recipe, batches):
 
     eng = LocalEngine(recipe, build(recipe), Topology(), log=lambda *a: None)
     results = eng.train_steps(batches, 0)
-    return [r.loss for r in results], {k: v.cpu().clone() for k, v in eng.full_state_dict().items()}
+    return results, {k: v.cpu().clone() for k, v in eng.full_state_dict().items()}
 
 
 def pipeline_worker(rank, world, scenarios):
@@ -78,7 +78,7 @@ def pipeline_worker(rank, world, scenarios):
         half = len(batches) // 2  # two chunks: the pipeline drains in between, numerics must not notice
         res = eng.train_steps(batches[:half], 0) + eng.train_steps(batches[half:], half)
         sd = eng.full_state_dict()
-        out.append(([r.loss for r in res], sd, eng.versions.peak))
+        out.append((res, sd, eng.versions.peak))
         eng.close()
     return out
 
@@ -89,8 +89,6 @@ def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, cl
     delay = {"2bw": "1", "pipedream": "pipedream"}.get(schedule, "0")
     ref_rec = make_recipe(arch, "none", stages if schedule == "pipedream" else 1, m, mbs * dp, opt, ef, delay, clip=clip)
     ref_batches = [torch.cat([replica[d][k] for d in range(dp)], dim=1) for k in range(STEPS)]
-    if schedule == "2bw":  # 2BW has applied every gradient after N steps: the reference needs one more step
-        ref_batches.append(make_batches(1, m, mbs * dp, 999)[0])
     return rec, replica, ref_rec, ref_batches
 
 
@@ -121,12 +119,21 @@ def _assert_reload_equals_stages(folder, recipe, sd):
 
 
 def _check(scenarios, results, tol=1e-5, export_dir=None):
-    for n, ((rec, _, ref_rec, ref_batches), (losses, sd, peak)) in enumerate(zip(scenarios, results)):
+    for n, ((rec, _, ref_rec, ref_batches), (res, sd, peak)) in enumerate(zip(scenarios, results)):
         if export_dir is not None and rec.pipeline.schedule in ("2bw", "gpipe"):
             _check_export(sd, rec, export_dir / f"export-{n}")
-        ref_losses, ref_sd = reference(ref_rec, ref_batches)
-        name = f"{rec.model.config['model_type']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:STEPS]), rtol=tol, atol=1e-6, msg=name)
+        ref_res, ref_sd = reference(ref_rec, ref_batches)
+        name = f"{rec.model.config['model_type']}/tied={rec.model.config['tie_word_embeddings']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}"
+        # after N steps both have applied N updates; step k logs the loss, grad norm and lr of the same batch
+        # and the same update in both (a stage-local norm, pipedream without clipping, is not logged)
+        assert len(res) == len(ref_res) == STEPS, name
+        torch.testing.assert_close(torch.tensor([r.loss for r in res]), torch.tensor([r.loss for r in ref_res]),
+                                   rtol=tol, atol=1e-6, msg=name)
+        assert [r.lr for r in res] == pytest.approx([r.lr for r in ref_res], rel=1e-12), name
+        norms = [(a.grad_norm, b.grad_norm) for a, b in zip(res, ref_res) if a.grad_norm is not None]
+        assert len(norms) == (STEPS if rec.training.max_grad_norm or rec.pipeline.schedule != "pipedream" else 0), name
+        assert [a for a, _ in norms] == pytest.approx([b for _, b in norms], rel=1e-4), name
+        assert [r.applied for r in res] == [r.applied for r in ref_res] == [True] * STEPS, name
         assert set(sd) >= {k for k in ref_sd if k != "lm_head.weight"}, name
         for k, v in ref_sd.items():
             if k in sd:
@@ -151,6 +158,7 @@ TWO = [
     (LLAMA, "2bw", 2, 3, 2, "muon", True, 1),  # pipeline.extra_warmup: other timing, same numerics
     (MIXTRAL, "1f1b", 2, 3, 2, "adamw", False, 1),
     (LLAMA_UNTIED, "pipedream", 2, 1, 2, "muon", False, 0, 0.0),  # no clipping: stage-local norms, no stall
+    (LLAMA, "pipedream", 2, 1, 2, "adamw", False),  # tied: the embedding 1 version stale, the head's copy current
 ]
 
 
@@ -166,6 +174,7 @@ FOUR = [
     (LLAMA, "2bw", 4, 4, 1, "muon", True, 1),
     (MIXTRAL, "gpipe", 4, 2, 2, "adamw", False, 1),
     (LLAMA_UNTIED, "pipedream", 4, 1, 2, "muon", False, 1),
+    (LLAMA, "pipedream", 4, 1, 2, "muon", True, 1),  # tied: the embedding 3 versions stale, the head's copy current
     (LLAMA, "2bw", 2, 2, 2, "muon", True, 2),   # data parallel 2 x pipeline 2
     (MIXTRAL_NO_AUX, "1f1b", 2, 2, 1, "adamw", False, 2),
 ]

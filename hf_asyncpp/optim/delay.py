@@ -4,33 +4,40 @@ These are the references the distributed schedules are tested against (x = weigh
 step's minibatch gradient at x, U = the optimizer's update with its state and lr):
 
 - ``'0'``: synchronous, ``x[t+1] = x[t] - U(g(x[t]))``.
-- ``'1'`` (PipeDream-2BW): ``x[t+1] = x[t] - U(g(x[t-1]))``. Each step computes g at the current
-  weights, keeps it, and hands the optimizer the gradient kept from the previous step; step 0
-  applies nothing (``after_backward`` returns False). The optimizer's state sees the stale gradients
-  in order. A parameter that got no gradient at step t-1 gets ``grad = None`` at step t.
+- ``'1'`` (PipeDream-2BW): ``x[t+1] = x[t] - U(g(x[t-1]))`` with ``x[-1] = x[0]``. Step t computes
+  the gradient of its own batch at the previous step's weights (a one-version weight stash, swapped
+  in for the forward/backward) and applies it to the current weights, exactly as the executor's
+  STEP{t} applies the gradient of batch t computed on version max(0, t-1). So after N steps both
+  have applied N updates, and a step's logged loss, grad norm and lr are those of the same batch
+  and the same update in both. (An earlier design kept the gradient and applied it one step later:
+  the same update sequence, but one update behind at every evaluation, export and checkpoint.)
 - ``'pipedream'`` (p stages): ``x[t+1] = x[t] - U(grad f(W_0[t-p+1], ..., W_s[t-(p-1-s)], ..., W_{p-1}[t]))``.
   The gradient is evaluated with stage s's weights p-1-s versions old (versions before 0 are W[0])
   and applied to the current weights. Stage s stores only its last p-1-s versions: at steady state
   the oldest one is swapped into the parameters for the forward/backward and its buffers then
   receive the current weights, so no extra version-sized copy is made (one tensor at a time is
-  the only transient).
+  the only transient). A parameter used by two stages (tied input/output embeddings) is, as in the
+  executor, used at each stage's own lag: ``lag0_uses`` names the later uses (the tied output head,
+  on the last stage, lag 0) that run on a copy of the current weights; their gradient is summed into
+  the parameter's, as the executor sums the two copies' gradients.
+
+``'1'`` is the ``'pipedream'`` mechanism with lag 1 at every stage, so the two share one code path.
 
 Protocol, every step (the trainer's)::
 
-    delay.before_forward()            # pipedream: stale versions into each stage's params (in place)
+    delay.before_forward()            # stale versions into the params (in place)
     ...forward + backward of the step's microbatches, gradients accumulated in p.grad...
-    if delay.after_backward():        # pipedream: current weights back (grads kept); '1': swap in last step's grad
-        clip_grad_norm_(...); optimizer.step(); scheduler.step()
+    delay.after_backward()            # current weights back (grads kept); tied uses' grads summed in
+    clip_grad_norm_(...); optimizer.step(); scheduler.step()
     optimizer.zero_grad()
-    delay.after_step()                # pipedream: the pre-step weights become the newest old version
+    delay.after_step()                # the pre-step weights become the newest old version
 
-The LR scheduler advances only on applied updates, so the k-th applied update (k = 0, 1, ...)
-uses lr(k): under ``'1'`` step t >= 1 applies g(x[t-1]) with lr(t-1).
+``after_backward`` returns True (every step applies an update in every mode; kept for callers that
+ask). The LR scheduler advances only on applied updates, so the k-th applied update uses lr(k).
 
-``state_dict()`` holds the kept gradient ('1') and the stored versions ('pipedream'), so a run
-resumed from it (together with the weights and the optimizer's state) continues exactly. Like
-``torch.optim.Optimizer.state_dict()``, it references live tensors (the version buffers are reused
-in place): serialize it before the next step.
+``state_dict()`` holds the stored versions, so a run resumed from it (together with the weights and
+the optimizer's state) continues exactly. Like ``torch.optim.Optimizer.state_dict()``, it references
+live tensors (the version buffers are reused in place): serialize it before the next step.
 """
 from __future__ import annotations
 
@@ -60,9 +67,12 @@ class DelaySimulator:
         params_per_stage: the parameters of each pipeline stage, in stage order (the partition
             plan's). Only ``'pipedream'`` uses the split; a single list (or a flat list of
             parameters) is fine for the other modes.
+        lag0_uses: ``(module, attribute)`` pairs whose parameter belongs to an earlier stage but which
+            the pipeline runs on the current weights (the tied output head of ``'pipedream'`` on the
+            last stage). Ignored unless the owner's lag is > 0.
     """
 
-    def __init__(self, mode: str, params_per_stage):
+    def __init__(self, mode: str, params_per_stage, lag0_uses=()):
         mode = str(mode)
         if mode not in MODES:
             raise ValueError(f"optimizer.simulate_delay: {mode!r} is not one of {', '.join(map(repr, MODES))}")
@@ -79,10 +89,12 @@ class DelaySimulator:
                                      f"stage {s}); tied weights must be owned by one stage")
                 seen.add(id(p))
         n = len(self.stages)
-        self.lags = [n - 1 - s for s in range(n)] if mode == "pipedream" else [0] * n
+        self.lags = {"pipedream": [n - 1 - s for s in range(n)], "1": [1] * n}.get(mode, [0] * n)
+        lag_of = {id(p): lag for params, lag in zip(self.stages, self.lags) for p in params}
+        self.lag0_uses = [(m, a) for m, a in lag0_uses if lag_of.get(id(getattr(m, a)), 0) > 0]
+        self._owners: list[torch.nn.Parameter] = []  # while lag0_uses run on copies: their own parameters
         self.history: list[deque[list[Tensor]]] = [deque() for _ in range(n)]  # old versions, oldest first
         self._current: list[list[Tensor] | None] = [None] * n  # the current weights while stale ones are in
-        self._kept: list[Tensor | None] | None = None  # '1': the gradient computed at the previous step
         self.steps = 0  # completed steps (after_step calls)
         self._phase = "idle"
 
@@ -99,8 +111,10 @@ class DelaySimulator:
     def before_forward(self) -> None:
         self._expect("idle", "before_forward")
         self._phase = "forward"
-        if self.mode != "pipedream":
-            return
+        for module, attr in self.lag0_uses:  # a copy of the current weights, before the stale ones come in
+            owner = getattr(module, attr)
+            self._owners.append(owner)
+            module._parameters[attr] = torch.nn.Parameter(owner.detach().clone())
         for s, params in enumerate(self.stages):
             lag, old = self.lags[s], self.history[s]
             if lag == 0:
@@ -118,21 +132,20 @@ class DelaySimulator:
 
     @torch.no_grad()
     def after_backward(self) -> bool:
-        """Whether there is a gradient to apply this step (False only at step 0 of ``'1'``)."""
+        """Put the current weights back (the gradients stay) and sum the lag-0 uses' gradients into their owners'.
+        Returns True: every step applies an update."""
         self._expect("forward", "after_backward")
         self._phase = "backward"
-        if self.mode == "pipedream":
-            for s, params in enumerate(self.stages):
-                if self._current[s] is not None:
-                    for p, cur in zip(params, self._current[s]):
-                        p.copy_(cur)
-            return True
-        if self.mode == "1":
-            params = self.params
-            kept, self._kept = self._kept, [p.grad for p in params]
-            for p, g in zip(params, kept or [None] * len(params)):
-                p.grad = g
-            return kept is not None
+        for s, params in enumerate(self.stages):
+            if self._current[s] is not None:
+                for p, cur in zip(params, self._current[s]):
+                    p.copy_(cur)
+        for (module, attr), owner in zip(self.lag0_uses, self._owners):
+            g = module._parameters[attr].grad
+            module._parameters[attr] = owner
+            if g is not None:
+                owner.grad = g if owner.grad is None else owner.grad.add_(g)
+        self._owners.clear()
         return True
 
     def after_step(self) -> None:
@@ -145,30 +158,29 @@ class DelaySimulator:
         self.steps += 1
 
     def stored_tensors(self) -> int:
-        """Version tensors held now, the parked current weights included (stage s: at most p-1-s versions)."""
+        """Version tensors held now, the parked current weights included (stage s: at most its lag)."""
         return sum(len(v) for h in self.history for v in h) + sum(len(c) for c in self._current if c is not None)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "steps": self.steps, "lags": list(self.lags), "kept": self._kept,
+        return {"mode": self.mode, "steps": self.steps, "lags": list(self.lags),
                 "history": [[list(v) for v in h] for h in self.history]}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the kept gradient and stored versions (the weights themselves are the model's to load)."""
+        """Restore the stored versions (the weights themselves are the model's to load)."""
         if self._phase != "idle":
             raise RuntimeError("DelaySimulator.load_state_dict() in the middle of a step; load between steps")
         if sd["mode"] != self.mode:
             raise ValueError(f"checkpoint was written with simulate_delay {sd['mode']!r}, this run uses {self.mode!r}")
+        if self.mode == "1" and "kept" in sd:
+            raise ValueError("checkpoint was written by the old simulate_delay '1' reference, which kept the last "
+                             "gradient unapplied (one update behind); it cannot continue exactly under the current one "
+                             "(which stashes the previous weights). Restart the run, or finish it with the version "
+                             "that wrote it")
         lags = sd.get("lags", [None] * len(sd["history"]))  # older checkpoints did not record the lags
         if len(lags) != len(self.lags) or any(a is not None and a != b for a, b in zip(lags, self.lags)):
             raise ValueError(f"checkpoint was written for {len(lags)} simulated stages, this run has {len(self.lags)}")
-        params = self.params
-        kept = sd["kept"]
-        if kept is not None and len(kept) != len(params):
-            raise ValueError(f"checkpoint keeps {len(kept)} gradients, this run has {len(params)} parameters")
-        self._kept = None if kept is None else [
-            None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True) for p, g in zip(params, kept)]
         for s, (h, saved) in enumerate(zip(self.history, sd["history"])):
             if len(saved) > self.lags[s]:
                 raise ValueError(f"checkpoint stores {len(saved)} versions for stage {s}, which keeps {self.lags[s]}")
