@@ -144,9 +144,15 @@ class OptimizerConfig:
     """Muon hybrid: lr of the AdamW group (embeddings, head, norms, biases, routers); None: learning_rate."""
     adamw_weight_decay: Optional[float] = field(default=None, metadata=_range(lo=0.0))
     """Muon hybrid: weight decay of the AdamW group; None: weight_decay."""
+    nadam_momentum_decay: float = field(default=1000.0, metadata=_range(lo=0.0))
+    """NAdam's ``momentum_decay`` psi: its momentum at step t is ``0.99 (1 - 0.5 * 0.96^(t psi))``. 1000 makes it 0.99
+    from the first step (0.96^1000 ~ 2e-18), the constant high momentum of Ajanthan et al.'s Nesterov baseline for
+    asynchronous pipelines; torch's default 0.004 ramps it from 0.50 (step 1) to only 0.89 at step 10k."""
     delay_correction: Literal["none", "error_feedback"] = "none"
-    ef_lambda: float = field(default=1.0, metadata=_range(lo=0.0))
-    """Error-feedback extrapolation weight (1.0 is the paper's)."""
+    ef_lambda: Union[float, Literal["auto"]] = field(default=1.0, metadata=_range(lo=0.0))
+    """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's), or ``auto``: per parameter tensor and
+    step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree
+    (``optim/ef.py``)."""
     simulate_delay: Literal["0", "1", "pipedream"] = "0"
     """Single-process research mode: 0 sync, 1 PipeDream-2BW delay, pipedream variable delay."""
 
@@ -322,8 +328,8 @@ def _convert(value: Any, tp, where: str):
 
 
 def _check_range(value, meta, where):
-    if value is None or not meta or "lo" not in meta:
-        return
+    if value is None or isinstance(value, str) or not meta or "lo" not in meta:
+        return  # a Literal alternative of a numeric field (ef_lambda: auto) has no range
     lo, hi, lo_open = meta["lo"], meta["hi"], meta["lo_open"]
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
     if bad:

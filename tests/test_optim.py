@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_asyncpp.config import OptimizerConfig
-from hf_asyncpp.optim import (Muon, apply_delay_correction, build_optimizer, classify_parameters, install_error_feedback,
+from hf_asyncpp.optim import (Muon, apply_delay_correction, auto_lambda, build_optimizer, classify_parameters, install_error_feedback,
                               zeropower_via_newtonschulz)
 
 
@@ -255,6 +255,30 @@ def test_build_other_optimizers(name):
         assert decay["betas"] == (0.8, 0.97)
 
 
+def test_nadam_has_the_constant_high_momentum_of_the_related_work():
+    """Against NAdam written out by hand with a constant mu = beta1 = 0.99 (Dozat's Nesterov-Adam, as Ajanthan et
+    al. use it): x -= lr [mu m_t / (1 - mu^(t+1)) + (1 - mu) g_t / (1 - mu^t)] / (sqrt(v_t / (1 - b2^t)) + eps),
+    decoupled weight decay first. torch's default momentum_decay would be far from it."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(4, 6, bias=False)  # one decay-group matrix
+    model.lm_head.weight = w
+    cfg = OptimizerConfig(name="nadam", learning_rate=0.01, weight_decay=0.1, adam_beta2=0.95, adam_epsilon=1e-8)
+    opt = build_optimizer(model, cfg, log=lambda *_: None)
+    x, m, v, mu, b2, lr = w.detach().clone(), torch.zeros_like(w), torch.zeros_like(w), 0.99, 0.95, 0.01
+    for t, g in enumerate(_grads((6, 4), 8, seed=3, dtype=torch.float64), start=1):
+        w.grad = g.clone()
+        opt.step()
+        x *= 1 - lr * 0.1
+        m = mu * m + (1 - mu) * g
+        v = b2 * v + (1 - b2) * g * g
+        x -= lr * (mu * m / (1 - mu ** (t + 1)) + (1 - mu) * g / (1 - mu ** t)) / ((v / (1 - b2 ** t)).sqrt() + 1e-8)
+        # torch keeps the step count in float32, so its mu_t is 0.99 to ~1e-7 (the default psi: 0.495 at step 1)
+        torch.testing.assert_close(w.detach(), x, rtol=1e-6, atol=1e-9)
+    assert opt.param_groups[0]["momentum_decay"] == 1000.0
+
+
 def _train(model, opt, sched, steps, seed):
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -323,7 +347,7 @@ def _make(name, p):
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon", "sgd"])
-@pytest.mark.parametrize("lam", [1.0, 0.5])
+@pytest.mark.parametrize("lam", [1.0, 0.5, "auto"])
 def test_error_feedback_identity(name, lam):
     """x[t+1] - x[t] = -u[t] - lam (u[t] - u[t-1]) (lam = 1: -2u[t] + u[t-1]); the first step is plain.
 
@@ -335,7 +359,7 @@ def test_error_feedback_identity(name, lam):
     twin = torch.nn.Parameter(w.data.clone())
     opt = apply_delay_correction(_make(name, w), OptimizerConfig(delay_correction="error_feedback", ef_lambda=lam))
     twin_opt = _make(name, twin)
-    u_prev = None
+    u_prev, weights = None, []
     for t, g in enumerate(_grads((12, 10), 6, seed=1, dtype=torch.float64)):
         twin.data.copy_(w.data)
         twin.grad, w.grad = g.clone(), g.clone()
@@ -343,13 +367,31 @@ def test_error_feedback_identity(name, lam):
         u = w.data - twin.data
         x_before = w.data.clone()
         opt.step()
-        expected = -u if u_prev is None else -u - lam * (u - u_prev)
+        weight = lam
+        if lam == "auto" and u_prev is not None:  # clip(cos(u[t], u[t-1]), 0, 1), computed here independently
+            weight = min(1.0, max(0.0, float((u * u_prev).sum() / (u.norm() * u_prev.norm()))))
+            weights.append(weight)
+        expected = -u if u_prev is None else -u - weight * (u - u_prev)
         torch.testing.assert_close(w.data - x_before, expected, rtol=1e-9, atol=1e-12)
         if u_prev is not None and lam == 1.0:
             torch.testing.assert_close(w.data - x_before, -2 * u + u_prev, rtol=1e-9, atol=1e-12)
         assert u.abs().max() > 1e-4  # a real update
         u_prev = u
     torch.testing.assert_close(opt.error_feedback["prev"][w], u_prev, rtol=1e-12, atol=0)  # keeps u[t]
+    if lam == "auto":
+        assert len(weights) == 5 and any(0.0 < x < 0.999 for x in weights)  # the cosine really varies the weight
+
+
+def test_auto_lambda_trusts_agreeing_updates_only():
+    u = torch.randn(6, 5)
+    assert float(auto_lambda(u, 2 * u)) == pytest.approx(1.0)  # same direction: the full one-step extrapolation
+    assert float(auto_lambda(u, -u)) == 0.0  # an oscillation: no extrapolation (lam = 1 would triple the step)
+    assert float(auto_lambda(u, torch.zeros_like(u))) == 0.0  # nothing to compare with
+    v = torch.randn(6, 5)
+    v -= (v * u).sum() / (u * u).sum() * u  # orthogonal to u ...
+    assert float(auto_lambda(u, u + v)) == pytest.approx(float(u.norm() / (u + v).norm()), rel=1e-5)  # ... cos(u, u+v)
+    with pytest.raises(ValueError, match="ef_lambda: 'often' is not allowed; a number >= 0 or 'auto'"):
+        install_error_feedback(torch.optim.SGD([torch.nn.Parameter(u)], lr=0.1), "often")
 
 
 def test_error_feedback_install_rules():

@@ -30,14 +30,14 @@ MIXTRAL_NO_AUX = {**MIXTRAL, "output_router_logits": False}
 STEPS, SEQ = 4, 16
 
 
-def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5):
+def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5, lam=1.0):
     return recipe_from_dict({
         "model": {"config": dict(arch)},
         "data": {"seq_len": SEQ},
         "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": mbs,
                      "extra_warmup": extra},
         "optimizer": {"name": opt, "learning_rate": 0.01, "delay_correction": "error_feedback" if ef else "none",
-                      "simulate_delay": delay, "ns_dtype": "float32", "adam_epsilon": 1e-6},
+                      "simulate_delay": delay, "ns_dtype": "float32", "adam_epsilon": 1e-6, "ef_lambda": lam},
         # float32 Newton-Schulz and a non-tiny Adam epsilon: bf16 rounding and g/sqrt(v) of near-zero gradients
         # would amplify summation-order noise (data-parallel mean vs global batch) past the 1e-5 tolerance
         "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": clip, "report_to": []},
@@ -83,11 +83,11 @@ def pipeline_worker(rank, world, scenarios):
     return out
 
 
-def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, clip=0.5):
-    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef, extra=extra, clip=clip)
+def _scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, clip=0.5, lam=1.0):
+    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef, extra=extra, clip=clip, lam=lam)
     replica = [make_batches(STEPS, m, mbs, seed + 100 * d) for d in range(dp)]
     delay = {"2bw": "1", "pipedream": "pipedream"}.get(schedule, "0")
-    ref_rec = make_recipe(arch, "none", stages if schedule == "pipedream" else 1, m, mbs * dp, opt, ef, delay, clip=clip)
+    ref_rec = make_recipe(arch, "none", stages if schedule == "pipedream" else 1, m, mbs * dp, opt, ef, delay, clip=clip, lam=lam)
     ref_batches = [torch.cat([replica[d][k] for d in range(dp)], dim=1) for k in range(STEPS)]
     return rec, replica, ref_rec, ref_batches
 
@@ -123,7 +123,7 @@ def _check(scenarios, results, tol=1e-5, export_dir=None):
         if export_dir is not None and rec.pipeline.schedule in ("2bw", "gpipe"):
             _check_export(sd, rec, export_dir / f"export-{n}")
         ref_res, ref_sd = reference(ref_rec, ref_batches)
-        name = f"{rec.model.config['model_type']}/tied={rec.model.config['tie_word_embeddings']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}"
+        name = f"{rec.model.config['model_type']}/tied={rec.model.config['tie_word_embeddings']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}/lam={rec.optimizer.ef_lambda}"
         # after N steps both have applied N updates; step k logs the loss, grad norm and lr of the same batch
         # and the same update in both (a stage-local norm, pipedream without clipping, is not logged)
         assert len(res) == len(ref_res) == STEPS, name
@@ -159,12 +159,13 @@ TWO = [
     (MIXTRAL, "1f1b", 2, 3, 2, "adamw", False, 1),
     (LLAMA_UNTIED, "pipedream", 2, 1, 2, "muon", False, 0, 0.0),  # no clipping: stage-local norms, no stall
     (LLAMA, "pipedream", 2, 1, 2, "adamw", False),  # tied: the embedding 1 version stale, the head's copy current
+    (LLAMA, "2bw", 2, 2, 2, "adamw", True, 0, 0.5, "auto"),  # optimizer.ef_lambda: auto, per tensor on each stage
 ]
 
 
 def test_two_stage_schedules_match_single_process_reference(tmp_path):
-    scenarios = [_scenario(*s[:7], seed=i, extra=s[7] if len(s) > 7 else 0, clip=s[8] if len(s) > 8 else 0.5)
-                 for i, s in enumerate(TWO)]
+    scenarios = [_scenario(*s[:7], seed=i, extra=s[7] if len(s) > 7 else 0, clip=s[8] if len(s) > 8 else 0.5,
+                           lam=s[9] if len(s) > 9 else 1.0) for i, s in enumerate(TWO)]
     results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
     _check(scenarios, results[0], export_dir=tmp_path)
 

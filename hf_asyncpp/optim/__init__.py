@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .builder import KINDS, build_optimizer, classify_parameters
 from .delay import MODES, DelaySimulator
-from .ef import apply_delay_correction, install_error_feedback
+from .ef import apply_delay_correction, auto_lambda, install_error_feedback
 from .muon import Muon, adjusted_lr, zeropower_via_newtonschulz
 
-__all__ = ["build_optimizer", "classify_parameters", "KINDS", "apply_delay_correction", "install_error_feedback",
+__all__ = ["build_optimizer", "classify_parameters", "KINDS", "apply_delay_correction", "install_error_feedback", "auto_lambda",
            "DelaySimulator", "MODES", "Muon", "zeropower_via_newtonschulz", "adjusted_lr"]

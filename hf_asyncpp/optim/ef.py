@@ -20,6 +20,17 @@ Choices (documented here, tested in tests/test_optim.py):
   transient copy of the weights between the step's pre- and post-hook (reused as ``u[t]``).
 - ``lam`` is the configured one (``optimizer.error_feedback["lam"]``); the value saved in a state
   dict is informational and does not override it on load.
+- ``lam = "auto"`` (``optimizer.ef_lambda: auto``, beyond the paper, which names an adaptive lambda as
+  future work): per parameter tensor and step, ``lam = clip(cos(u[t], u[t-1]), 0, 1)``. Why: the
+  correction predicts the update at the current weights from the last change of the update,
+  ``u[t] + (u[t] - u[t-1])``, which is exact (lam = 1) when the update drifts smoothly. Where
+  consecutive updates disagree, ``u[t] - u[t-1]`` is mostly minibatch noise or an oscillation across a
+  high-curvature direction, and extrapolating it amplifies exactly that (at ``u[t] = -u[t-1]``, lam = 1
+  triples the step). The cosine of consecutive updates measures that agreement with what is already
+  held (no extra state, nothing new to checkpoint); it is clipped to [0, 1] because a one-step delay
+  needs a one-step extrapolation at most, and a negative cosine means "do not extrapolate". It is
+  computed per tensor (each layer's matrices drift at their own pace) from ``u`` and ``u[t-1]`` alone,
+  so the pipeline executor (per stage) and the single-process reference compute the same values.
 
 It is installed through the optimizer's step hooks, so the object stays the same
 ``torch.optim.Optimizer`` (LR schedulers, ``zero_grad`` and checkpointing work unchanged). Its
@@ -31,15 +42,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KEY", "apply_delay_correction", "install_error_feedback", "extrapolate_", "ef_buffers", "ef_state_by_name",
+__all__ = ["KEY", "AUTO", "auto_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "ef_buffers", "ef_state_by_name",
            "ef_state_from_names"]
 
 KEY = "error_feedback"
 
 
-def extrapolate_(p: Tensor, u: Tensor, prev: Tensor, lam: float) -> None:
-    """``p`` holds ``x_before - u``: move it to ``x_before - u - lam (u - prev)``, then ``prev <- u``."""
-    p.sub_(u - prev, alpha=lam)
+AUTO = "auto"
+
+
+def auto_lambda(u: Tensor, prev: Tensor) -> Tensor:
+    """``ef_lambda: auto``'s weight for one tensor: ``clip(cos(u, prev), 0, 1)`` (0 when either is zero), as a
+    0-dim tensor on ``u``'s device (no host sync)."""
+    dot = torch.sum(u.double() * prev.double())
+    norms = torch.linalg.vector_norm(u, dtype=torch.float64) * torch.linalg.vector_norm(prev, dtype=torch.float64)
+    return torch.where(norms > 0, dot / norms.clamp_min(1e-300), torch.zeros_like(dot)).clamp(0.0, 1.0).to(u.dtype)
+
+
+def extrapolate_(p: Tensor, u: Tensor, prev: Tensor, lam: float | str) -> None:
+    """``p`` holds ``x_before - u``: move it to ``x_before - u - lam (u - prev)``, then ``prev <- u``.
+    ``lam = "auto"``: ``auto_lambda(u, prev)``."""
+    if lam == AUTO:
+        p.sub_((u - prev).mul_(auto_lambda(u, prev)))
+    else:
+        p.sub_(u - prev, alpha=lam)
     prev.copy_(u)
 
 
@@ -57,16 +83,16 @@ def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float = 1.0) -> torch.optim.Optimizer:
+def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 1.0) -> torch.optim.Optimizer:
     """Install the correction on ``optimizer`` in place (step and state-dict hooks); returns it.
 
     Its state is ``optimizer.error_feedback``: ``{"lam": float, "prev": {param: u[t-1]}}``.
     """
     if hasattr(optimizer, KEY):
         raise ValueError("error feedback is already installed on this optimizer (it would be applied twice)")
-    if lam < 0:
-        raise ValueError(f"optimizer.ef_lambda: {lam} must be >= 0")
-    ef = {"lam": float(lam), "prev": {}}
+    if lam != AUTO and (isinstance(lam, str) or lam < 0):
+        raise ValueError(f"optimizer.ef_lambda: {lam!r} is not allowed; a number >= 0 or 'auto'")
+    ef = {"lam": lam if lam == AUTO else float(lam), "prev": {}}
     transient: dict[Tensor, Tensor] = {}  # param -> x_before, during one step only
     pending: list = []  # what load_state_dict's pre-hook took out of the state dict
 
