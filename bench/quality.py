@@ -248,7 +248,8 @@ def report(results, lrs, args, out_root: Path) -> str:
               "cosine to 10% with 10% warm-up, weight decay 0.1, clip 1.0."]
     png = "quality_long_curves.png" if args.long else "quality_curves.png"
     _plot(results, out_root / png)
-    (ROOT / "docs" / png).write_bytes((out_root / png).read_bytes())
+    if args.write:  # the docs' picture changes only with the docs' table
+        (ROOT / "docs" / png).write_bytes((out_root / png).read_bytes())
     lines.append(f"\n![eval loss curves]({png})")
     return "\n".join(lines)
 

@@ -140,6 +140,10 @@ class OptimizerConfig:
     comparisons."""
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     """Muon lr scaling: Keller Jordan's ``original`` or Moonshot's ``match_rms_adamw``."""
+    muon_split_fused: bool = True
+    """Muon: orthogonalize the gate and the up projection of a fused MoE expert ``gate_up_proj`` (transformers 5's
+    (E, 2I, H) layout) each on its own, as separate projections (dense Llama, transformers 4 MoE) are. False: one
+    (2I x H) matrix per expert. The two updates differ by 39-55% at MoE shapes (docs/how-it-works.md)."""
     adamw_lr: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
     """Muon hybrid: lr of the AdamW group (embeddings, head, norms, biases, routers); None: learning_rate."""
     adamw_weight_decay: Optional[float] = field(default=None, metadata=_range(lo=0.0))

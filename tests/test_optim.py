@@ -106,6 +106,54 @@ def test_batched_expert_orthogonalization_equals_a_loop():
     assert o3.ns_calls[id(p3)] == 9  # 3 steps x 3 experts
 
 
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_split_fused_experts_equal_torch_muon_on_each_projection(adjust):
+    """A ``split_rows = 2`` group on a fused (E, 2I, H) gate_up stack = torch.optim.Muon on each expert's gate (I, H)
+    and up (I, H) matrix separately (momentum, Nesterov, weight decay, the lr scale of an (I, H) matrix)."""
+    torch.manual_seed(0)
+    E, I, H = 3, 6, 10
+    w0 = torch.randn(E, 2 * I, H)
+    fused = torch.nn.Parameter(w0.clone())
+    parts = [torch.nn.Parameter(w0[e, j * I:(j + 1) * I].clone()) for e in range(E) for j in range(2)]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    opt = Muon([dict(params=[fused], use_muon=True, adjust_lr=adjust, split_rows=2, **kw)])
+    ref = torch.optim.Muon(parts, adjust_lr_fn=adjust, **kw)
+    joint = Muon([dict(params=[torch.nn.Parameter(w0.clone())], use_muon=True, adjust_lr=adjust, **kw)])
+    for g in _grads((E, 2 * I, H), 6):
+        g[:, :I] *= 5  # the gate's gradient larger than the up projection's
+        fused.grad = g.clone()
+        joint.param_groups[0]["params"][0].grad = g.clone()
+        for k, q in enumerate(parts):
+            q.grad = g[k // 2, (k % 2) * I:(k % 2 + 1) * I].clone()
+        opt.step()
+        ref.step()
+        joint.step()
+    expect = torch.stack([torch.cat([parts[2 * e].data, parts[2 * e + 1].data]) for e in range(E)])
+    assert _rel(expect, w0) > 0.01
+    assert _rel(fused.data, expect) <= 1e-6
+    assert _rel(joint.param_groups[0]["params"][0].data, expect) > 100 * 1e-6  # orthogonalized fused: another update
+    assert opt.ns_calls[id(fused)] == 6 * E * 2  # 6 steps x (experts x 2 projections)
+    with pytest.raises(ValueError, match="split_rows 2 does not divide"):
+        Muon([dict(params=[torch.nn.Parameter(torch.randn(2, 5, 4))], use_muon=True, split_rows=2)])
+
+
+def test_build_splits_fused_gate_up_only_in_the_gate_then_up_layout():
+    mix = _tiny("mixtral")
+    logs = []
+    opt = build_optimizer(mix, OptimizerConfig(name="muon"), log=logs.append)
+    names = {id(p): n for n, p in mix.named_parameters()}
+    split = next(g for g in opt.param_groups if g["name"] == "muon_split")
+    assert split["split_rows"] == 2 and sorted(names[id(p)] for p in split["params"]) == sorted(
+        n for n in names.values() if n.endswith("experts.gate_up_proj"))
+    muon = next(g for g in opt.param_groups if g["name"] == "muon")
+    assert not any(names[id(p)].endswith("gate_up_proj") for p in muon["params"])
+    assert "muon_split" not in [g["name"] for g in build_optimizer(mix, OptimizerConfig(name="muon", muon_split_fused=False),
+                                                                  log=lambda *_: None).param_groups]
+    oss, logs = _tiny("gpt_oss"), []  # (E, H, 2I), gate and up interleaved: not split, and said so
+    opt = build_optimizer(oss, OptimizerConfig(name="muon"), log=logs.append)
+    assert "muon_split" not in [g["name"] for g in opt.param_groups] and any("orthogonalized fused" in m for m in logs)
+
+
 def test_muon_rejects_bad_groups():
     with pytest.raises(ValueError, match="use_muon"):
         Muon([dict(params=[torch.nn.Parameter(torch.randn(2, 2))])])
@@ -188,16 +236,16 @@ def test_build_muon_logs_groups_and_groups_a_pipeline_stage():
     opt = build_optimizer(model, cfg, log=logs.append)
     assert isinstance(opt, Muon)
     by_name = {g["name"]: g for g in opt.param_groups}
-    assert set(by_name) == {"muon", "adamw", "adamw_no_decay"}
+    assert set(by_name) == {"muon", "muon_split", "adamw", "adamw_no_decay"}  # muon_split: the fused gate_up stacks
     assert by_name["muon"]["use_muon"] and by_name["muon"]["lr"] == 0.02 and by_name["muon"]["weight_decay"] == 0.1
     assert by_name["adamw"]["lr"] == 3e-3 and by_name["adamw"]["weight_decay"] == 0.05
     assert by_name["adamw_no_decay"]["weight_decay"] == 0.0 and by_name["adamw_no_decay"]["lr"] == 3e-3
     kinds = classify_parameters(model)
     names = {id(p): n for n, p in model.named_parameters()}
     for g in opt.param_groups:
-        assert {kinds[names[id(p)]] for p in g["params"]} == {g["name"]}
+        assert {kinds[names[id(p)]] for p in g["params"]} == {g["name"].removesuffix("_split")}
     n_muon = len(by_name["muon"]["params"])
-    assert any(f"group muon: {n_muon} tensors" in m for m in logs) and len(logs) == 3
+    assert any(f"group muon: {n_muon} tensors" in m for m in logs) and len(logs) == 4
     # a pipeline stage (original names, the HF modules themselves in plain containers) classifies the same way
     stage = torch.nn.Module()
     stage.model = torch.nn.Module()
@@ -301,9 +349,11 @@ def test_muon_runs_ns_on_every_matrix_every_step_and_lambda_lr_scales_both_sides
     muon = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
     kinds = classify_parameters(model)
     assert len(muon) == sum(k == "muon" for k in kinds.values())
-    assert all(opt.ns_calls[id(p)] == 3 * (p.shape[0] if p.dim() == 3 else 1) for p in muon)
+    blocks = {id(p): g["split_rows"] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    assert set(blocks.values()) == {1, 2}  # fused gate_up stacks: two matrices per expert
+    assert all(opt.ns_calls[id(p)] == 3 * (p.shape[0] if p.dim() == 3 else 1) * blocks[id(p)] for p in muon)
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
-    assert lrs == pytest.approx({"muon": 0.02 / 8, "adamw": 0.004 / 8, "adamw_no_decay": 0.004 / 8})
+    assert lrs == pytest.approx({"muon": 0.02 / 8, "muon_split": 0.02 / 8, "adamw": 0.004 / 8, "adamw_no_decay": 0.004 / 8})
 
 
 def test_hybrid_state_dict_round_trip():

@@ -187,6 +187,66 @@ def test_four_processes_deeper_pipelines_and_data_parallel(tmp_path):
     _check(scenarios, results[0], export_dir=tmp_path)
 
 
+NAN_STEP = 2
+
+
+def _skip_nonfinite(recipe):
+    from hf_asyncpp.config import recipe_to_dict
+
+    d = recipe_to_dict(recipe)
+    d["training"]["on_nonfinite"] = "skip"
+    return recipe_from_dict(d)
+
+
+def nan_worker(rank, world, recipe, batches):
+    """2BW with step NAN_STEP's loss made NaN on the last stage (so its gradient is NaN on every stage)."""
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.pipeline.schedules import ActionType
+    from hf_asyncpp.topology import Topology
+
+    eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
+    do_forward, forward, now = eng._handlers[ActionType.F], eng._forward, {}
+    eng._handlers[ActionType.F] = lambda a, w: (now.__setitem__("step", a.step), do_forward(a, w))[1]
+    eng._forward = lambda mb, ids: forward(mb, ids) * (float("nan") if eng.last and now["step"] == NAN_STEP else 1.0)
+    res = eng.train_steps(batches, 0)
+    sd = eng.full_state_dict()
+    eng.close()
+    return res, sd
+
+
+def test_nonfinite_skip_under_delay_matches_reference():
+    """A NaN batch under 2BW skips exactly its own update in the executor and in ``simulate_delay: 1`` (the decision
+    is taken on the gradient being applied): same applied/skipped steps, losses and weights after 6 steps."""
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.topology import Topology
+
+    batches = make_batches(6, 2, 2, 11)
+    res, sd = run_distributed(nan_worker, 2, _skip_nonfinite(make_recipe(LLAMA, "2bw", 2, 2, 2, "muon", True)), batches)[0]
+    ref_rec = _skip_nonfinite(make_recipe(LLAMA, "none", 1, 2, 2, "muon", True, "1"))
+    eng = LocalEngine(ref_rec, build(ref_rec), Topology(), log=lambda *a: None)
+    forward, one_step, now = eng.model.forward, eng._one_step, {}
+
+    def nan_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if now["step"] == NAN_STEP:
+            out.loss = out.loss * float("nan")
+        return out
+
+    eng.model.forward = nan_forward
+    eng._one_step = lambda k, b: (now.__setitem__("step", k), one_step(k, b))[1]
+    ref = eng.train_steps(batches, 0)
+    expect = [(k, k != NAN_STEP, k == NAN_STEP) for k in range(6)]  # one update skipped, the other five applied
+    assert [(r.step, r.applied, r.skipped_nonfinite) for r in res] == expect
+    assert [(r.step, r.applied, r.skipped_nonfinite) for r in ref] == expect
+    assert eng.nonfinite_skipped == 1
+    torch.testing.assert_close(torch.tensor([r.loss for r in res]), torch.tensor([r.loss for r in ref]), rtol=1e-5,
+                               atol=1e-6, equal_nan=True)
+    assert [r.lr for r in res] == pytest.approx([r.lr for r in ref], rel=1e-12)
+    for k, v in eng.full_state_dict().items():
+        if k in sd:
+            torch.testing.assert_close(sd[k], v.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def export_worker(rank, world, recipe, batches, out_dir):
     """Train a few steps, then export: every stage writes its own shard; record what the gather carried."""
     import torch.distributed as dist

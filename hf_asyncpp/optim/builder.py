@@ -24,7 +24,7 @@ import torch
 
 from .muon import Muon
 
-__all__ = ["classify_parameters", "build_optimizer", "KINDS"]
+__all__ = ["classify_parameters", "build_optimizer", "fused_gate_up", "KINDS"]
 
 KINDS = ("muon", "adamw", "adamw_no_decay")
 _LAYER = re.compile(r"(^|\.)(layers|layer|h|blocks|block)\.\d+\.")
@@ -64,6 +64,26 @@ def classify_parameters(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def fused_gate_up(module: torch.nn.Module) -> list[str]:
+    """Names of fused MoE expert ``gate_up_proj`` stacks laid out (E, 2I, H): gate rows then up rows, as transformers 5
+    stores Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 and most MoE experts (``...chunk(2, dim=-1)`` of the product).
+
+    The layout is read from the sibling ``down_proj`` (E, H, I): a ``gate_up_proj`` of shape (E, 2I, H) next to it is
+    split. Another layout (GPT-OSS stores (E, H, 2I) with gate and up interleaved) is left fused, and the caller logs
+    it, rather than split wrongly."""
+    params = dict(module.named_parameters())
+    out = []
+    for name, p in params.items():
+        prefix, _, leaf = name.rpartition(".")
+        down = params.get(f"{prefix}.down_proj")
+        if leaf != "gate_up_proj" or p.dim() != 3 or down is None or down.dim() != 3:
+            continue
+        e, h, i = down.shape
+        if tuple(p.shape) == (e, 2 * i, h):
+            out.append(name)
+    return out
+
+
 def _summary(opt_name: str, group: dict) -> str:
     hyper = {"lr": group["lr"], "weight decay": group["weight_decay"]}
     if group.get("use_muon"):
@@ -81,7 +101,9 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
     - ``muon``: one ``Muon`` with a Muon group (``learning_rate``, ``weight_decay``, ``momentum``,
       ``nesterov``, ``ns_steps``, ``adjust_lr``, ``ns_dtype``) and two AdamW groups, ``adamw`` and
       ``adamw_no_decay`` (lr ``adamw_lr`` or ``learning_rate``; betas, eps; weight decay
-      ``adamw_weight_decay`` or ``weight_decay``, 0 for the no-decay group).
+      ``adamw_weight_decay`` or ``weight_decay``, 0 for the no-decay group). With
+      ``muon_split_fused`` (default), fused MoE expert ``gate_up_proj`` stacks (``fused_gate_up``) go to a
+      ``muon_split`` group that orthogonalizes the gate and the up projection of each expert apart.
     - ``adamw``: ``torch.optim.AdamW`` (``learning_rate``, betas, eps, ``weight_decay``).
     - ``nadam``: ``torch.optim.NAdam`` with beta1 = 0.99 and decoupled weight decay (Ajanthan et
       al.'s Nesterov baseline for asynchronous pipelines; ``adam_beta1`` is not used). Its
@@ -114,9 +136,19 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
         adam_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.learning_rate
         adam_wd = cfg.adamw_weight_decay if cfg.adamw_weight_decay is not None else cfg.weight_decay
         adam = dict(use_muon=False, lr=adam_lr, betas=betas, eps=cfg.adam_epsilon)
-        pg = [dict(params=groups["muon"], name="muon", use_muon=True, lr=cfg.learning_rate, momentum=cfg.momentum,
-                   nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr,
-                   ns_dtype=_ns_dtype(cfg.ns_dtype, groups["muon"])),
+        muon = dict(use_muon=True, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                    weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr,
+                    ns_dtype=_ns_dtype(cfg.ns_dtype, groups["muon"]))
+        split = set(fused_gate_up(module)) if cfg.muon_split_fused else set()
+        fused = {id(p) for n, p in module.named_parameters() if n in split}
+        if cfg.muon_split_fused:
+            left = [n for n, p in module.named_parameters() if n.endswith("gate_up_proj") and kinds[n] == "muon"
+                    and n not in split]
+            if left:
+                log(f"optimizer muon: {left[0]} (and {len(left) - 1} more) is not in the (E, 2I, H) gate-then-up layout; "
+                    "orthogonalized fused")
+        pg = [dict(params=[p for p in groups["muon"] if id(p) not in fused], name="muon", **muon),
+              dict(params=[p for p in groups["muon"] if id(p) in fused], name="muon_split", split_rows=2, **muon),
               dict(params=groups["adamw"], name="adamw", weight_decay=adam_wd, **adam),
               dict(params=groups["adamw_no_decay"], name="adamw_no_decay", weight_decay=0.0, **adam)]
         opt = Muon([g for g in pg if g["params"]])

@@ -20,6 +20,12 @@ Pure functions first (Newton-Schulz, the Muon and AdamW updates), then a thin
   gives sqrt(max(1, in/out)) where a Linear of the same layer would get
   sqrt(max(1, out/in)).
 
+- Fused projections: a Muon group with ``split_rows = k`` (> 1) orthogonalizes each of the k equal row blocks
+  of every matrix on its own, with the lr scale of the block's shape: exactly what k separate
+  parameters would get. transformers 5 stores an MoE layer's expert gate and up projections as one
+  ``gate_up_proj`` (E, 2I, H) where transformers 4 (and dense Llama) had two (I, H) matrices;
+  ``optimizer.muon_split_fused`` (builder) puts those in a ``split_rows = 2`` group.
+
 ``Muon.ns_calls[id(p)]`` counts the matrices Newton-Schulz orthogonalized for
 ``p`` (experts count one each), so tests can prove no Muon parameter ever fell
 back silently to another update.
@@ -37,7 +43,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
 
 MUON_DEFAULTS = dict(lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5, adjust_lr="original",
-                     ns_dtype="bfloat16", ns_coefficients=NS_COEFFICIENTS, eps=EPS)
+                     ns_dtype="bfloat16", ns_coefficients=NS_COEFFICIENTS, eps=EPS, split_rows=1)
 """Muon group keys and their defaults (those of ``torch.optim.Muon``)."""
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 """AdamW group keys and their defaults (those of ``torch.optim.AdamW``)."""
@@ -82,11 +88,18 @@ def adjusted_lr(lr: float, shape: torch.Size, how: str) -> float:
 
 
 def muon_update(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool, ns_steps: int,
-                ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Advance the momentum buffer in place and return the orthogonalized direction (not yet lr-scaled)."""
+                ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_dtype: torch.dtype = torch.bfloat16,
+                split_rows: int = 1) -> Tensor:
+    """Advance the momentum buffer in place and return the orthogonalized direction (not yet lr-scaled).
+    ``split_rows = k``: each of the k equal row blocks of every matrix is orthogonalized on its own (one batched
+    call over experts x blocks)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     direction = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps, ns_dtype)
+    if split_rows == 1:
+        return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps, ns_dtype)
+    rows, cols = direction.shape[-2:]
+    blocks = direction.reshape(-1, rows // split_rows, cols)  # (..., k*r, c) -> (... * k, r, c): row blocks in order
+    return zeropower_via_newtonschulz(blocks, ns_steps, ns_coefficients, eps, ns_dtype).reshape(direction.shape)
 
 
 def adamw_update(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas, eps: float, weight_decay: float) -> None:
@@ -146,10 +159,14 @@ class Muon(torch.optim.Optimizer):
             adjusted_lr(1.0, torch.Size([1, 1]), g["adjust_lr"])  # validates the name
             _dtype(g["ns_dtype"])
             params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+            k = g["split_rows"]
             for p in params:
                 if p.dim() not in (2, 3):
                     raise ValueError(f"Muon param group {i}: Muon takes 2-D matrices or 3-D expert stacks, got "
                                      f"shape {tuple(p.shape)}; put it in a use_muon=False (AdamW) group")
+                if not isinstance(k, int) or k < 1 or p.shape[-2] % k:
+                    raise ValueError(f"Muon param group {i}: split_rows {k!r} does not divide the rows of a matrix "
+                                     f"of shape {tuple(p.shape)}")
             g["params"] = params
         super().add_param_group(g)
 
@@ -171,8 +188,10 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 update = muon_update(p.grad, state["momentum_buffer"], momentum=g["momentum"], nesterov=g["nesterov"],
                                      ns_steps=g["ns_steps"], ns_coefficients=g["ns_coefficients"], eps=g["eps"],
-                                     ns_dtype=_dtype(g["ns_dtype"]))
-                self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + update[..., 0, 0].numel()
+                                     ns_dtype=_dtype(g["ns_dtype"]), split_rows=g["split_rows"])
+                k = g["split_rows"]
+                self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + update[..., 0, 0].numel() * k
                 p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-adjusted_lr(g["lr"], p.shape, g["adjust_lr"]))
+                block = (p.shape[-2] // k, p.shape[-1])  # the lr scale of the matrices Newton-Schulz saw
+                p.add_(update.to(p.dtype), alpha=-adjusted_lr(g["lr"], block, g["adjust_lr"]))
         return loss
