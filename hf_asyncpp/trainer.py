@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, RunState, check_model, choose_resume, set_seed
+from .checkpointer import Checkpointer, RunState, check_model, choose_resume, rank_seed, set_seed
 from .config import Recipe, RecipeError, load_recipe, save_recipe
 from .data import BlockStream, DataError, eval_blocks, next_batch, resolve_data_files, train_hold_out
 from .downstream import evaluate_tasks_during_training
@@ -130,8 +130,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
         held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
-    set_seed(t.seed)
+    set_seed(t.seed)  # the same initial weights on every rank
     engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
+    set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
     stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
                          hold_out=train_hold_out(recipe.data, eval_files))
     pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None

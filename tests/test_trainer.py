@@ -208,3 +208,47 @@ def test_a_tracker_that_cannot_run_is_an_error_naming_it():
         check_trackers(["clearml"])
     with pytest.raises(RecipeError, match=r"report_to: 'tensorbored' is not a tracker; choose from .*tensorboard"):
         check_trackers(["tensorbored"])
+
+
+def test_each_stage_and_replica_draws_its_own_random_stream():
+    """Same initial weights everywhere (training.seed), then per-rank dropout streams: rank (0, 0) keeps the seed (a
+    single-process run is unchanged), every other (stage, replica) its own, reproducibly."""
+    from hf_asyncpp.checkpointer import rank_seed, set_seed
+
+    assert rank_seed(42, 0, 0) == 42
+    seeds = {(s, r): rank_seed(42, s, r) for s in range(8) for r in range(4)}
+    assert len(set(seeds.values())) == 32 and seeds == {(s, r): rank_seed(42, s, r) for s in range(8) for r in range(4)}
+    assert rank_seed(43, 1, 0) != rank_seed(42, 1, 0)
+    masks = []
+    for stage in (0, 1, 0):
+        set_seed(rank_seed(42, stage, 0))
+        masks.append(torch.nn.functional.dropout(torch.ones(256), 0.5))
+    assert not torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+
+
+def test_rng_state_round_trip_includes_cuda(monkeypatch):
+    """The CPU generators round-trip; where CUDA is available its generator is saved and restored too (faked on a
+    CPU-only machine: the calls and the state handed back are what is checked)."""
+    from hf_asyncpp.checkpointer import rng_state, set_rng_state
+
+    torch.manual_seed(5)
+    saved = rng_state()
+    first = torch.rand(4)
+    set_rng_state(saved)
+    assert torch.equal(torch.rand(4), first)
+    if torch.cuda.is_available():  # the real thing
+        saved = rng_state()
+        a = torch.rand(4, device="cuda")
+        set_rng_state(saved)
+        assert torch.equal(torch.rand(4, device="cuda"), a)
+        return
+    fake = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8), "set": None}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: fake["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, *a, **k: fake.__setitem__("set", s))
+    state = rng_state()
+    assert torch.equal(state["cuda"], fake["state"])
+    set_rng_state(state)
+    assert torch.equal(fake["set"], fake["state"])
+    set_rng_state({k: v for k, v in state.items() if k != "cuda"})  # a CPU checkpoint on a GPU: nothing to restore
+    assert torch.equal(fake["set"], fake["state"])
