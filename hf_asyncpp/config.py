@@ -158,7 +158,9 @@ class OptimizerConfig:
     step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree
     (``optim/ef.py``)."""
     simulate_delay: Literal["0", "1", "pipedream"] = "0"
-    """Single-process research mode: 0 sync, 1 PipeDream-2BW delay, pipedream variable delay."""
+    """Single-process research mode, equal step for step to the pipeline schedule: 0 sync, 1 PipeDream-2BW's one-step
+    delay (each step's gradient at the previous step's weights, applied at once: N updates after N steps), pipedream
+    the variable delay of ``pipeline.num_stages`` stages (a tied output head at lag 0, as the executor's copy)."""
 
 
 @dataclass(kw_only=True)
