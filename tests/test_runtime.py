@@ -123,7 +123,7 @@ def _check(scenarios, results, tol=1e-5, export_dir=None):
         if export_dir is not None and rec.pipeline.schedule in ("2bw", "gpipe"):
             _check_export(sd, rec, export_dir / f"export-{n}")
         ref_res, ref_sd = reference(ref_rec, ref_batches)
-        name = f"{rec.model.config['model_type']}/tied={rec.model.config['tie_word_embeddings']}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}/lam={rec.optimizer.ef_lambda}"
+        name = f"{rec.model.config['model_type']}/tied={rec.model.config.get('tie_word_embeddings')}/{rec.pipeline.schedule}/{rec.optimizer.name}/ef={rec.optimizer.delay_correction}/lam={rec.optimizer.ef_lambda}"
         # after N steps both have applied N updates; step k logs the loss, grad norm and lr of the same batch
         # and the same update in both (a stage-local norm, pipedream without clipping, is not logged)
         assert len(res) == len(ref_res) == STEPS, name
