@@ -141,6 +141,7 @@ def test_pipedream_tied_head_runs_at_lag_0_by_hand():
         ge, gm, gx, gh = 1.3 * e + m + 0.9 * e * e, e + 0.7 * x, 0.7 * m + 0.4 * e, 0.4 * x + 1.8 * e * e
         untied.append([untied[t][0] - LR * (ge + gh), untied[t][1] - LR * gm, untied[t][2] - LR * gx])
     assert flat(traj) != pytest.approx(flat(untied[1:]), rel=1e-6)
+    assert DelaySimulator("1", [[w], [mid], [v]], lag0_uses=[(head, "weight")]).lag0_uses == []  # 2BW: all at lag 1
 
 
 def test_keeps_only_the_versions_it_needs():

@@ -69,7 +69,8 @@ class DelaySimulator:
             parameters) is fine for the other modes.
         lag0_uses: ``(module, attribute)`` pairs whose parameter belongs to an earlier stage but which
             the pipeline runs on the current weights (the tied output head of ``'pipedream'`` on the
-            last stage). Ignored unless the owner's lag is > 0.
+            last stage). Only ``'pipedream'`` uses them: under ``'1'`` every stage, the head's copy
+            included, is one version old, so the tied weight is one tensor at one version.
     """
 
     def __init__(self, mode: str, params_per_stage, lag0_uses=()):
@@ -91,7 +92,7 @@ class DelaySimulator:
         n = len(self.stages)
         self.lags = {"pipedream": [n - 1 - s for s in range(n)], "1": [1] * n}.get(mode, [0] * n)
         lag_of = {id(p): lag for params, lag in zip(self.stages, self.lags) for p in params}
-        self.lag0_uses = [(m, a) for m, a in lag0_uses if lag_of.get(id(getattr(m, a)), 0) > 0]
+        self.lag0_uses = [(m, a) for m, a in lag0_uses if mode == "pipedream" and lag_of.get(id(getattr(m, a)), 0) > 0]
         self._owners: list[torch.nn.Parameter] = []  # while lag0_uses run on copies: their own parameters
         self.history: list[deque[list[Tensor]]] = [deque() for _ in range(n)]  # old versions, oldest first
         self._current: list[list[Tensor] | None] = [None] * n  # the current weights while stale ones are in
