@@ -285,3 +285,37 @@ def test_sharded_export_of_four_stages_reloads_exactly(tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     _assert_reload_equals_stages(out, recipe, results[0][1])
+
+
+def split_resume_worker(rank, world, old, new, tmp):
+    from pathlib import Path
+
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+
+    topo = Topology(rank=rank, world_size=world, num_stages=2)
+    eng = PipelineEngine(old, build(old), topo, log=lambda *a: None)
+    eng.train_steps(make_batches(3, 2, 2, 5), 0)
+    eng.save(Path(tmp))
+    saved = {g["name"]: g["lr"] for g in eng.optimizer.param_groups}
+    eng.close()
+    fresh = PipelineEngine(new, build(new), topo, log=lambda *a: None)
+    fresh.load(Path(tmp))
+    groups = {g["name"]: (g["lr"], g["split_rows"] if g["use_muon"] else None) for g in fresh.optimizer.param_groups}
+    fresh.close()
+    return saved, groups
+
+
+def test_checkpoint_from_before_the_split_resumes_the_split_group_on_schedule(tmp_path):
+    """A pipelined MoE checkpoint written with fused experts in the "muon" group (muon_split_fused: false, or before
+    the option) resumes with muon_split_fused: true: the new "muon_split" group takes the lr the schedule had
+    reached, its split from the recipe."""
+    from hf_asyncpp.config import recipe_to_dict
+
+    d = recipe_to_dict(make_recipe(MIXTRAL, "2bw", 2, 2, 2, "muon"))
+    d["optimizer"]["muon_split_fused"] = False
+    old = recipe_from_dict(d)
+    saved, groups = run_distributed(split_resume_worker, 2, old, make_recipe(MIXTRAL, "2bw", 2, 2, 2, "muon"),
+                                    str(tmp_path))[0]
+    assert "muon_split" not in saved and saved["muon"] != 0.01  # the schedule has moved off the peak
+    assert groups["muon_split"] == (saved["muon"], 2) and groups["muon"] == (saved["muon"], 1)

@@ -64,9 +64,11 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     names = param_names(stage, optimizer)
     sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
     for g in sd["param_groups"]:  # the lr the schedule had reached, not the fresh optimizer's
-        saved = groups.get(g.get("name"))
+        name = g.get("name")
+        # a checkpoint from before muon_split_fused has no "muon_split" group: its experts were in "muon"
+        saved = groups.get(name, groups.get(name.removesuffix("_split")) if isinstance(name, str) else None)
         if saved is not None:
-            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "name", "split_rows")})
     ef = ef_state_from_names(ef_by_name, names, ef_lambda)
     if ef is not None:
         sd[EF_KEY] = ef
