@@ -20,6 +20,7 @@ import torch
 
 from hf_asyncpp.config import load_recipe
 from hf_asyncpp.modeling import build_model
+from hf_asyncpp.optim import apply_delay_correction, build_optimizer
 from hf_asyncpp.partition import measure_costs
 from hf_asyncpp.pipeline.planner import plan_memory, simulate_schedules
 from hf_asyncpp.pipeline.timeline import plot_timeline
@@ -94,19 +95,25 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     if device == "cpu":
         torch.set_num_threads(1)  # as one pipeline rank on CPU
     torch.manual_seed(0)
-    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device)
+    opt = recipe.optimizer
+    factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
+    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
+                      optimizer=factory)
+    m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
     print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
           f"{recipe.data.seq_len}): layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
-          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers)")
+          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers); optimizer step per layer "
+          f"{sorted(c.layer_steps)[len(c.layer_steps) // 2] * 1e3:.1f} ms (median), counted 1/{m} per microbatch")
     flops_split = [len(s.layers) for s in plan.stages]
-    time_split = c.balance(p)
+    time_split = c.balance(p, m)
     for name, split in (("cost model", flops_split), ("measured", time_split)):
-        secs = c.stage_seconds(split)
+        secs = c.stage_seconds(split, m)
         print(f"  {name:>10} split {split}: stage seconds {' '.join(f'{x * 1e3:.1f}' for x in secs)} ms, "
               f"slowest / mean {max(secs) / (sum(secs) / len(secs)):.3f}")
     if time_split != flops_split:
-        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}]")
+        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}] "
+              "(or layers_per_stage: auto, which measures at start on the machine that trains)")
 
 
 if __name__ == "__main__":

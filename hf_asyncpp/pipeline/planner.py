@@ -74,7 +74,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tu
     p = num_stages or recipe.pipeline.num_stages
     sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
     model = model or meta_model(recipe)
-    layers_per_stage = recipe.pipeline.layers_per_stage if p == recipe.pipeline.num_stages else None
+    layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages else None
     plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
     m, steps = sched.representative(p, recipe.pipeline.num_microbatches)
     m = _runnable_m(sched, p, m)
