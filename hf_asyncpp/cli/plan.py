@@ -5,6 +5,11 @@ bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (
     hf-asyncpp plan recipes/smollm2-360m.yaml --num-stages 4
     hf-asyncpp plan recipes/cpu-tiny.yaml --measure   # also time every layer here and balance by time
 
+After the recipe's own plan it searches what can be changed on the same GPUs (``--gpus``, default the stage
+count): stages (the rest data-parallel replicas), the split (FLOPs-balanced, or even where the stages divide the
+layers), the microbatch size and so the microbatch count at the same global batch; it prints the best plans by
+simulated tokens/s with their bubble, memory per GPU and feasibility, and the overrides that select the best.
+
 The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
 
 ``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
@@ -22,7 +27,7 @@ from hf_asyncpp.config import load_recipe
 from hf_asyncpp.modeling import build_model
 from hf_asyncpp.optim import apply_delay_correction, build_optimizer
 from hf_asyncpp.partition import measure_costs
-from hf_asyncpp.pipeline.planner import plan_memory, simulate_schedules
+from hf_asyncpp.pipeline.planner import plan_memory, search_plans, simulate_schedules
 from hf_asyncpp.pipeline.timeline import plot_timeline
 
 
@@ -48,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
     ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
     ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to search plans for (default: the stage count)")
+    ap.add_argument("--top", type=int, default=5, help="plans of the search to print (0: no search)")
+    ap.add_argument("--link-gbs", type=float, default=25.0,
+                    help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
     ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
     args = ap.parse_args(argv)
 
@@ -85,9 +94,29 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
     print(f"\ntimeline: {png}")
+    if args.top:
+        search(recipe, args.gpus or p, cap, args)
     if args.measure:
         measure(recipe, plan, p, args.device)
     return 0
+
+
+def search(recipe, gpus: int, cap: float, args) -> None:
+    cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9)
+    feasible = [c for c in cands if c.feasible]
+    batch = recipe.pipeline.num_microbatches * recipe.pipeline.microbatch_size * max(1, gpus // recipe.pipeline.num_stages)
+    print(f"\nsearch on {gpus} GPUs, {batch} sequences per step, {recipe.pipeline.schedule} in steady state at "
+          f"{args.tflops:g} TFLOP/s, data-parallel ring all-reduce (fp32 gradients) and stage-to-stage activations at "
+          f"{args.link_gbs:g} GB/s per GPU: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and "
+          "run; the best:")
+    print(f"  {'stages':>6} {'dp':>3} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} {'bubble':>7} "
+          f"{'GB/GPU':>7}  feasible  layers per stage")
+    for c in (feasible or cands)[: args.top]:
+        why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
+        print(f"  {c.num_stages:>6} {c.dp:>3} {c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
+              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {gb(c.memory):>7}  {why:<8}  {c.layers_per_stage}")
+    if feasible:
+        print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
 
 
 def measure(recipe, plan, p: int, device: str | None) -> None:
