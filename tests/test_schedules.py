@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from hf_asyncpp.pipeline.schedules import (SCHEDULES, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
+from hf_asyncpp.pipeline.schedules import (SCHEDULES, TWO_BW, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
                                   version_lag)
 from hf_asyncpp.pipeline.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.pipeline.timeline import plot_timeline
@@ -343,3 +343,21 @@ def test_search_prefers_an_even_stage_count_when_the_simulator_says_it_is_faster
     same = evaluate(r, model, best.num_stages, best.dp, best.num_microbatches, best.microbatch_size,
                     best.layers_per_stage, 1e12, 1e9, 1e15)
     assert same.tokens_per_s == pytest.approx(best.tokens_per_s)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_2bw_reduction_has_m_minus_p_plus_1_pairs_of_slack(p):
+    """At m = p a step's reduction (data-parallel all-reduce, tied sum, global norm) hides behind exactly one
+    forward/backward pair of stage 0, the last stage to finish the step's backwards: STEP{k} cannot move later (step
+    k+2's first forward needs the version it writes) and REDUCE{k} cannot move earlier (it sums the step's last
+    backward). Longer reductions stall every stage by the excess, one more microbatch per step buys one more pair."""
+    from hf_asyncpp.pipeline.planner import steady_step_time
+
+    f, b = 1.0, 2.0
+    for m in (p, p + 1):
+        slack = (m - p + 1) * (f + b)
+        base, _ = steady_step_time(TWO_BW, p, m, Costs(forward=f, backward=b), "global")
+        assert base == pytest.approx(m * (f + b))
+        for r in (0.5 * slack, slack, slack + 1.0, slack + 4.0):
+            step, _ = steady_step_time(TWO_BW, p, m, Costs(forward=f, backward=b, reduce=r), "global")
+            assert step == pytest.approx(base + max(0.0, r - slack)), (m, r)
