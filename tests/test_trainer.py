@@ -208,3 +208,29 @@ def test_a_tracker_that_cannot_run_is_an_error_naming_it():
         check_trackers(["clearml"])
     with pytest.raises(RecipeError, match=r"report_to: 'tensorbored' is not a tracker; choose from .*tensorboard"):
         check_trackers(["tensorbored"])
+
+
+def test_train_s_excludes_the_time_between_a_drain_and_the_next_step(tmp_path, monkeypatch):
+    """``train_s`` is the time-to-loss clock: what passes between restart_clock calls after a step record (an
+    evaluation, a checkpoint) is in ``elapsed_s`` but not in ``train_s``."""
+    from types import SimpleNamespace
+
+    from hf_asyncpp import reporting
+    from hf_asyncpp.checkpointer import RunState
+    from hf_asyncpp.engine import StepResult
+
+    now = [100.0]
+    monkeypatch.setattr(reporting.time, "perf_counter", lambda: now[0])
+    acc = SimpleNamespace(is_main_process=True, num_processes=1, init_trackers=lambda *a, **k: None, log=lambda *a, **k: None)
+    r = recipe_from_dict({"model": {"config": {"model_type": "llama"}}, "training": {"max_steps": 3, "report_to": []}})
+    log = reporting.RunLog(tmp_path, r, acc, RunState(), tokens_per_step=10)
+    for k, pause in enumerate((0.0, 50.0, 0.0)):  # an evaluation of 50 s after step 1
+        if pause:
+            now[0] += pause
+            log.restart_clock()
+        now[0] += 2.0
+        log.step(StepResult(k, 1.0, None, 1e-3, True), 10 * (k + 1))
+    log.close()
+    rows = reporting.read_metrics(tmp_path / reporting.METRICS)
+    assert [x["train_s"] for x in rows] == [2.0, 4.0, 6.0]
+    assert [x["elapsed_s"] for x in rows] == [2.0, 54.0, 56.0]
