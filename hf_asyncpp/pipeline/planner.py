@@ -196,7 +196,7 @@ def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int
     step = (long.makespan - short.makespan) / 2
     busy = sum(iv.end - iv.start for tl in long.timeline for iv in tl) - sum(
         iv.end - iv.start for tl in short.timeline for iv in tl)
-    return step, 1 - busy / (2 * step * p) if step > 0 else 0.0
+    return step, max(0.0, 1 - busy / (2 * step * p)) if step > 0 else 0.0
 
 
 def evaluate(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
