@@ -234,3 +234,25 @@ def test_train_s_excludes_the_time_between_a_drain_and_the_next_step(tmp_path, m
     rows = reporting.read_metrics(tmp_path / reporting.METRICS)
     assert [x["train_s"] for x in rows] == [2.0, 4.0, 6.0]
     assert [x["elapsed_s"] for x in rows] == [2.0, 54.0, 56.0]
+
+
+def test_compare_reports_the_time_2bw_needs_to_reach_the_sync_loss(tmp_path):
+    """``hf-asyncpp compare``'s arithmetic on two written metrics files: the crossing is interpolated between
+    evaluations on the training clock, and a run that never gets there says so."""
+    from hf_asyncpp.cli.compare import compare, crossing
+
+    assert crossing([(0.0, 5.0), (10.0, 4.0), (20.0, 3.0)], 3.5) == pytest.approx(15.0)
+    assert crossing([(0.0, 5.0), (10.0, 4.0)], 3.0) is None
+    assert crossing([(0.0, 5.0), (10.0, 4.0)], 5.0) == 0.0
+
+    def write(run, rows):
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    step = lambda k, t: {"step": k, "loss": 1.0, "train_s": t, "elapsed_s": t + 100}
+    write(tmp_path / "sync", [{"step": 0, "eval_loss": 5.0}, step(1, 10.0), step(2, 20.0), {"step": 2, "eval_loss": 3.0}])
+    write(tmp_path / "2bw", [{"step": 0, "eval_loss": 5.0}, step(1, 6.0), {"step": 1, "eval_loss": 3.5}, step(2, 12.0),
+                             {"step": 2, "eval_loss": 2.5}])
+    res = compare(tmp_path / "sync", tmp_path / "2bw")
+    assert res["target_eval_loss"] == 3.0 and res["sync_train_s"] == 20.0 and res["2bw_train_s"] == 12.0
+    assert res["2bw_reach_s"] == pytest.approx(9.0) and res["ratio"] == pytest.approx(0.45)

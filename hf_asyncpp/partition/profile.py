@@ -77,18 +77,20 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
 
     The model is cut into one stage per layer; the first stage's extra time over the median layer is the
     embedding's, the last stage's extra is the head's (so layer 0 and the last layer count as median layers).
-    Moves the model's modules to ``device``.
+    Each stage is on ``device`` only while it is timed (then back on the CPU), so one layer, the embedding or the
+    head at a time: ``layers_per_stage: auto`` can measure a model larger than one device.
     """
     device = torch.device(device)
     L = len(get_module(model, anatomy(model).layers))
     if L < 3:
         raise PartitionError(f"measuring stage costs needs at least 3 decoder layers (the model has {L}): the first and "
                              "last layers are timed together with the embedding and the head")
-    stages = [st.to(device) for st in partition_model(model, L, [1] * L, seq_len=seq_len)]
+    stages = partition_model(model, L, [1] * L, seq_len=seq_len)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), device=device)
     x, seconds, step_seconds = ids, [], []
     for s, st in enumerate(stages):
+        st = st.to(device)  # one layer on the device at a time: a model larger than the device can be measured
         best = float("inf")
         for r in range(repeats + 1):
             inp = x
@@ -111,6 +113,8 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
         for p in st.parameters():
             p.grad = None
         x = tuple(o.detach() for o in outs) if isinstance(out, tuple) else out.detach()
+        if device.type != "cpu":
+            st.to("cpu")
     first, layers, last = _split_ends(seconds)
     if not step_seconds:
         return MeasuredCosts(layers, first, last)
