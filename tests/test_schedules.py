@@ -330,7 +330,7 @@ def test_search_never_returns_a_plan_over_memory():
 def test_search_prefers_an_even_stage_count_when_the_simulator_says_it_is_faster():
     """12 layers on 8 GPUs: 8 stages cannot split 12 layers evenly (four stages hold 2 layers, 1.33x the mean), so 4
     stages of 3 layers x 2 replicas (or 2 x 6 x 4) are faster; the search finds that by simulation."""
-    from hf_asyncpp.pipeline.planner import evaluate, meta_model, search_plans
+    from hf_asyncpp.pipeline.planner import evaluate_plan, meta_model, search_plans
 
     r = _search_recipe(12, num_stages=4, num_microbatches=8)
     cands = search_plans(r, 8, cap=1e12, flops_per_s=1e9, link_bytes_per_s=1e15)
@@ -340,7 +340,7 @@ def test_search_prefers_an_even_stage_count_when_the_simulator_says_it_is_faster
     eight = [c for c in cands if c.num_stages == 8 and c.feasible]
     assert eight and max(c.tokens_per_s for c in eight) < best.tokens_per_s
     assert max(eight, key=lambda c: c.tokens_per_s).layers_per_stage.count(2) >= 2
-    same = evaluate(r, model, best.num_stages, best.dp, best.num_microbatches, best.microbatch_size,
+    same = evaluate_plan(r, model, best.num_stages, best.dp, best.num_microbatches, best.microbatch_size,
                     best.layers_per_stage, 1e12, 1e9, 1e15)
     assert same.tokens_per_s == pytest.approx(best.tokens_per_s)
 

@@ -199,7 +199,7 @@ def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int
     return step, max(0.0, 1 - busy / (2 * step * p)) if step > 0 else 0.0
 
 
-def evaluate(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
+def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
              flops_per_s: float, link_bytes_per_s: float) -> Candidate:
     """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split)."""
     rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
@@ -250,7 +250,7 @@ def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link
             m = batch // (mbs * dp)
             seen = set()
             for split in splits:
-                c = evaluate(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s)
+                c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s)
                 if tuple(c.layers_per_stage) not in seen:
                     seen.add(tuple(c.layers_per_stage))
                     out.append(c)
