@@ -55,6 +55,8 @@ def test_auto_split_balances_a_skewed_profile_and_hits_the_cache(tmp_path):
     assert len(calls) == 1
     r.pipeline.num_microbatches = 1000  # same measurement, another balance
     assert auto_split(r, build, torch.device("cpu"), fake_measure, tmp_path) == [4, 4] and len(calls) == 1
+    auto_split(_recipe(learning_rate=0.1), build, torch.device("cpu"), fake_measure, tmp_path)  # same timing: cached
+    assert len(calls) == 1
     auto_split(_recipe(ns_steps=3), build, torch.device("cpu"), fake_measure, tmp_path)  # another optimizer: measured
     assert len(calls) == 2 and len(list(tmp_path.glob("*.json"))) == 2
     files[0].write_text("{not json")  # a damaged cache file is measured again, not trusted

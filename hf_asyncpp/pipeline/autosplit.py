@@ -32,6 +32,7 @@ from ..partition import MeasuredCosts, measure_costs
 log = logging.getLogger("hf_asyncpp")
 
 CACHE_ENV = "HF_ASYNCPP_CACHE"
+_TIMED_OPTIMIZER_FIELDS = ("name", "ns_steps", "ns_dtype", "nesterov", "adjust_lr", "delay_correction")
 
 
 def cache_dir() -> Path:
@@ -50,9 +51,9 @@ def cache_key(recipe: Recipe, device: torch.device) -> dict:
     """Everything a stage's measured seconds depend on (not the stage count or m: the split is recomputed from the
     per-layer costs, so changing those reuses the measurement)."""
     d = recipe_to_dict(recipe)
+    opt = {k: d["optimizer"][k] for k in _TIMED_OPTIMIZER_FIELDS}  # not the learning rates: they change no timing
     return {"model": d["model"], "seq_len": recipe.data.seq_len, "microbatch_size": recipe.pipeline.microbatch_size,
-            "optimizer": d["optimizer"], "bf16": recipe.training.bf16, "device": device_name(device),
-            "torch": torch.__version__}
+            "optimizer": opt, "bf16": recipe.training.bf16, "device": device_name(device), "torch": torch.__version__}
 
 
 def _digest(key: dict) -> str:
