@@ -361,3 +361,17 @@ def test_2bw_reduction_has_m_minus_p_plus_1_pairs_of_slack(p):
         for r in (0.5 * slack, slack, slack + 1.0, slack + 4.0):
             step, _ = steady_step_time(TWO_BW, p, m, Costs(forward=f, backward=b, reduce=r), "global")
             assert step == pytest.approx(base + max(0.0, r - slack)), (m, r)
+
+
+def test_search_reports_the_reduction_stall_of_a_slow_link():
+    """A data-parallel all-reduce slower than 2BW's slack shows as a stall (and slows the plan); at a fast link none."""
+    from hf_asyncpp.pipeline.planner import meta_model, evaluate_plan, reduction_stall
+
+    r = _search_recipe(4, num_stages=2, num_microbatches=2)
+    model = meta_model(r)
+    fast = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e15)
+    slow = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e5)
+    assert reduction_stall(r, fast) == 0.0
+    stall = reduction_stall(r, slow)  # m = p: one forward/backward pair of stage 0 hides part of the all-reduce
+    assert 0 < stall < max(slow.costs.reduce) and stall > max(slow.costs.reduce) - 3 * (slow.costs.forward[0] +
+                                                                                        slow.costs.backward[0])

@@ -27,7 +27,7 @@ from hf_asyncpp.config import load_recipe
 from hf_asyncpp.modeling import build_model
 from hf_asyncpp.optim import apply_delay_correction, build_optimizer
 from hf_asyncpp.partition import measure_costs
-from hf_asyncpp.pipeline.planner import plan_memory, search_plans, simulate_schedules
+from hf_asyncpp.pipeline.planner import plan_memory, reduction_stall, search_plans, simulate_schedules
 from hf_asyncpp.pipeline.timeline import plot_timeline
 
 
@@ -110,11 +110,12 @@ def search(recipe, gpus: int, cap: float, args) -> None:
           f"{args.link_gbs:g} GB/s per GPU: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and "
           "run; the best:")
     print(f"  {'stages':>6} {'dp':>3} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} {'bubble':>7} "
-          f"{'GB/GPU':>7}  feasible  layers per stage")
+          f"{'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
     for c in (feasible or cands)[: args.top]:
         why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
+        stall = f"{reduction_stall(recipe, c):.3g} s" if c.runnable else "-"
         print(f"  {c.num_stages:>6} {c.dp:>3} {c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
-              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {gb(c.memory):>7}  {why:<8}  {c.layers_per_stage}")
+              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  {c.layers_per_stage}")
     if feasible:
         print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
 

@@ -173,6 +173,8 @@ class Candidate:
     fits: bool
     runnable: bool
     tokens_per_s: float
+    costs: Costs | None = None
+    """What it was simulated with (None where it could not run)."""
 
     @property
     def feasible(self) -> bool:
@@ -222,7 +224,17 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
     step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
     tokens = m * tokens_mb * dp
-    return Candidate(p, dp, m, mbs, sizes, step, bubble, worst, worst <= 0.9 * cap, True, tokens / step)
+    return Candidate(p, dp, m, mbs, sizes, step, bubble, worst, worst <= 0.9 * cap, True, tokens / step, costs)
+
+
+def reduction_stall(recipe: Recipe, c: Candidate) -> float:
+    """Seconds per step the plan loses waiting for gradient reductions: its step time against the same plan with
+    free reductions. 2BW hides a reduction behind m - p + 1 forward/backward pairs of stage 0; a synchronous
+    schedule behind nothing (its STEP follows the step's last backward)."""
+    sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
+    free = dataclasses.replace(c.costs, reduce=0.0)
+    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free, sched.reduce_scope(recipe.training.max_grad_norm))
+    return max(0.0, round(c.step_s - step, 9))  # float noise of the two simulations is no stall
 
 
 def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link_bytes_per_s: float,
