@@ -372,6 +372,5 @@ def test_search_reports_the_reduction_stall_of_a_slow_link():
     fast = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e15)
     slow = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e5)
     assert reduction_stall(r, fast) == 0.0
-    stall = reduction_stall(r, slow)  # m = p: one forward/backward pair of stage 0 hides part of the all-reduce
-    assert 0 < stall < max(slow.costs.reduce) and stall > max(slow.costs.reduce) - 3 * (slow.costs.forward[0] +
-                                                                                        slow.costs.backward[0])
+    stall = reduction_stall(r, slow)  # m = p: one forward/backward pair of stage 0 (and its transfers) hides a little
+    assert 0.5 * max(slow.costs.reduce) < stall < max(slow.costs.reduce)
