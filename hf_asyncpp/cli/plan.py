@@ -8,7 +8,8 @@ bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (
 After the recipe's own plan it searches what can be changed on the same GPUs (``--gpus``, default the stage
 count): stages (the rest data-parallel replicas), the split (FLOPs-balanced, or even where the stages divide the
 layers), the microbatch size and so the microbatch count at the same global batch; it prints the best plans by
-simulated tokens/s with their bubble, memory per GPU and feasibility, and the overrides that select the best.
+simulated tokens/s with their bubble, reduction stall (seconds per step waiting for the data-parallel all-reduce),
+memory per GPU and feasibility, and the overrides that select the best.
 
 The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
 
