@@ -202,7 +202,7 @@ def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int
 
 
 def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
-             flops_per_s: float, link_bytes_per_s: float) -> Candidate:
+                  flops_per_s: float, link_bytes_per_s: float) -> Candidate:
     """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split)."""
     rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
                              layers_per_stage=split, extra_warmup=0)
