@@ -11,6 +11,7 @@ docs/schedules/measured-*.png (next to its predicted tokens/s, a check of the si
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -30,6 +31,9 @@ MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "n
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
          "tie_word_embeddings": True}
 MODEL["num_hidden_layers"] = int(os.environ.get("HF_ASYNCPP_BENCH_LAYERS", MODEL["num_hidden_layers"]))
+# another model for every process of a benchmark that reuses these workers (bench/vs_torch_pipelining.py): the
+# spawned workers re-import this module and read it from the environment
+MODEL.update(json.loads(os.environ.get("HF_ASYNCPP_BENCH_MODEL", "{}")))
 SEQ, MBS = 128, 4
 
 

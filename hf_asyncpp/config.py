@@ -112,13 +112,20 @@ class PipelineConfig:
     """Microbatches per optimizer step (gradients accumulated over them)."""
     microbatch_size: int = field(default=4, metadata=_range(lo=1))
     """Sequences per microbatch."""
-    layers_per_stage: Optional[list[int]] = None
-    """Explicit decoder layers per stage (None: balanced by the cost model)."""
+    layers_per_stage: Union[Literal["auto"], list[int], None] = None
+    """Decoder layers per stage: a list; ``auto``: measured at start on the machine that trains (forward, backward
+    and optimizer step of each layer, the embedding and the head; cached, printed); None: balanced by the FLOPs
+    cost model."""
     extra_warmup: int = field(default=0, metadata=_range(lo=0))
     """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
     the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""
     p2p_timeout_s: float = field(default=60.0, metadata=_range(lo=0.0, lo_open=True))
     """A peer silent for this long is declared dead and every rank exits."""
+
+    @property
+    def split(self) -> Optional[list[int]]:
+        """The explicit split, or None where the FLOPs model decides (``None``, or ``auto`` not yet measured)."""
+        return self.layers_per_stage if isinstance(self.layers_per_stage, list) else None
 
 
 @dataclass(kw_only=True)
@@ -385,7 +392,7 @@ def _cross_checks(r: Recipe) -> None:
             SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)
         except ValueError as e:
             raise RecipeError(_knob(str(e))) from None
-    if p.layers_per_stage is not None and len(p.layers_per_stage) != p.num_stages:
+    if p.split is not None and len(p.split) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
     if r.optimizer.simulate_delay != "0" and p.schedule != "none":
         raise RecipeError(

@@ -81,7 +81,7 @@ def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Par
     p = recipe.pipeline.num_stages
     if p == 1 or recipe.optimizer.simulate_delay != "pipedream":
         return [list(model.parameters())], []
-    plan = partition_plan(model, p, recipe.pipeline.layers_per_stage, seq_len=recipe.data.seq_len)
+    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
     by_name = dict(model.named_parameters())
     groups = [[] for _ in range(p)]
     for name, param in by_name.items():

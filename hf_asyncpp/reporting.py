@@ -1,7 +1,9 @@
 """What a run tells its user while it trains: metrics.jsonl, the trackers, the progress bar, the loss curve.
 
 Only the main process writes. ``metrics.jsonl`` gets one record per step (``step, loss, lr, grad_norm, tokens,
-tokens_per_s, applied, elapsed_s``: seconds since this process started training, when the result arrived) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``); the trackers and the log
+tokens_per_s, applied, elapsed_s, train_s``: seconds since this process started training, when the result
+arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
+time-to-loss comparison) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``); the trackers and the log
 get the mean over each ``training.logging_steps`` interval, as the HF Trainer does. Reporting never waits on the
 pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing in what is computed.
 """
@@ -107,6 +109,7 @@ class RunLog:
                 "comet_ml": {"experiment_key": state.run_id}, "aim": {"run_hash": state.run_id}})
             self.bar = tqdm(total=recipe.training.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
         self._start = time.perf_counter()
+        self._train_s = 0.0  # training seconds up to the last step record (evaluations, checkpoints excluded)
         self.restart_clock()
 
     def _truncate(self, step: int) -> None:
@@ -127,6 +130,7 @@ class RunLog:
         A step's ``tokens_per_s`` is the rate since the clock started: results arrive a step or so after they are
         computed, sometimes two at once, so the time between two results is no measure of one step."""
         self._t0, self._steps = time.perf_counter(), 0
+        self._train_base = self._train_s  # the time since the last step record was not training
 
     def step(self, result, tokens: int) -> None:
         """One step's result (every rank calls it; only the main process records)."""
@@ -135,8 +139,10 @@ class RunLog:
             return
         now = time.perf_counter()
         rate = self._steps * self.tokens_per_step / max(now - self._t0, 1e-9)
+        self._train_s = self._train_base + now - self._t0
         rec = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-               "tokens": tokens, "tokens_per_s": rate, "applied": result.applied, "elapsed_s": round(now - self._start, 4)}
+               "tokens": tokens, "tokens_per_s": rate, "applied": result.applied, "elapsed_s": round(now - self._start, 4),
+               "train_s": round(self._train_s, 4)}
         if result.skipped_nonfinite:
             rec["skipped_nonfinite"] = True
         self._write(rec)

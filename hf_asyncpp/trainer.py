@@ -18,6 +18,7 @@ from pathlib import Path
 from . import supervision  # first: it notes the launcher's pid before the slow imports below
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
@@ -38,7 +39,7 @@ from .pipeline.profile import write_report
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .storage import WriteError, writing
 from .tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
-from .topology import Topology
+from .topology import Topology, local_device
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -90,6 +91,17 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, topo: Topology) -> Engi
     return PipelineEngine(recipe, model, topo, log=log.info)
 
 
+def measured_split(recipe: Recipe, tokenizer, main: bool) -> list[int]:
+    """``pipeline.layers_per_stage: auto``: the main process measures (or finds its cache) and every rank gets its
+    split, so all build the same stages whatever the timing noise on each."""
+    from .pipeline.autosplit import auto_split
+
+    box = [auto_split(recipe, lambda: build_model(recipe.model, tokenizer), local_device()) if main else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def drain_points(start: int, recipe: Recipe) -> list[int]:
     """Steps after which the pipeline drains: an evaluation and a checkpoint need every update of the steps so far
     applied (and nothing in flight), and the run ends. Logging is not one of them: results stream out as they
@@ -130,6 +142,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
         held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
+    if rp.layers_per_stage == "auto" and rp.schedule != "none":
+        rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
     set_seed(t.seed)  # the same initial weights on every rank
     engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream

@@ -26,6 +26,8 @@ BAD = [
     (_with("pipeline", schedule="2bw", num_stages=4, num_microbatches=2), r"pipeline\.num_microbatches: 2bw needs num_microbatches >= num_stages \(2 < 4\)"),
     (_with("pipeline", num_stages=2), r"pipeline\.num_stages: 2 needs a pipeline schedule"),
     (_with("pipeline", schedule="1f1b", num_stages=2, layers_per_stage=[1, 1, 1]), r"pipeline\.layers_per_stage: 3 entries for 2 stages"),
+    (_with("pipeline", layers_per_stage="fast"), r"pipeline\.layers_per_stage: expected one of 'auto' or a list of an integer or null, got 'fast'"),
+    (_with("pipeline", schedule="1f1b", num_stages=2, layers_per_stage="auto"), None),  # valid: measured at start
     (_with("data", seq_len=1), r"data\.seq_len: 1 is out of range; allowed: >= 2"),
     (_with("pipeline", num_stages=2.5), r"pipeline\.num_stages: expected an integer, got 2\.5"),
     (_with("data", train_files={"a": 1}), r"data\.train_files: expected a list of a string or null"),

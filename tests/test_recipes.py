@@ -28,7 +28,7 @@ def test_recipe_builds_on_meta_and_partitions(path):
     want = promised(path.stem)
     if want:
         assert abs(n - want) / want < 0.10, f"{path.stem}: {n / 1e6:.1f}M parameters"
-    plan = partition_plan(model, r.pipeline.num_stages, r.pipeline.layers_per_stage, seq_len=r.data.seq_len)
+    plan = partition_plan(model, r.pipeline.num_stages, r.pipeline.split, seq_len=r.data.seq_len)
     assert len(plan.stages) == r.pipeline.num_stages
     assert sum(len(s.layers) for s in plan.stages) == model.config.num_hidden_layers
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from hf_asyncpp.pipeline.schedules import (SCHEDULES, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
+from hf_asyncpp.pipeline.schedules import (SCHEDULES, TWO_BW, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
                                   version_lag)
 from hf_asyncpp.pipeline.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.pipeline.timeline import plot_timeline
@@ -290,3 +290,87 @@ def test_plot_timeline_writes_a_png(tmp_path):
         out = plot_timeline(what, str(tmp_path / "t.png"), "2bw")
         with open(out, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- planner search
+
+
+def _search_recipe(layers: int, **pipeline):
+    from hf_asyncpp.config import recipe_from_dict
+
+    return recipe_from_dict({"model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                  "num_hidden_layers": layers, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "max_position_embeddings": 64},
+                                       "vocab_size": 256},
+                             "data": {"seq_len": 32},
+                             "pipeline": {"schedule": "2bw", "num_stages": 4, "num_microbatches": 8,
+                                          "microbatch_size": 2, **pipeline},
+                             "optimizer": {"name": "adamw"}})
+
+
+def test_search_never_returns_a_plan_over_memory():
+    from hf_asyncpp.pipeline.planner import search_plans
+
+    r = _search_recipe(4, num_stages=2)
+    everything = search_plans(r, 4, cap=1e12, flops_per_s=1e9, link_bytes_per_s=1e12)
+    assert everything and all(c.feasible for c in everything if c.runnable)
+    cap = sorted(c.memory for c in everything)[len(everything) // 2] / 0.9  # half the plans fit
+    cands = search_plans(r, 4, cap=cap, flops_per_s=1e9, link_bytes_per_s=1e12)
+    feasible = [c for c in cands if c.feasible]
+    assert 0 < len(feasible) < len(cands)
+    assert all(c.memory <= 0.9 * cap for c in feasible)
+    assert cands[: len(feasible)] == feasible  # feasible first, each by simulated speed
+    speeds = [round(c.tokens_per_s, 3) for c in feasible]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in cands:  # every plan trains the recipe's global batch: 8 microbatches x 2 sequences x 4 / 2 replicas
+        assert c.num_microbatches * c.microbatch_size * c.dp == 32 and c.num_stages * c.dp == 4
+        assert not c.runnable or c.num_microbatches >= c.num_stages  # 2bw's m >= p
+
+
+def test_search_prefers_an_even_stage_count_when_the_simulator_says_it_is_faster():
+    """12 layers on 8 GPUs: 8 stages cannot split 12 layers evenly (four stages hold 2 layers, 1.33x the mean), so 4
+    stages of 3 layers x 2 replicas (or 2 x 6 x 4) are faster; the search finds that by simulation."""
+    from hf_asyncpp.pipeline.planner import evaluate_plan, meta_model, search_plans
+
+    r = _search_recipe(12, num_stages=4, num_microbatches=8)
+    cands = search_plans(r, 8, cap=1e12, flops_per_s=1e9, link_bytes_per_s=1e15)
+    best = cands[0]
+    assert 12 % best.num_stages == 0 and len(set(best.layers_per_stage)) <= 2
+    model = meta_model(r)
+    eight = [c for c in cands if c.num_stages == 8 and c.feasible]
+    assert eight and max(c.tokens_per_s for c in eight) < best.tokens_per_s
+    assert max(eight, key=lambda c: c.tokens_per_s).layers_per_stage.count(2) >= 2
+    same = evaluate_plan(r, model, best.num_stages, best.dp, best.num_microbatches, best.microbatch_size,
+                    best.layers_per_stage, 1e12, 1e9, 1e15)
+    assert same.tokens_per_s == pytest.approx(best.tokens_per_s)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_2bw_reduction_has_m_minus_p_plus_1_pairs_of_slack(p):
+    """At m = p a step's reduction (data-parallel all-reduce, tied sum, global norm) hides behind exactly one
+    forward/backward pair of stage 0, the last stage to finish the step's backwards: STEP{k} cannot move later (step
+    k+2's first forward needs the version it writes) and REDUCE{k} cannot move earlier (it sums the step's last
+    backward). Longer reductions stall every stage by the excess, one more microbatch per step buys one more pair."""
+    from hf_asyncpp.pipeline.planner import steady_step_time
+
+    f, b = 1.0, 2.0
+    for m in (p, p + 1):
+        slack = (m - p + 1) * (f + b)
+        base, _ = steady_step_time(TWO_BW, p, m, Costs(forward=f, backward=b), "global")
+        assert base == pytest.approx(m * (f + b))
+        for r in (0.5 * slack, slack, slack + 1.0, slack + 4.0):
+            step, _ = steady_step_time(TWO_BW, p, m, Costs(forward=f, backward=b, reduce=r), "global")
+            assert step == pytest.approx(base + max(0.0, r - slack)), (m, r)
+
+
+def test_search_reports_the_reduction_stall_of_a_slow_link():
+    """A data-parallel all-reduce slower than 2BW's slack shows as a stall (and slows the plan); at a fast link none."""
+    from hf_asyncpp.pipeline.planner import meta_model, evaluate_plan, reduction_stall
+
+    r = _search_recipe(4, num_stages=2, num_microbatches=2)
+    model = meta_model(r)
+    fast = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e15)
+    slow = evaluate_plan(r, model, 2, 2, 2, 2, None, 1e12, 1e9, 1e5)
+    assert reduction_stall(r, fast) == 0.0
+    stall = reduction_stall(r, slow)  # m = p: one forward/backward pair of stage 0 (and its transfers) hides a little
+    assert 0.5 * max(slow.costs.reduce) < stall < max(slow.costs.reduce)

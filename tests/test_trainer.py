@@ -252,3 +252,51 @@ def test_rng_state_round_trip_includes_cuda(monkeypatch):
     assert torch.equal(fake["set"], fake["state"])
     set_rng_state({k: v for k, v in state.items() if k != "cuda"})  # a CPU checkpoint on a GPU: nothing to restore
     assert torch.equal(fake["set"], fake["state"])
+
+
+def test_train_s_excludes_the_time_between_a_drain_and_the_next_step(tmp_path, monkeypatch):
+    """``train_s`` is the time-to-loss clock: what passes between restart_clock calls after a step record (an
+    evaluation, a checkpoint) is in ``elapsed_s`` but not in ``train_s``."""
+    from types import SimpleNamespace
+
+    from hf_asyncpp import reporting
+    from hf_asyncpp.checkpointer import RunState
+    from hf_asyncpp.engine import StepResult
+
+    now = [100.0]
+    monkeypatch.setattr(reporting.time, "perf_counter", lambda: now[0])
+    acc = SimpleNamespace(is_main_process=True, num_processes=1, init_trackers=lambda *a, **k: None, log=lambda *a, **k: None)
+    r = recipe_from_dict({"model": {"config": {"model_type": "llama"}}, "training": {"max_steps": 3, "report_to": []}})
+    log = reporting.RunLog(tmp_path, r, acc, RunState(), tokens_per_step=10)
+    for k, pause in enumerate((0.0, 50.0, 0.0)):  # an evaluation of 50 s after step 1
+        if pause:
+            now[0] += pause
+            log.restart_clock()
+        now[0] += 2.0
+        log.step(StepResult(k, 1.0, None, 1e-3, True), 10 * (k + 1))
+    log.close()
+    rows = reporting.read_metrics(tmp_path / reporting.METRICS)
+    assert [x["train_s"] for x in rows] == [2.0, 4.0, 6.0]
+    assert [x["elapsed_s"] for x in rows] == [2.0, 54.0, 56.0]
+
+
+def test_compare_reports_the_time_2bw_needs_to_reach_the_sync_loss(tmp_path):
+    """``hf-asyncpp compare``'s arithmetic on two written metrics files: the crossing is interpolated between
+    evaluations on the training clock, and a run that never gets there says so."""
+    from hf_asyncpp.cli.compare import compare, crossing
+
+    assert crossing([(0.0, 5.0), (10.0, 4.0), (20.0, 3.0)], 3.5) == pytest.approx(15.0)
+    assert crossing([(0.0, 5.0), (10.0, 4.0)], 3.0) is None
+    assert crossing([(0.0, 5.0), (10.0, 4.0)], 5.0) == 0.0
+
+    def write(run, rows):
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    step = lambda k, t: {"step": k, "loss": 1.0, "train_s": t, "elapsed_s": t + 100}
+    write(tmp_path / "sync", [{"step": 0, "eval_loss": 5.0}, step(1, 10.0), step(2, 20.0), {"step": 2, "eval_loss": 3.0}])
+    write(tmp_path / "2bw", [{"step": 0, "eval_loss": 5.0}, step(1, 6.0), {"step": 1, "eval_loss": 3.5}, step(2, 12.0),
+                             {"step": 2, "eval_loss": 2.5}])
+    res = compare(tmp_path / "sync", tmp_path / "2bw")
+    assert res["target_eval_loss"] == 3.0 and res["sync_train_s"] == 20.0 and res["2bw_train_s"] == 12.0
+    assert res["2bw_reach_s"] == pytest.approx(9.0) and res["ratio"] == pytest.approx(0.45)

@@ -4,6 +4,7 @@
     hf-asyncpp export CHECKPOINT OUT                           checkpoint -> Hugging Face folder with a card
     hf-asyncpp evaluate MODEL_DIR ... --tasks ... | --data ... zero-shot tasks and perplexity
     hf-asyncpp plan RECIPE.yaml [--num-stages N]               memory and speed of a recipe, nothing allocated
+    hf-asyncpp compare RECIPE.yaml --steps N                    synchronous 1F1B against 2BW: time to the same loss
     hf-asyncpp timeline --schedule 2bw --stages 4              draw a schedule's simulated timeline
     hf-asyncpp prepare-data                                    the default corpus as local jsonl shards
 
@@ -19,6 +20,7 @@ COMMANDS = {
     "export": ("hf_asyncpp.cli.export", "export a checkpoint to a Hugging Face folder with a model card"),
     "evaluate": ("hf_asyncpp.cli.evaluate", "zero-shot tasks and perplexity of model folders, side by side"),
     "plan": ("hf_asyncpp.cli.plan", "will a recipe fit, how fast: memory and simulated step time, nothing allocated"),
+    "compare": ("hf_asyncpp.cli.compare", "time to the same loss: synchronous 1F1B + Muon against 2BW + Muon + EF"),
     "timeline": ("hf_asyncpp.cli.timeline", "draw a pipeline schedule's simulated timeline"),
     "prepare-data": ("hf_asyncpp.cli.prepare_data", "prepare the default corpus (State of the Union addresses)"),
 }

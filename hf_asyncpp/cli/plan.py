@@ -5,6 +5,12 @@ bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (
     hf-asyncpp plan recipes/smollm2-360m.yaml --num-stages 4
     hf-asyncpp plan recipes/cpu-tiny.yaml --measure   # also time every layer here and balance by time
 
+After the recipe's own plan it searches what can be changed on the same GPUs (``--gpus``, default the stage
+count): stages (the rest data-parallel replicas), the split (FLOPs-balanced, or even where the stages divide the
+layers), the microbatch size and so the microbatch count at the same global batch; it prints the best plans by
+simulated tokens/s with their bubble, reduction stall (seconds per step waiting for the data-parallel all-reduce),
+memory per GPU and feasibility, and the overrides that select the best.
+
 The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
 
 ``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
@@ -20,8 +26,9 @@ import torch
 
 from hf_asyncpp.config import load_recipe
 from hf_asyncpp.modeling import build_model
+from hf_asyncpp.optim import apply_delay_correction, build_optimizer
 from hf_asyncpp.partition import measure_costs
-from hf_asyncpp.pipeline.planner import plan_memory, simulate_schedules
+from hf_asyncpp.pipeline.planner import plan_memory, reduction_stall, search_plans, simulate_schedules
 from hf_asyncpp.pipeline.timeline import plot_timeline
 
 
@@ -47,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
     ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
     ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to search plans for (default: the stage count)")
+    ap.add_argument("--top", type=int, default=5, help="plans of the search to print (0: no search)")
+    ap.add_argument("--link-gbs", type=float, default=25.0,
+                    help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
     ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
     args = ap.parse_args(argv)
 
@@ -84,9 +95,30 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
     print(f"\ntimeline: {png}")
+    if args.top:
+        search(recipe, args.gpus or p, cap, args)
     if args.measure:
         measure(recipe, plan, p, args.device)
     return 0
+
+
+def search(recipe, gpus: int, cap: float, args) -> None:
+    cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9)
+    feasible = [c for c in cands if c.feasible]
+    batch = recipe.pipeline.num_microbatches * recipe.pipeline.microbatch_size * max(1, gpus // recipe.pipeline.num_stages)
+    print(f"\nsearch on {gpus} GPUs, {batch} sequences per step, {recipe.pipeline.schedule} in steady state at "
+          f"{args.tflops:g} TFLOP/s, data-parallel ring all-reduce (fp32 gradients) and stage-to-stage activations at "
+          f"{args.link_gbs:g} GB/s per GPU: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and "
+          "run; the best:")
+    print(f"  {'stages':>6} {'dp':>3} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} {'bubble':>7} "
+          f"{'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
+    for c in (feasible or cands)[: args.top]:
+        why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
+        stall = f"{reduction_stall(recipe, c):.3g} s" if c.runnable else "-"
+        print(f"  {c.num_stages:>6} {c.dp:>3} {c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
+              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  {c.layers_per_stage}")
+    if feasible:
+        print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
 
 
 def measure(recipe, plan, p: int, device: str | None) -> None:
@@ -94,19 +126,25 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     if device == "cpu":
         torch.set_num_threads(1)  # as one pipeline rank on CPU
     torch.manual_seed(0)
-    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device)
+    opt = recipe.optimizer
+    factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
+    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
+                      optimizer=factory)
+    m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
     print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
           f"{recipe.data.seq_len}): layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
-          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers)")
+          f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers); optimizer step per layer "
+          f"{sorted(c.layer_steps)[len(c.layer_steps) // 2] * 1e3:.1f} ms (median), counted 1/{m} per microbatch")
     flops_split = [len(s.layers) for s in plan.stages]
-    time_split = c.balance(p)
+    time_split = c.balance(p, m)
     for name, split in (("cost model", flops_split), ("measured", time_split)):
-        secs = c.stage_seconds(split)
+        secs = c.stage_seconds(split, m)
         print(f"  {name:>10} split {split}: stage seconds {' '.join(f'{x * 1e3:.1f}' for x in secs)} ms, "
               f"slowest / mean {max(secs) / (sum(secs) / len(secs)):.3f}")
     if time_split != flops_split:
-        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}]")
+        print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}] "
+              "(or layers_per_stage: auto, which measures at start on the machine that trains)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 ``reducer``        the reduction thread (data-parallel all-reduce, tied sum, global grad norm)
 ``executor``       ``PipelineEngine``: one stage running its action list as a stream of steps
 ``stage_state``    a stage's checkpoint files, by parameter name
-``planner``        will it fit, how fast: memory and simulated step time without allocating
+``planner``        will it fit, how fast: memory and simulated step time without allocating; the layout search
+``autosplit``      ``layers_per_stage: auto``: the split from costs measured at start, cached
 ``profile``        a run's measured per-stage times and the timeline they imply
 =================  ===========================================================================================
 

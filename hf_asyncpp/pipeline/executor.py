@@ -134,7 +134,7 @@ class PipelineEngine:
         self.recipe, self.topo, self.config, self.device = recipe, topo, model.config, local_device()
         rc, p = recipe.pipeline, recipe.pipeline.num_stages
         self.schedule = get_schedule(rc.schedule)
-        stages = partition_model(model, p, rc.layers_per_stage, seq_len=recipe.data.seq_len)
+        stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
         tied_pairs = tied_parameters(stages)
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
         del stages

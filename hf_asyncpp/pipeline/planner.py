@@ -10,9 +10,17 @@ Memory per stage (bytes):
                  top-k x expert width for MoE) and the last stage keeps one vocab-sized value per token for the loss
                  (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``).
 Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
+
+``search_plans``: for a number of GPUs, every stage count p dividing it (the rest data parallel), the FLOPs-balanced
+split and, where p divides the layers, the even one, and every microbatch size dividing the recipe's at the same
+global batch (so m = batch / (microbatch size x data-parallel degree)); each simulated in steady state with the
+data-parallel all-reduce and the activation transfers costed at a stated link bandwidth, ranked by tokens/s among
+those that fit in memory and that the schedule accepts. A 32-layer model on 16 stages has one 3-layer stage (the
+head's stage gets 1) and a 2BW bubble of 31%; on 8 stages x 2 replicas every stage has 4 layers.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +77,14 @@ def activation_values_per_token(config, layer_ids: list[int], last: bool) -> flo
     return total
 
 
-def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None) -> tuple[object, list[StageMemory], object]:
+def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
+                layers_per_stage: list[int] | None = None) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
     p = num_stages or recipe.pipeline.num_stages
     sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
     model = model or meta_model(recipe)
-    layers_per_stage = recipe.pipeline.layers_per_stage if p == recipe.pipeline.num_stages else None
+    if layers_per_stage is None:
+        layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages else None
     plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
     m, steps = sched.representative(p, recipe.pipeline.num_microbatches)
     m = _runnable_m(sched, p, m)
@@ -141,3 +151,120 @@ def _runnable_m(sched, p: int, m: int) -> int:
             if sched.one_update_per_microbatch or m > 4 * p:
                 raise
             m += 1
+
+
+# ---------------------------------------------------------------------------- search
+
+
+@dataclass
+class Candidate:
+    """One way to run the recipe on the GPUs given, simulated."""
+
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    layers_per_stage: list[int]
+    step_s: float
+    """Steady-state seconds per step (``nan`` where the schedule does not accept (p, m))."""
+    bubble: float
+    memory: float
+    """Bytes on the fullest GPU."""
+    fits: bool
+    runnable: bool
+    tokens_per_s: float
+    costs: Costs | None = None
+    """What it was simulated with (None where it could not run)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits and self.runnable
+
+    def overrides(self) -> str:
+        return (f"--pipeline.num_stages={self.num_stages} --pipeline.num_microbatches={self.num_microbatches} "
+                f"--pipeline.microbatch_size={self.microbatch_size} "
+                f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0) -> tuple[float, float]:
+    """(seconds per step, bubble) in steady state: the difference of a 4-step and a 2-step window, so the fill and
+    drain of a window (paid once per drain point, not per step) do not count against an asynchronous schedule."""
+    short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope)
+    long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope)
+    step = (long.makespan - short.makespan) / 2
+    busy = sum(iv.end - iv.start for tl in long.timeline for iv in tl) - sum(
+        iv.end - iv.start for tl in short.timeline for iv in tl)
+    return step, max(0.0, 1 - busy / (2 * step * p)) if step > 0 else 0.0
+
+
+def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
+                  flops_per_s: float, link_bytes_per_s: float) -> Candidate:
+    """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split)."""
+    rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
+                             layers_per_stage=split, extra_warmup=0)
+    r = dataclasses.replace(recipe, pipeline=rp)
+    sched = get_schedule(rp.schedule) if rp.schedule in SCHEDULES else ONE_F_ONE_B
+    plan, mem, _ = plan_memory(r, p, model, split)
+    sizes = [len(st.layers) for st in plan.stages]
+    worst = max(x.total for x in mem)
+    tokens_mb = mbs * recipe.data.seq_len
+    try:
+        sched.check(p, m)
+    except ValueError:
+        return Candidate(p, dp, m, mbs, sizes, float("nan"), float("nan"), worst, worst <= 0.9 * cap, False, 0.0)
+    fwd = [st.cost * tokens_mb / flops_per_s for st in plan.stages]
+    # ring all-reduce of the fp32 gradients among the dp replicas of a stage; activations of a microbatch between stages
+    reduce = [2 * (dp - 1) / dp * 4 * x.params / link_bytes_per_s for x in mem]
+    h = getattr(model.config, "hidden_size", None) or model.config.n_embd
+    comm = tokens_mb * h * (2 if recipe.training.bf16 else 4) / link_bytes_per_s
+    costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
+    step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
+    tokens = m * tokens_mb * dp
+    return Candidate(p, dp, m, mbs, sizes, step, bubble, worst, worst <= 0.9 * cap, True, tokens / step, costs)
+
+
+def reduction_stall(recipe: Recipe, c: Candidate) -> float:
+    """Seconds per step the plan loses waiting for gradient reductions: its step time against the same plan with
+    free reductions. 2BW hides a reduction behind m - p + 1 forward/backward pairs of stage 0; a synchronous
+    schedule behind nothing (its STEP follows the step's last backward)."""
+    sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
+    free = dataclasses.replace(c.costs, reduce=0.0)
+    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free, sched.reduce_scope(recipe.training.max_grad_norm))
+    return max(0.0, round(c.step_s - step, 9))  # float noise of the two simulations is no stall
+
+
+def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link_bytes_per_s: float,
+                 model=None) -> list[Candidate]:
+    """Every plan for ``gpus`` GPUs at the recipe's global batch, best first: feasible ones (fits in 90% of
+    ``cap``, schedule accepts m) by simulated tokens/s, then the rest by tokens/s.
+
+    The global batch (sequences per step) is the recipe's ``num_microbatches x microbatch_size`` times the
+    data-parallel degree the recipe implies on these GPUs (``gpus / num_stages``), so every candidate trains the same
+    model on the same batches; only how the work is laid out changes.
+    """
+    model = model or meta_model(recipe)
+    rp = recipe.pipeline
+    L = model.config.num_hidden_layers
+    batch = rp.num_microbatches * rp.microbatch_size * max(1, gpus // rp.num_stages)
+    out = []
+    for p in _divisors(gpus):
+        if p < 2 or p > L:
+            continue
+        dp = gpus // p
+        splits = [None] + ([[L // p] * p] if L % p == 0 else [])
+        for mbs in _divisors(rp.microbatch_size):
+            if batch % (mbs * dp):
+                continue
+            m = batch // (mbs * dp)
+            seen = set()
+            for split in splits:
+                c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s)
+                if tuple(c.layers_per_stage) not in seen:
+                    seen.add(tuple(c.layers_per_stage))
+                    out.append(c)
+    # ties (to 6 digits: float noise of the simulation) go to the larger microbatch, whose kernels run faster
+    return sorted(out, key=lambda c: (not c.feasible, -float(f"{c.tokens_per_s:.6g}"), -c.microbatch_size))

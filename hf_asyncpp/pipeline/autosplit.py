@@ -1,0 +1,99 @@
+"""``pipeline.layers_per_stage: auto``: the split from a short profile measured at start on the machine that trains.
+
+The FLOPs model (``partition.plan``) is right about big matmuls and wrong about what they leave out: the optimizer
+step (Muon's Newton-Schulz is several matmuls per matrix per step; error feedback copies every weight), per-kernel
+overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of issue 14 the
+first stage spent more time in STEP than in forward + backward. So ``auto`` times, on this device and at the recipe's
+microbatch shape, the forward + backward of every layer, the embedding, the head and the loss, and one optimizer step
+of each (``partition.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
+``m x (forward + backward) + step``.
+
+The measurement is cached by a hash of what it depends on (model config, microbatch shape, optimizer settings,
+precision, device, threads, torch version), so a restart or a resume finds the same split without measuring again
+(and a resumed run cannot silently get another partition from timing noise). The main process measures; the split
+is broadcast so every rank builds the same stages. ``hf-asyncpp plan`` keeps the FLOPs model: it plans without the
+hardware.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..config import Recipe, recipe_to_dict
+from ..partition import MeasuredCosts, measure_costs
+
+log = logging.getLogger("hf_asyncpp")
+
+CACHE_ENV = "HF_ASYNCPP_CACHE"
+_TIMED_OPTIMIZER_FIELDS = ("name", "ns_steps", "ns_dtype", "nesterov", "adjust_lr", "delay_correction")
+
+
+def cache_dir() -> Path:
+    """``$HF_ASYNCPP_CACHE`` or ``~/.cache/hf_asyncpp``: measured stage costs outlive a run's output folder."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_asyncpp") / "stage_costs"
+
+
+def device_name(device: torch.device) -> str:
+    """What the timings depend on about the machine: the accelerator's name, or the CPU and the thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.machine()}:{platform.processor() or '?'}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+
+
+def cache_key(recipe: Recipe, device: torch.device) -> dict:
+    """Everything a stage's measured seconds depend on (not the stage count or m: the split is recomputed from the
+    per-layer costs, so changing those reuses the measurement)."""
+    d = recipe_to_dict(recipe)
+    opt = {k: d["optimizer"][k] for k in _TIMED_OPTIMIZER_FIELDS}  # not the learning rates: they change no timing
+    return {"model": d["model"], "seq_len": recipe.data.seq_len, "microbatch_size": recipe.pipeline.microbatch_size,
+            "optimizer": opt, "bf16": recipe.training.bf16, "device": device_name(device), "torch": torch.__version__}
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device: torch.device,
+                   measure: Callable[..., MeasuredCosts] = measure_costs, folder: Optional[Path] = None
+                   ) -> tuple[MeasuredCosts, Path, bool]:
+    """(costs, cache file, whether it was a cache hit). ``build`` makes a throw-away model (random weights)."""
+    from ..engine import autocast
+    from ..optim import apply_delay_correction, build_optimizer
+
+    key = cache_key(recipe, device)
+    path = (folder or cache_dir()) / f"{_digest(key)}.json"
+    if path.exists():
+        try:
+            return MeasuredCosts.from_dict(json.loads(path.read_text())["costs"]), path, True
+        except (ValueError, KeyError, TypeError) as e:  # a damaged cache file: measure again and overwrite it
+            log.warning("pipeline.layers_per_stage auto: ignoring unreadable cache %s (%s)", path, e)
+    opt = recipe.optimizer
+    factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(recipe.training.bf16):
+        torch.manual_seed(0)
+        costs = measure(build(), recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str))
+    os.replace(tmp, path)
+    return costs, path, False
+
+
+def auto_split(recipe: Recipe, build: Callable[[], torch.nn.Module], device: torch.device,
+               measure: Callable[..., MeasuredCosts] = measure_costs, folder: Optional[Path] = None) -> list[int]:
+    """The measured split for ``recipe`` on ``device``, logged with each stage's time per microbatch."""
+    p, m = recipe.pipeline.num_stages, recipe.pipeline.num_microbatches
+    costs, path, hit = measured_costs(recipe, build, device, measure, folder)
+    split = costs.balance(p, m)
+    secs = costs.stage_seconds(split, m)
+    log.info("pipeline.layers_per_stage auto: %s (%s %s): per microbatch, forward + backward + 1/%d of the optimizer "
+             "step, stage seconds %s ms, slowest / mean %.3f", split, "cached in" if hit else "measured, saved to", path,
+             m, " ".join(f"{x * 1e3:.1f}" for x in secs), max(secs) / (sum(secs) / len(secs)))
+    return split
