@@ -179,6 +179,8 @@ def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int
     """The stage holding the module or parameter at ``path`` (a layer's: its layer's stage; else its unit's)."""
     if path.startswith(a.layers + "."):
         return layer_stage[int(path[len(a.layers) + 1:].split(".", 1)[0])]
+    if path in a.direct:
+        return num_stages - 1 if a.direct[path] == "post" else 0
     unit = max((u for u in a.units if path == u or path.startswith(u + ".")), key=len, default=None)
     return num_stages - 1 if unit is not None and a.units[unit] == "post" else 0
 

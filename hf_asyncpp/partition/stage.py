@@ -53,6 +53,14 @@ def _shallow(module: nn.Module) -> nn.Module:
     return new
 
 
+def _copy_only(module: nn.Module, prefix: str, names: set[str]) -> nn.Module:
+    """A structural copy of ``module`` (at ``prefix`` in the model) in which the parameters named ``names`` are new
+    tensors and every other parameter and buffer is the model's (``deepcopy`` with those pre-entered in its memo)."""
+    fresh = {id(p) for n, p in module.named_parameters(prefix=prefix, remove_duplicate=False) if n in names}
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers()) if id(t) not in fresh}
+    return copy.deepcopy(module, memo)
+
+
 def _weight_initializer(model: nn.Module):
     """The model class's ``_init_weights`` on a parameterless stand-in (a stage must not keep the model alive)."""
     cls = type(model)
@@ -106,12 +114,19 @@ class Stage(nn.Module):
         a = plan.anatomy
         shells = {c: _shallow(get_module(model, c)) for c in a.containers}
         for c, sh in shells.items():
+            for n in [n for n in sh._parameters if (f"{c}.{n}" if c else n) in a.direct]:
+                path = f"{c}.{n}" if c else n
+                if a.direct[path] == "pre" and not self.is_first or a.direct[path] == "post" and not self.is_last:
+                    # another stage holds it: zeros of its shape (only shapes matter here, as for ``absent`` modules)
+                    p = sh._parameters.pop(n)
+                    sh.register_buffer(n, torch.zeros_like(p, device="meta" if p.is_meta else p.device), persistent=False)
+                    sh.__dict__.setdefault("_stand_in_buffers", set()).add(n)
             for n in list(sh._modules):
                 path = f"{c}.{n}" if c else n
                 if path in shells:
                     sh._modules[n] = shells[path]
                 elif path == a.layers:
-                    sh._modules[n] = self._layer_list(get_module(model, path))
+                    sh._modules[n] = self._layer_list(get_module(model, path), path, copied)
                 elif path in a.units:
                     sh._modules[n] = self._unit(get_module(model, path), path, a.units[path], held, copied)
         return shells[""]
@@ -125,10 +140,13 @@ class Stage(nn.Module):
             return copy.deepcopy(module)  # e.g. a tied lm_head on the last stage: its own copy of the embedding
         return module
 
-    def _layer_list(self, layers: nn.ModuleList) -> nn.ModuleList:
+    def _layer_list(self, layers: nn.ModuleList, path: str, copied: set[str]) -> nn.ModuleList:
         out = nn.ModuleList()
         for j, layer in enumerate(layers):
             if self._start <= j < self._stop:
+                mine = {n for n in copied if n.startswith(f"{path}.{j}.")}
+                if mine:  # a block shared by several layers (Zamba): this stage's own copy of the shared weights
+                    layer = _copy_only(layer, f"{path}.{j}", mine)
                 w = alias(layer, None)
                 w.__dict__["forward"] = self._own(j, w, type(layer).forward)
             else:
@@ -214,8 +232,13 @@ class Stage(nn.Module):
             for name, m in list(self.named_modules()):
                 if not m._non_persistent_buffers_set:
                     continue
+                stand_ins = m.__dict__.get("_stand_in_buffers", ())
+                for n in stand_ins:  # zeros for a parameter another stage holds (see ``_build``)
+                    if not getattr(m, n).is_meta:
+                        getattr(m, n).zero_()
                 bufs = {n: b for n, b in m.named_buffers(recurse=False)
-                        if n in m._non_persistent_buffers_set and b.is_floating_point() and not b.is_meta}
+                        if n in m._non_persistent_buffers_set and n not in stand_ins and b.is_floating_point()
+                        and not b.is_meta}
                 if "Rotary" in type(m).__name__ and hasattr(m, "config"):
                     dev = next(iter(bufs.values())).device if bufs else torch.device("cpu")
                     try:

@@ -59,6 +59,10 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4, hc_lowrank=16, linear_key_head_dim=16, linear_value_head_dim=16,
                            linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=32),
+    # hybrid layers 1 and 3 run one shared transformer block (tied across layers; the stages hold copies)
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"] * 2),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"] * 2, n_mamba_heads=4, chunk_size=8,
+                   adapter_rank=8),
     "zaya": dict(num_experts_per_tok=1),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_d_head=16,
                              mamba_d_state=16, mamba_chunk_size=8),

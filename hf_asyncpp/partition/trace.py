@@ -44,6 +44,8 @@ class Anatomy:
     batch_dim: int = 0  # where (batch, sequence) sit in the hidden state's shape (Gemma-3n stacks 4 streams first)
     side: list[list[tuple[int, int | str]]] = field(default_factory=list)  # carried tensors: their (layer, arg) slots
     forward_kwargs: dict = field(default_factory=dict)  # passed to the model's forward on every stage
+    # parameters held directly by a container (Zaya's input scale on ZayaModel): name -> "pre" | "post"
+    direct: dict[str, str] = field(default_factory=dict)
 
     @property
     def norm(self) -> str | None:  # kept for callers of the former anatomy
@@ -133,14 +135,6 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     containers = [".".join(parts[:i]) for i in range(len(parts))]
     paths = {m: n for n, m in model.named_modules(remove_duplicate=False)}
     layer_mods = {id(m) for layer in layers for m in layer.modules()}
-    # units: children of containers; split further where one module runs both before and after the layers
-    for c in containers:
-        m = get_module(model, c)
-        direct = [n for n, _ in m.named_parameters(recurse=False)]
-        if direct:
-            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{direct[0]} sits directly on "
-                                 f"{type(m).__name__}, which also holds the decoder layers; no stage can own it alone")
-
     # watched tensors: each parameter / buffer -> the module paths that hold it directly
     owners: dict[int, list[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
@@ -238,6 +232,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
 
     side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L)
     units = _units(model, cls, containers, layers_path, uses)
+    direct = _direct(model, cls, containers, uses)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = [paths[emb]] if emb is not None and emb in paths else []
@@ -247,7 +242,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if batch_dim is None:
         raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence)")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, out_len, batch_dim, side, model_kwargs(model))
+                   out_index, out_len, batch_dim, side, model_kwargs(model), direct)
 
 
 _B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
@@ -283,6 +278,25 @@ def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[
                 raise PartitionError(f"{cls}: {layers_path}.{j} receives {key!r}, a structure holding tensors with gradient; "
                                      "the stage builder carries plain tensors between stages only")
     return list(groups.values())
+
+
+def _direct(model, cls, containers, uses) -> dict[str, str]:
+    """Parameters sitting directly on a container (next to the layers): the first stage holds those the model uses
+    before the layers, the last those it uses after; one used between or on both sides cannot be held by one stage."""
+    out: dict[str, str] = {}
+    for c in containers:
+        m = get_module(model, c)
+        names = [n for n, _ in m.named_parameters(recurse=False)]
+        if not names:
+            continue
+        phases = uses.get(c, set())  # uses of the container's own tensors (its parameters and buffers)
+        if "in" in phases or phases == {"pre", "post"}:
+            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{names[0]} sits directly on {type(m).__name__} "
+                                 f"and is used {'between the decoder layers' if 'in' in phases else 'before and after them'}; "
+                                 "no single stage can hold it: train this model on one stage (num_stages=1)")
+        for n in names:
+            out[f"{c}.{n}" if c else n] = "post" if phases == {"post"} else "pre"
+    return out
 
 
 def _units(model, cls, containers, layers_path, uses) -> dict[str, str]:
