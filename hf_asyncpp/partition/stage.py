@@ -44,6 +44,7 @@ class _Run:
     def __init__(self, device, hidden=None, side=None):
         self.device, self.hidden_in, self.side_in = device, hidden, side or {}
         self.hidden_out, self.side_out = None, {}
+        self.carry_in, self.carry_out = [], []
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -197,8 +198,18 @@ class Stage(nn.Module):
             args, kwargs = self._with(j, args, kwargs, None)
         if self.is_first:
             self._capture_side(j, args, kwargs)
+        if j == self._start and not self.is_first:
+            for (_, key), t in zip(self._a.carry, run.carry_in):
+                if isinstance(key, int):
+                    args[key] = t
+                else:
+                    kwargs[key] = t
         if j == self._stop and not self.is_last:
             run.hidden_out = self._hidden(args, kwargs)
+            run.carry_out = [args[key] if isinstance(key, int) else kwargs.get(key) for _, key in self._a.carry]
+            if any(not isinstance(t, torch.Tensor) for t in run.carry_out):
+                raise PartitionError(f"stage {self.index}: layer {j} receives no tensor in its argument(s) "
+                                     f"{[k for _, k in self._a.carry]} from layer {j - 1}; cannot send it to the next stage")
         if run.hidden_out is not None and (j == self._L - 1 or len(run.side_out) == len(self._side_out)):
             raise _Exit
         return args, kwargs
@@ -293,9 +304,12 @@ class Stage(nn.Module):
             parts = list(x) if isinstance(x, (tuple, list)) else [x]
             h = parts[0]
             side = dict(zip(self._side_in, parts[1:1 + len(self._side_in)]))
-            stats = parts[1 + len(self._side_in):] if aux else None
+            nc = 1 + len(self._side_in) + len(self._a.carry)
+            carry = parts[1 + len(self._side_in):nc]
+            stats = parts[nc:] if aux else None
             bd = self._a.batch_dim
             ids, run = torch.zeros(h.shape[bd:bd + 2], dtype=torch.long, device=h.device), _Run(h.device, h, side)
+            run.carry_in = list(carry)
         kwargs = dict(self._loss_kwargs)
         if labels is not None:
             kwargs["labels"] = labels
@@ -314,7 +328,7 @@ class Stage(nn.Module):
         if not self.is_last:
             if run.hidden_out is None:
                 raise PartitionError(f"stage {self.index}: the model's forward ended before layer {self._stop}")
-            sent = [run.hidden_out] + [run.side_out[g] if self.is_first else side[g] for g in self._side_out]
+            sent = [run.hidden_out] + [run.side_out[g] if self.is_first else side[g] for g in self._side_out] + run.carry_out
             sent = [t.contiguous() for t in sent] + (list(stats) if aux else [])
             return sent[0] if len(sent) == 1 else tuple(sent)
         if labels is None:

@@ -46,6 +46,8 @@ class Anatomy:
     forward_kwargs: dict = field(default_factory=dict)  # passed to the model's forward on every stage
     # parameters held directly by a container (Zaya's input scale on ZayaModel): name -> "pre" | "post"
     direct: dict[str, str] = field(default_factory=dict)
+    # outputs a layer hands to the next layer besides the hidden state (Zaya's router state): (output index, arg)
+    carry: list[tuple[int, int | str]] = field(default_factory=list)
 
     @property
     def norm(self) -> str | None:  # kept for callers of the former anatomy
@@ -231,6 +233,10 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
         raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns {type(out0).__name__}, not a tensor or a tuple")
 
     side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L)
+    carry = _carries(out0, out_index, args_seen, hidden_arg, L)
+    if carry:  # a carried output is a layer argument, not a side input computed before the layers
+        slots = {key for _, key in carry}
+        side = [g for g in side if not all(j > 0 and key in slots for j, key in g)]
     units = _units(model, cls, containers, layers_path, uses)
     direct = _direct(model, cls, containers, uses)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -242,7 +248,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if batch_dim is None:
         raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence)")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, out_len, batch_dim, side, model_kwargs(model), direct)
+                   out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry)
 
 
 _B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
@@ -259,6 +265,16 @@ def model_kwargs(model: nn.Module) -> dict:
     """Keyword arguments every stage passes to the model's forward: no KV / state cache in training."""
     params = inspect.signature(type(model).forward).parameters
     return {"use_cache": False} if "use_cache" in params else {}
+
+
+def _carries(out0, out_index, args_seen, hidden_arg, L) -> list[tuple[int, int | str]]:
+    """Elements of layer 0's output other than the hidden state that the model passes to layer 1 as an argument."""
+    if L < 2 or not isinstance(out0, (tuple, list)):
+        return []
+    args, kwargs = args_seen[1]
+    items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    return [(i, key) for i, x in enumerate(out0) if i != out_index and isinstance(x, torch.Tensor)
+            for key, v in items if v is x and key != hidden_arg]
 
 
 def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[int, int | str]]]:
