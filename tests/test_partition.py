@@ -341,3 +341,36 @@ def test_measured_costs_balance_by_time():
     assert secs[0] == pytest.approx(sum(c.layers[:3]) + c.first) and secs[1] == pytest.approx(c.layers[3] + c.last)
     with pytest.raises(PartitionError, match="at least 3 decoder layers"):
         measure_costs(AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 2})), 32, 4)
+
+
+def test_a_non_switch_aux_loss_is_the_models_own_over_all_layers():
+    """Doge's product-key router loss is not the Switch loss of pooled sums: stages send the router logits so far and
+    the last stage calls the model's own load_balancing_loss_func on all of them (loss and gradients exact)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.partition.aux import GatheredAux
+
+    cfg = AutoConfig.for_model("doge", **{**BASE, "num_key_value_heads": 4}, is_moe=True, num_experts=16,
+                               num_experts_per_tok=2, **MOE_AUX)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref = model(IDS, labels=IDS)
+    assert float(ref.aux_loss.detach()) > 0
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    stages = partition_model(model, 3, check=False)
+    assert isinstance(stages[0]._aux, GatheredAux)
+    sent = stages[0](IDS)
+    assert len(sent) == 1 + len(stages[0].layer_ids)  # the hidden state, then one router-logits tensor per layer so far
+    loss = send_like_the_runtime(stages, IDS, IDS)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the aux loss of the last stage's layers alone is not the model's
+        h = stages[1](stages[0](IDS))[0]
+        local = stages[2]((h, *stages[2]._aux.zeros(IDS.device)), labels=IDS)
+    assert not torch.allclose(local, ref.loss, rtol=1e-5, atol=1e-6)
+    got = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for first, last in tied_parameters(stages):
+        got[first] = got[first] + got.pop(last)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)

@@ -306,10 +306,12 @@ def _direct(model, cls, containers, uses) -> dict[str, str]:
         if not names:
             continue
         phases = uses.get(c, set())  # uses of the container's own tensors (its parameters and buffers)
-        if "in" in phases or phases == {"pre", "post"}:
-            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{names[0]} sits directly on {type(m).__name__} "
-                                 f"and is used {'between the decoder layers' if 'in' in phases else 'before and after them'}; "
-                                 "no single stage can hold it: train this model on one stage (num_stages=1)")
+        if "in" in phases or phases == {"pre", "post"} or not phases:
+            how = ("is used between the decoder layers" if "in" in phases else
+                   "is used before and after them" if phases else "is never used by the forward")
+            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{names[0]} sits directly on {type(m).__name__}, "
+                                 f"next to the decoder layers, and {how}; no single stage can hold it: remove it or train "
+                                 "this model on one stage (num_stages=1)")
         for n in names:
             out[f"{c}.{n}" if c else n] = "post" if phases == {"post"} else "pre"
     return out
