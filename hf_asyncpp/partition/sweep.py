@@ -66,6 +66,8 @@ OVERRIDES: dict[str, dict] = {
     "zaya": dict(num_experts_per_tok=1),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_d_head=16,
                              mamba_d_state=16, mamba_chunk_size=8),
+    # residual blocks of 2 layers (as the real model's several): block_states grows between the layers
+    "inkling2_text": dict(n_layers_per_attn_res_block=2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 _MULTIMODAL_KEYS = ("vision", "audio", "image", "speech", "vq_", "visual")

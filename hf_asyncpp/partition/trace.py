@@ -148,6 +148,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
 
     clock = {"started": 0, "done": 0, "inside": False, "phase": "pre"}
     calls, args_seen, outs = [], {}, {}
+    layer_nodes: set = set()  # autograd nodes of the stand-in layers' outputs
     sig = inspect.signature(layers[0].forward)
     first = next((n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
     real0 = {"out": None}
@@ -166,8 +167,14 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                     real0["out"] = out
                 except Exception:  # e.g. MoE routing on the meta device: assume the layer returns a tensor
                     out = h
-            elif isinstance(real0["out"], (tuple, list)):
-                out = tuple(h if i == _hidden_index(real0["out"], h) else None for i in range(len(real0["out"])))
+            else:
+                if isinstance(h, torch.Tensor) and h.requires_grad:
+                    h = h.clone()  # a node of its own: what the model computes from it is found in autograd graphs
+                    layer_nodes.add(h.grad_fn)
+                if isinstance(real0["out"], (tuple, list)):
+                    out = tuple(h if i == _hidden_index(real0["out"], h) else None for i in range(len(real0["out"])))
+                else:
+                    out = h
             clock["done"] += 1
             clock["inside"] = False
             clock["phase"] = _phase(clock, L)
@@ -232,7 +239,8 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     elif out0 is not None and not isinstance(out0, torch.Tensor):
         raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns {type(out0).__name__}, not a tensor or a tuple")
 
-    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L)
+    pos = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes, pos)
     carry = _carries(out0, out_index, args_seen, hidden_arg, L)
     if carry:  # a carried output is a layer argument, not a side input computed before the layers
         slots = {key for _, key in carry}
@@ -277,9 +285,25 @@ def _carries(out0, out_index, args_seen, hidden_arg, L) -> list[tuple[int, int |
             for key, v in items if v is x and key != hidden_arg]
 
 
-def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[int, int | str]]]:
+def _reaches(t: torch.Tensor, nodes: set, limit: int = 20000) -> bool:
+    """Whether ``t`` is computed from one of the autograd ``nodes``."""
+    todo, seen = [t.grad_fn], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        if n in nodes:
+            return True
+        seen.add(n)
+        todo.extend(f for f, _ in n.next_functions)
+    return False
+
+
+def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozenset(),
+                 arg_names=()) -> list[list[tuple[int, int | str]]]:
     """Layer arguments other than the hidden state that carry gradient, grouped by tensor (one tensor may feed all
-    layers); in order of first use."""
+    layers); in order of first use. One the model computes from earlier layers' outputs outside the layers is refused:
+    a later stage cannot rebuild it."""
     groups: dict[int, list] = {}
     for j in range(L):
         args, kwargs = args_seen[j]
@@ -288,6 +312,13 @@ def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[
             if key == hidden_arg:
                 continue
             if isinstance(v, torch.Tensor):
+                if v.requires_grad and layer_nodes and _reaches(v, layer_nodes):
+                    name = arg_names[key] if isinstance(key, int) and key < len(arg_names) else key
+                    raise PartitionError(
+                        f"{cls}: {layers_path}.{j} receives {name!r}, which the model's forward builds from earlier "
+                        f"decoder layers' outputs outside the layers (between them); the stage holding layer {j} cannot "
+                        "rebuild it from one hidden state: train this model on one stage (num_stages=1) or with data "
+                        "parallelism only")
                 if v.requires_grad:
                     groups.setdefault(id(v), []).append((j, key))
             elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(v)):
