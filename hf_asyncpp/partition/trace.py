@@ -224,7 +224,8 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if calls != list(range(L)):
         raise PartitionError(f"{cls}: calls its decoder layers in the order {calls[:12]}{'...' if len(calls) > 12 else ''}, "
                              f"not once each in order 0..{L - 1}; a stage boundary between layers would be crossed more "
-                             "than once")
+                             "than once per forward (recurrent-depth models run their layers in cycles): train this model "
+                             "on one stage (num_stages=1) or with data parallelism only")
     hidden_arg = 0
     a0, k0 = args_seen[0]
     if not a0:
@@ -254,7 +255,10 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     shape = list((a0[0] if a0 else k0[first]).shape)
     batch_dim = next((i for i in range(len(shape) - 1) if shape[i:i + 2] == [_B, seq_len]), None)
     if batch_dim is None:
-        raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence)")
+        raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence "
+                             f"{seq_len}): its decoder layers run over something other than the tokens (byte-latent "
+                             "models: patches, whose number depends on the data), so stages cannot exchange a fixed-shape "
+                             "hidden state; train this model on one stage (num_stages=1) or with data parallelism only")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
                    out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry)
 
