@@ -416,6 +416,24 @@ def tied_parameters(stages: list[nn.Module]) -> list[tuple[str, str]]:
     return list(stages[0].tied_pairs) if stages else []
 
 
+def shared_tensors(stages: list[nn.Module]) -> list[tuple[tuple[int, ...], list[str]]]:
+    """Each tensor held on several stages (tied embeddings, a block shared by several layers): the stages holding it,
+    ascending, and its name on each of them. Sorted, so every rank derives the same order (the runtime all-reduces
+    the copies' gradients in it)."""
+    pairs = tied_parameters(stages)
+    if not pairs:
+        return []
+    where = {n: i for i, s in enumerate(stages) for n, _ in s.named_parameters()}
+    groups: dict[str, list[str]] = {}
+    for first, later in pairs:
+        groups.setdefault(first, [first]).append(later)
+    out = []
+    for names in groups.values():
+        by_stage = sorted((where[n], n) for n in names)
+        out.append((tuple(i for i, _ in by_stage), [n for _, n in by_stage]))
+    return sorted(out)
+
+
 def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
                       tied: list[tuple[str, str]] | None = None) -> dict[str, torch.Tensor]:
     """One state dict by original names, loadable into the HF model with ``strict=True``.
@@ -436,4 +454,4 @@ def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
 
 
 __all__ = ["Stage", "AuxLoss", "VERIFIED_MODEL_TYPES", "partition_model", "run_stages", "check_partition",
-           "tied_parameters", "merge_state_dicts"]
+           "tied_parameters", "shared_tensors", "merge_state_dicts"]

@@ -48,6 +48,9 @@ class Anatomy:
     direct: dict[str, str] = field(default_factory=dict)
     # outputs a layer hands to the next layer besides the hidden state (Zaya's router state): (output index, arg)
     carry: list[tuple[int, int | str]] = field(default_factory=list)
+    # values per token of each side input, then of each carried output: what crosses a boundary besides the hidden
+    # state (the planner counts them in a stage's activation memory)
+    extra_values: list[int] = field(default_factory=list)
 
     @property
     def norm(self) -> str | None:  # kept for callers of the former anatomy
@@ -246,6 +249,13 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if carry:  # a carried output is a layer argument, not a side input computed before the layers
         slots = {key for _, key in carry}
         side = [g for g in side if not all(j > 0 and key in slots for j, key in g)]
+
+    def per_token(j, key):  # values per token of the tensor in layer j's argument ``key``
+        a, k = args_seen[j]
+        t = a[key] if isinstance(key, int) else k[key]
+        return t.numel() // (_B * seq_len)
+    side_values = [per_token(*g[0]) for g in side]
+    carry_values = [per_token(1, key) for _, key in carry]
     units = _units(model, cls, containers, layers_path, uses)
     direct = _direct(model, cls, containers, uses)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -260,7 +270,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                              "models: patches, whose number depends on the data), so stages cannot exchange a fixed-shape "
                              "hidden state; train this model on one stage (num_stages=1) or with data parallelism only")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry)
+                   out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry, side_values + carry_values)
 
 
 _B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
