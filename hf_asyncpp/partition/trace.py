@@ -168,8 +168,11 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                 try:
                     out = real(*args, **kwargs)
                     real0["out"] = out
-                except Exception:  # e.g. MoE routing on the meta device: assume the layer returns a tensor
-                    out = h
+                except Exception:  # e.g. MoE kernels without a meta implementation: a CPU copy tells the structure
+                    out = _run_on_cpu(real, args, kwargs) if isinstance(h, torch.Tensor) and h.is_meta else None
+                    real0["out"] = out
+                    if out is None:  # assume the layer returns a tensor
+                        out = h
             else:
                 if isinstance(h, torch.Tensor) and h.requires_grad:
                     h = h.clone()  # a node of its own: what the model computes from it is found in autograd graphs
@@ -271,6 +274,30 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                              "hidden state; train this model on one stage (num_stages=1) or with data parallelism only")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
                    out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry, side_values + carry_values)
+
+
+def _run_on_cpu(layer: nn.Module, args, kwargs):
+    """The output of a randomly initialized CPU copy of a meta ``layer`` on zero inputs, as meta tensors (None if it
+    fails too): only its structure (which element is the hidden state, what else it returns) is used."""
+    import copy
+
+    from torch.utils._pytree import tree_map
+
+    try:
+        cpu = copy.deepcopy(layer).to_empty(device="cpu")
+        with torch.no_grad():
+            for t in cpu.parameters():
+                t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
+            for t in cpu.buffers():
+                t.zero_()
+        to_cpu = lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x  # noqa: E731
+        out = cpu(*tree_map(to_cpu, args), **tree_map(to_cpu, kwargs))
+    except Exception:
+        return None
+    h = args[0] if args else None
+    return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta",
+                                          requires_grad=bool(h is not None and h.requires_grad and x.is_floating_point()))
+                    if isinstance(x, torch.Tensor) else x, out)
 
 
 _B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
