@@ -374,3 +374,30 @@ def test_a_non_switch_aux_loss_is_the_models_own_over_all_layers():
         got[first] = got[first] + got.pop(last)
     for n, g in want.items():
         torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_block_shared_by_layers_is_one_copy_per_stage():
+    """Zamba runs one transformer block in every hybrid layer: a later stage holds one copy of it, however many of its
+    layers run it, and the copies' gradients summed are the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.partition import shared_tensors
+    from hf_asyncpp.partition.sweep import compare
+
+    cfg = AutoConfig.for_model("zamba", hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                               num_key_value_heads=4, vocab_size=128, mamba_d_state=8,
+                               layers_block_type=["hybrid", "linear_attention", "hybrid"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref = model(IDS, labels=IDS)
+    ref.loss.backward()
+    want = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    assert compare(model, 2, IDS, ref.loss.detach(), want) is None
+    stages = partition_model(model, 2, layers_per_stage=[3, 3], check=False)
+    block = [n for n, _ in model.model.layers[0].shared_transf.named_parameters()]
+    assert [n for n, _ in stages[1].named_parameters() if "shared_transf" in n] == [f"model.layers.3.shared_transf.{n}" for n in block]
+    shared = dict((names[0], (holders, names)) for holders, names in shared_tensors(stages))
+    assert shared["model.layers.0.shared_transf.self_attn.q_proj.weight"] == (
+        (0, 1), ["model.layers.0.shared_transf.self_attn.q_proj.weight", "model.layers.3.shared_transf.self_attn.q_proj.weight"])
+    layers = stages[1]._shell.model.layers
+    assert layers[3].shared_transf.self_attn.q_proj.weight is layers[5].shared_transf.self_attn.q_proj.weight

@@ -54,12 +54,18 @@ def _shallow(module: nn.Module) -> nn.Module:
     return new
 
 
-def _copy_only(module: nn.Module, prefix: str, names: set[str]) -> nn.Module:
-    """A structural copy of ``module`` (at ``prefix`` in the model) in which the parameters named ``names`` are new
-    tensors and every other parameter and buffer is the model's (``deepcopy`` with those pre-entered in its memo)."""
-    fresh = {id(p) for n, p in module.named_parameters(prefix=prefix, remove_duplicate=False) if n in names}
-    memo = {id(t): t for t in (*module.parameters(), *module.buffers()) if id(t) not in fresh}
-    return copy.deepcopy(module, memo)
+def _copy_only(module: nn.Module, copies: dict[int, nn.Parameter], to_copy: set[int]) -> nn.Module:
+    """A structural copy of ``module`` in which the parameters in ``to_copy`` (tensor ids) are this stage's copies:
+    the one in ``copies`` when an earlier layer of the stage made it, else a new one (added to ``copies``); every
+    other parameter and buffer is the model's (``deepcopy`` with those pre-entered in its memo)."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers()) if id(t) not in to_copy}
+    memo.update({k: v for k, v in copies.items()})
+    new = copy.deepcopy(module, memo)
+    for (_, old), (_, fresh) in zip(module.named_parameters(remove_duplicate=False),
+                                    new.named_parameters(remove_duplicate=False)):
+        if id(old) in to_copy:
+            copies.setdefault(id(old), fresh)
+    return new
 
 
 def _weight_initializer(model: nn.Module):
@@ -142,12 +148,15 @@ class Stage(nn.Module):
         return module
 
     def _layer_list(self, layers: nn.ModuleList, path: str, copied: set[str]) -> nn.ModuleList:
+        # a block shared by several layers (Zamba) that an earlier stage holds: this stage's own copy, one per tensor
+        # however many of the stage's layers run it
+        to_copy = {id(p) for n, p in layers.named_parameters(prefix=path, remove_duplicate=False) if n in copied}
+        copies: dict[int, nn.Parameter] = {}
         out = nn.ModuleList()
         for j, layer in enumerate(layers):
             if self._start <= j < self._stop:
-                mine = {n for n in copied if n.startswith(f"{path}.{j}.")}
-                if mine:  # a block shared by several layers (Zamba): this stage's own copy of the shared weights
-                    layer = _copy_only(layer, f"{path}.{j}", mine)
+                if any(id(p) in to_copy for p in layer.parameters()):
+                    layer = _copy_only(layer, copies, to_copy)
                 w = alias(layer, None)
                 w.__dict__["forward"] = self._own(j, w, type(layer).forward)
             else:
