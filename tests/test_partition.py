@@ -341,3 +341,63 @@ def test_measured_costs_balance_by_time():
     assert secs[0] == pytest.approx(sum(c.layers[:3]) + c.first) and secs[1] == pytest.approx(c.layers[3] + c.last)
     with pytest.raises(PartitionError, match="at least 3 decoder layers"):
         measure_costs(AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 2})), 32, 4)
+
+
+def test_a_non_switch_aux_loss_is_the_models_own_over_all_layers():
+    """Doge's product-key router loss is not the Switch loss of pooled sums: stages send the router logits so far and
+    the last stage calls the model's own load_balancing_loss_func on all of them (loss and gradients exact)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.partition.aux import GatheredAux
+
+    cfg = AutoConfig.for_model("doge", **{**BASE, "num_key_value_heads": 4}, is_moe=True, num_experts=16,
+                               num_experts_per_tok=2, **MOE_AUX)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref = model(IDS, labels=IDS)
+    assert float(ref.aux_loss.detach()) > 0
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    stages = partition_model(model, 3, check=False)
+    assert isinstance(stages[0]._aux, GatheredAux)
+    sent = stages[0](IDS)
+    assert len(sent) == 1 + len(stages[0].layer_ids)  # the hidden state, then one router-logits tensor per layer so far
+    loss = send_like_the_runtime(stages, IDS, IDS)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the aux loss of the last stage's layers alone is not the model's
+        h = stages[1](stages[0](IDS))[0]
+        local = stages[2]((h, *stages[2]._aux.zeros(IDS.device)), labels=IDS)
+    assert not torch.allclose(local, ref.loss, rtol=1e-5, atol=1e-6)
+    got = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for first, last in tied_parameters(stages):
+        got[first] = got[first] + got.pop(last)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_block_shared_by_layers_is_one_copy_per_stage():
+    """Zamba runs one transformer block in every hybrid layer: a later stage holds one copy of it, however many of its
+    layers run it, and the copies' gradients summed are the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.partition import shared_tensors
+    from hf_asyncpp.partition.sweep import compare
+
+    cfg = AutoConfig.for_model("zamba", hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                               num_key_value_heads=4, vocab_size=128, mamba_d_state=8,
+                               layers_block_type=["hybrid", "linear_attention", "hybrid"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref = model(IDS, labels=IDS)
+    ref.loss.backward()
+    want = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    assert compare(model, 2, IDS, ref.loss.detach(), want) is None
+    stages = partition_model(model, 2, layers_per_stage=[3, 3], check=False)
+    block = [n for n, _ in model.model.layers[0].shared_transf.named_parameters()]
+    assert [n for n, _ in stages[1].named_parameters() if "shared_transf" in n] == [f"model.layers.3.shared_transf.{n}" for n in block]
+    shared = dict((names[0], (holders, names)) for holders, names in shared_tensors(stages))
+    assert shared["model.layers.0.shared_transf.self_attn.q_proj.weight"] == (
+        (0, 1), ["model.layers.0.shared_transf.self_attn.q_proj.weight", "model.layers.3.shared_transf.self_attn.q_proj.weight"])
+    layers = stages[1]._shell.model.layers
+    assert layers[3].shared_transf.self_attn.q_proj.weight is layers[5].shared_transf.self_attn.q_proj.weight

@@ -58,3 +58,34 @@ def _measure_stage_bytes(rank, world, recipe):
     out = eng.memory_report()
     eng.close()
     return out
+
+
+def test_planner_counts_shared_copies_and_received_side_inputs():
+    """A block shared by layers on two stages is held (and counted) on both; a stage after the first keeps what it
+    receives besides the hidden state (Gemma-3n's per-layer embeddings) for its backward."""
+    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.pipeline.planner import received_values_per_token
+
+    zamba = {"model_type": "zamba", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "mamba_d_state": 8,
+             "layers_block_type": ["linear_attention", "hybrid"] * 2}  # tied: the block too (untied, transformers unties it)
+    r = recipe_from_dict({"model": {"config": zamba}, "data": {"seq_len": 16},
+                          "pipeline": {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 2}})
+    plan, mem, _ = plan_memory(r)
+    model = meta_model(r)
+    block = sum(p.numel() for p in model.model.layers[1].shared_transf.parameters())
+    own = [sum(p.numel() for n, p in model.named_parameters() if plan.stage_of(n) == s) for s in range(2)]
+    assert model.model.layers[1].shared_transf.self_attn.q_proj.weight is model.model.layers[3].shared_transf.self_attn.q_proj.weight
+    embed = model.model.embed_tokens.weight.numel()
+    # the last stage also holds its copies of the block and of the embedding (its head)
+    assert [m.params for m in mem] == [own[0], own[1] + block + embed]
+    assert "+10 shared copies" in plan.format()
+
+    gemma = {"model_type": "gemma3n_text", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
+             "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0,
+             "max_position_embeddings": 64, "sliding_window": 8}
+    plan = partition_plan(meta_model(recipe_from_dict({"model": {"config": gemma}})), 2)
+    start = plan.stages[1].layers.start
+    assert received_values_per_token(plan.anatomy, plan.stages[0].layers, 0) == 0
+    assert received_values_per_token(plan.anatomy, plan.stages[1].layers, 1) == 8 * (4 - start)  # one 8-wide input per layer

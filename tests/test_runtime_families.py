@@ -1,6 +1,7 @@
 """The pipeline executor on families the stage builder once refused: an SSM (Mamba, tied embeddings), per-layer
-embeddings carried between stages (Gemma-3n) and ALiBi computed by the base model (Falcon), against the same
-single-process reference as tests/test_runtime.py."""
+embeddings carried between stages (Gemma-3n), ALiBi computed by the base model (Falcon) and a transformer block
+shared by layers on two stages (Zamba: held on both, gradients summed), against the same single-process reference
+as tests/test_runtime.py."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,11 @@ GEMMA3N = {"model_type": "gemma3n_text", "hidden_size": 32, "intermediate_size":
            "max_position_embeddings": 64, "sliding_window": 8}
 FALCON = {"model_type": "falcon", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
           "vocab_size": 128, "alibi": True, "bias": True}
-FAMILIES = {"mamba": MAMBA, "gemma3n_text": GEMMA3N, "falcon": FALCON}
+# hybrid layers 1 and 3 run one shared block: with 2 stages each holds a copy (as with the tied embeddings)
+ZAMBA = {"model_type": "zamba", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "mamba_d_state": 8,
+         "layers_block_type": ["linear_attention", "hybrid"] * 2, "max_position_embeddings": 64}
+FAMILIES = {"mamba": MAMBA, "gemma3n_text": GEMMA3N, "falcon": FALCON, "zamba": ZAMBA}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -34,7 +39,8 @@ def test_family_stages_are_exact(name):
 
 RUNS = [(MAMBA, "1f1b", 2, 2, 2, "adamw", False), (MAMBA, "2bw", 2, 2, 2, "adamw", True),
         (GEMMA3N, "gpipe", 2, 2, 2, "adamw", False), (GEMMA3N, "2bw", 2, 2, 2, "adamw", False),
-        (FALCON, "1f1b", 2, 3, 2, "adamw", False), (FALCON, "pipedream", 2, 1, 2, "adamw", False)]  # tied: the head's copy at lag 0
+        (FALCON, "1f1b", 2, 3, 2, "adamw", False), (FALCON, "pipedream", 2, 1, 2, "adamw", False),
+        (ZAMBA, "gpipe", 2, 2, 2, "adamw", False)]
 
 
 def test_new_families_match_single_process_reference(tmp_path):

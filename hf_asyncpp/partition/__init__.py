@@ -14,9 +14,16 @@ Stage contract (the runtime and the tests rely on it):
   sums, exactly transformers' loss over all layers. Floating elements (hidden, router_prob_sum) require grad and
   need their gradients sent back; the int64 counts need no gradient. Nothing else (no None, no Python objects).
 - Parameter names are the model's own (``model.layers.3.mlp.gate_proj.weight``); every parameter is in exactly
-  one stage, except tied input/output embeddings: the first and the last stage each hold a copy, and
-  ``tied_parameters(stages)`` lists ``(first-stage name, last-stage name)`` pairs whose gradients must be summed
-  and whose values must stay equal. ``merge_state_dicts(stage_state_dicts, tied)`` re-ties them.
+  one stage, except tensors the model uses under several names on several stages (tied input/output embeddings,
+  Zamba's transformer block shared by several layers): each stage that needs one holds a copy, and
+  ``tied_parameters(stages)`` lists ``(earlier-stage name, later-stage name)`` pairs whose gradients must be summed
+  and whose values must stay equal (``shared_tensors(stages)``: the same, per tensor, with the stages holding it).
+  ``merge_state_dicts(stage_state_dicts, tied)`` re-ties them.
+- Parameters held directly by a layer container (Zaya's input scale on ``ZayaModel``) go to the stage that uses
+  them (first or last). A layer output the model hands to the next layer besides the hidden state (Zaya's router
+  state, HY-V4's indexer top-k) travels after the side inputs, in the order of ``anatomy(model).carry``. A router
+  aux loss other than the Switch loss (Doge) is computed by the model's own function on the last stage from every
+  router call's logits, which the stages send after the hidden state instead of the pooled statistics.
 - Every stage runs the model's own forward (stage.py): its layers are the model's modules (shared, not copied),
   other stages' layers and weights are hollow stand-ins, so masks, rotary / ALiBi, per-layer embeddings, scalings,
   norms and heads are the model's code. Layer arguments with gradient computed before the layers (per-layer
@@ -30,8 +37,8 @@ Stage contract (the runtime and the tests rely on it):
 from .plan import Anatomy, PartitionError, PartitionPlan, StagePlan, anatomy, balanced_sizes, partition_plan
 from .profile import MeasuredCosts, measure_costs
 from .stage import (VERIFIED_MODEL_TYPES, AuxLoss, Stage, check_partition, merge_state_dicts, partition_model, run_stages,
-                    tied_parameters)
+                    shared_tensors, tied_parameters)
 
-__all__ = ["partition_model", "partition_plan", "tied_parameters", "merge_state_dicts", "check_partition", "run_stages",
+__all__ = ["partition_model", "partition_plan", "tied_parameters", "shared_tensors", "merge_state_dicts", "check_partition", "run_stages",
            "PartitionPlan", "StagePlan", "PartitionError", "Stage", "AuxLoss", "Anatomy", "anatomy", "balanced_sizes",
            "VERIFIED_MODEL_TYPES", "measure_costs", "MeasuredCosts"]

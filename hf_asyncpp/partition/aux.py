@@ -50,16 +50,79 @@ class AuxLoss:
         return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * self.num_experts
 
 
-def _aux_loss(model: nn.Module) -> AuxLoss | None:
-    """The router aux loss the model adds to its loss, or None; refuses a loss it cannot reproduce from pooled sums."""
+@dataclass(frozen=True)
+class GatheredAux:
+    """A router aux loss that is not the Switch loss of pooled sums (Doge's product-key routing): every stage sends
+    the router logits of all router calls so far, and the last stage calls the model's own loss function on all of
+    them, with the arguments the model's forward passes it (read from its source). Cost: the router logits of the
+    earlier layers cross each boundary (one (rows, experts) tensor per router call, small beside the hidden state).
+    """
+
+    fn: object  # the model module's load_balancing_loss_func
+    args: tuple  # its arguments after the router logits (attention_mask: None, stages get no padding mask)
+    coef: float
+    recorders: tuple
+
+    def zeros(self, device) -> tuple:
+        return ()
+
+    def accumulate(self, *stats_and_logits):
+        *stats, logits_list = stats_and_logits
+        return tuple(stats) + tuple(logits_list)
+
+    def loss(self, *logits) -> torch.Tensor:
+        # no router ran (a model without MoE layers): the model's function gets None, as from the model's forward
+        return torch.as_tensor(self.fn(tuple(logits) if logits else None, *self.args))
+
+
+def _loss_call(model: nn.Module):
+    """From the model's forward source: the arguments of its ``load_balancing_loss_func(...)`` call after the router
+    logits, and the coefficient of ``loss += coef * aux_loss``, evaluated on the model (None where not found)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None, None
+    env = dict(vars(sys.modules[type(model).__module__]), self=model, attention_mask=None)
+    args, coef = None, None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_balancing_loss_func" and node.args:
+            try:
+                args = tuple(eval(compile(ast.Expression(a), "<aux>", "eval"), env) for a in node.args[1:])
+            except Exception:
+                args = None
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.value, ast.BinOp) \
+                and isinstance(node.value.op, ast.Mult):
+            for side in (node.value.left, node.value.right):
+                if not any(isinstance(n, ast.Name) and n.id == "aux_loss" for n in ast.walk(side)):
+                    try:
+                        coef = float(eval(compile(ast.Expression(side), "<aux>", "eval"), env))
+                    except Exception:
+                        pass
+    return args, coef
+
+
+def _adds_aux_loss(model: nn.Module) -> bool:
+    """Whether the model's forward adds an aux loss (mentions one other than ``aux_loss=None``)."""
+    import re
+
+    src = inspect.getsource(type(model).forward)
+    return re.search(r"\baux_loss\b(?!\s*=\s*None)", src) is not None
+
+
+def _aux_loss(model: nn.Module) -> AuxLoss | GatheredAux | None:
+    """The router aux loss the model adds to its loss, or None; refuses a loss it cannot reproduce."""
     cfg, cls = model.config, type(model).__name__
     if not getattr(cfg, "output_router_logits", False):
         return None
     fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
     if fn is None:
-        if "aux_loss" in inspect.getsource(type(model).forward):
+        if _adds_aux_loss(model):
             raise PartitionError(f"{cls}: adds a router aux loss without a module-level load_balancing_loss_func; "
-                                 "the stage builder cannot reproduce it")
+                                 "the stage builder cannot reproduce it: set config.output_router_logits=False (no aux "
+                                 "loss) or train on one stage")
         return None  # e.g. DeepSeek-V3: auxiliary-loss-free balancing, nothing is added
     rec = None
     for m in (model, get_module(model, getattr(model, "base_model_prefix", "model"))):
@@ -74,9 +137,10 @@ def _aux_loss(model: nn.Module) -> AuxLoss | None:
     k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     coef = getattr(model, "router_aux_loss_coef", None)
     coef = coef if coef is not None else getattr(cfg, "router_aux_loss_coef", None)
+    call_args, call_coef = _loss_call(model)
+    coef = coef if coef is not None else call_coef
     if not (E and k and coef is not None):
-        raise PartitionError(f"{cls}: adds a router aux loss but its number of experts, top-k or router_aux_loss_coef "
-                             "is not where transformers' Switch-loss models keep them")
+        return _gathered(model, fn, call_args, call_coef, recorders)
     aux = AuxLoss(int(E), int(k), float(coef), recorders)
     # The pooled sums are exact only for the Switch loss; check this transformers' function is that loss.
     g = torch.Generator().manual_seed(0)
@@ -88,9 +152,18 @@ def _aux_loss(model: nn.Module) -> AuxLoss | None:
     except Exception:  # another signature: not the Switch loss
         want = None
     if not torch.is_tensor(want) or not torch.allclose(got, want.float(), rtol=1e-5, atol=1e-7):
-        raise PartitionError(f"{cls}: {type(model).__module__}.load_balancing_loss_func is not the Switch loss of pooled "
-                             "router statistics; pooling across stages would change the loss")
+        return _gathered(model, fn, call_args, call_coef, recorders)
     return aux
+
+
+def _gathered(model, fn, args, coef, recorders) -> GatheredAux:
+    cls = type(model).__name__
+    if args is None or coef is None:
+        raise PartitionError(f"{cls}: {type(model).__module__}.load_balancing_loss_func is not the Switch loss of pooled "
+                             "router statistics, and its arguments or coefficient cannot be read from "
+                             f"{cls}.forward's source; set config.output_router_logits=False (no aux loss) or train on "
+                             "one stage")
+    return GatheredAux(fn, args, float(coef), recorders)
 
 
 def _cfg_experts(cfg):

@@ -62,8 +62,12 @@ class PartitionPlan:
     def format(self) -> str:
         total = sum(s.cost for s in self.stages) or 1.0
         rows = [f"{'stage':>5}  {'layers':>9}  {'params':>14}  {'GFLOP/token':>11}  {'share':>6}"]
+        copies = {b for _, b in self.tied_pairs}
         for i, s in enumerate(self.stages):
             extra = (" +embed" if i == 0 else "") + (" +norm+head" if i == len(self.stages) - 1 else "")
+            n_copies = sum(n in copies for n in self.param_names[i])
+            if n_copies:  # tensors an earlier stage also holds (a tied head, a block shared by several layers)
+                extra += f" +{n_copies} shared cop{'y' if n_copies == 1 else 'ies'}"
             lay = f"{s.layers.start}-{s.layers.stop - 1}" if len(s.layers) else "-"
             rows.append(f"{i:>5}  {lay:>9}  {s.params:>14,}  {s.cost / 1e9:>11.4f}  {s.cost / total:>6.1%}{extra}")
         return "\n".join(rows)
@@ -179,6 +183,8 @@ def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int
     """The stage holding the module or parameter at ``path`` (a layer's: its layer's stage; else its unit's)."""
     if path.startswith(a.layers + "."):
         return layer_stage[int(path[len(a.layers) + 1:].split(".", 1)[0])]
+    if path in a.direct:
+        return num_stages - 1 if a.direct[path] == "post" else 0
     unit = max((u for u in a.units if path == u or path.startswith(u + ".")), key=len, default=None)
     return num_stages - 1 if unit is not None and a.units[unit] == "post" else 0
 

@@ -44,12 +44,27 @@ class _Run:
     def __init__(self, device, hidden=None, side=None):
         self.device, self.hidden_in, self.side_in = device, hidden, side or {}
         self.hidden_out, self.side_out = None, {}
+        self.carry_in, self.carry_out = [], []
 
 
 def _shallow(module: nn.Module) -> nn.Module:
     """A new instance of the module's class with its own child / parameter / hook dicts (entries shared)."""
     new = type(module).__new__(type(module))
     new.__dict__.update({k: (v.copy() if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()})
+    return new
+
+
+def _copy_only(module: nn.Module, copies: dict[int, nn.Parameter], to_copy: set[int]) -> nn.Module:
+    """A structural copy of ``module`` in which the parameters in ``to_copy`` (tensor ids) are this stage's copies:
+    the one in ``copies`` when an earlier layer of the stage made it, else a new one (added to ``copies``); every
+    other parameter and buffer is the model's (``deepcopy`` with those pre-entered in its memo)."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers()) if id(t) not in to_copy}
+    memo.update({k: v for k, v in copies.items()})
+    new = copy.deepcopy(module, memo)
+    for (_, old), (_, fresh) in zip(module.named_parameters(remove_duplicate=False),
+                                    new.named_parameters(remove_duplicate=False)):
+        if id(old) in to_copy:
+            copies.setdefault(id(old), fresh)
     return new
 
 
@@ -106,12 +121,19 @@ class Stage(nn.Module):
         a = plan.anatomy
         shells = {c: _shallow(get_module(model, c)) for c in a.containers}
         for c, sh in shells.items():
+            for n in [n for n in sh._parameters if (f"{c}.{n}" if c else n) in a.direct]:
+                path = f"{c}.{n}" if c else n
+                if a.direct[path] == "pre" and not self.is_first or a.direct[path] == "post" and not self.is_last:
+                    # another stage holds it: zeros of its shape (only shapes matter here, as for ``absent`` modules)
+                    p = sh._parameters.pop(n)
+                    sh.register_buffer(n, torch.zeros_like(p, device="meta" if p.is_meta else p.device), persistent=False)
+                    sh.__dict__.setdefault("_stand_in_buffers", set()).add(n)
             for n in list(sh._modules):
                 path = f"{c}.{n}" if c else n
                 if path in shells:
                     sh._modules[n] = shells[path]
                 elif path == a.layers:
-                    sh._modules[n] = self._layer_list(get_module(model, path))
+                    sh._modules[n] = self._layer_list(get_module(model, path), path, copied)
                 elif path in a.units:
                     sh._modules[n] = self._unit(get_module(model, path), path, a.units[path], held, copied)
         return shells[""]
@@ -125,10 +147,16 @@ class Stage(nn.Module):
             return copy.deepcopy(module)  # e.g. a tied lm_head on the last stage: its own copy of the embedding
         return module
 
-    def _layer_list(self, layers: nn.ModuleList) -> nn.ModuleList:
+    def _layer_list(self, layers: nn.ModuleList, path: str, copied: set[str]) -> nn.ModuleList:
+        # a block shared by several layers (Zamba) that an earlier stage holds: this stage's own copy, one per tensor
+        # however many of the stage's layers run it
+        to_copy = {id(p) for n, p in layers.named_parameters(prefix=path, remove_duplicate=False) if n in copied}
+        copies: dict[int, nn.Parameter] = {}
         out = nn.ModuleList()
         for j, layer in enumerate(layers):
             if self._start <= j < self._stop:
+                if any(id(p) in to_copy for p in layer.parameters()):
+                    layer = _copy_only(layer, copies, to_copy)
                 w = alias(layer, None)
                 w.__dict__["forward"] = self._own(j, w, type(layer).forward)
             else:
@@ -179,8 +207,18 @@ class Stage(nn.Module):
             args, kwargs = self._with(j, args, kwargs, None)
         if self.is_first:
             self._capture_side(j, args, kwargs)
+        if j == self._start and not self.is_first:
+            for (_, key), t in zip(self._a.carry, run.carry_in):
+                if isinstance(key, int):
+                    args[key] = t
+                else:
+                    kwargs[key] = t
         if j == self._stop and not self.is_last:
             run.hidden_out = self._hidden(args, kwargs)
+            run.carry_out = [args[key] if isinstance(key, int) else kwargs.get(key) for _, key in self._a.carry]
+            if any(not isinstance(t, torch.Tensor) for t in run.carry_out):
+                raise PartitionError(f"stage {self.index}: layer {j} receives no tensor in its argument(s) "
+                                     f"{[k for _, k in self._a.carry]} from layer {j - 1}; cannot send it to the next stage")
         if run.hidden_out is not None and (j == self._L - 1 or len(run.side_out) == len(self._side_out)):
             raise _Exit
         return args, kwargs
@@ -214,8 +252,13 @@ class Stage(nn.Module):
             for name, m in list(self.named_modules()):
                 if not m._non_persistent_buffers_set:
                     continue
+                stand_ins = m.__dict__.get("_stand_in_buffers", ())
+                for n in stand_ins:  # zeros for a parameter another stage holds (see ``_build``)
+                    if not getattr(m, n).is_meta:
+                        getattr(m, n).zero_()
                 bufs = {n: b for n, b in m.named_buffers(recurse=False)
-                        if n in m._non_persistent_buffers_set and b.is_floating_point() and not b.is_meta}
+                        if n in m._non_persistent_buffers_set and n not in stand_ins and b.is_floating_point()
+                        and not b.is_meta}
                 if "Rotary" in type(m).__name__ and hasattr(m, "config"):
                     dev = next(iter(bufs.values())).device if bufs else torch.device("cpu")
                     try:
@@ -270,9 +313,12 @@ class Stage(nn.Module):
             parts = list(x) if isinstance(x, (tuple, list)) else [x]
             h = parts[0]
             side = dict(zip(self._side_in, parts[1:1 + len(self._side_in)]))
-            stats = parts[1 + len(self._side_in):] if aux else None
+            nc = 1 + len(self._side_in) + len(self._a.carry)
+            carry = parts[1 + len(self._side_in):nc]
+            stats = parts[nc:] if aux else None
             bd = self._a.batch_dim
             ids, run = torch.zeros(h.shape[bd:bd + 2], dtype=torch.long, device=h.device), _Run(h.device, h, side)
+            run.carry_in = list(carry)
         kwargs = dict(self._loss_kwargs)
         if labels is not None:
             kwargs["labels"] = labels
@@ -291,7 +337,7 @@ class Stage(nn.Module):
         if not self.is_last:
             if run.hidden_out is None:
                 raise PartitionError(f"stage {self.index}: the model's forward ended before layer {self._stop}")
-            sent = [run.hidden_out] + [run.side_out[g] if self.is_first else side[g] for g in self._side_out]
+            sent = [run.hidden_out] + [run.side_out[g] if self.is_first else side[g] for g in self._side_out] + run.carry_out
             sent = [t.contiguous() for t in sent] + (list(stats) if aux else [])
             return sent[0] if len(sent) == 1 else tuple(sent)
         if labels is None:
@@ -379,6 +425,24 @@ def tied_parameters(stages: list[nn.Module]) -> list[tuple[str, str]]:
     return list(stages[0].tied_pairs) if stages else []
 
 
+def shared_tensors(stages: list[nn.Module]) -> list[tuple[tuple[int, ...], list[str]]]:
+    """Each tensor held on several stages (tied embeddings, a block shared by several layers): the stages holding it,
+    ascending, and its name on each of them. Sorted, so every rank derives the same order (the runtime all-reduces
+    the copies' gradients in it)."""
+    pairs = tied_parameters(stages)
+    if not pairs:
+        return []
+    where = {n: i for i, s in enumerate(stages) for n, _ in s.named_parameters()}
+    groups: dict[str, list[str]] = {}
+    for first, later in pairs:
+        groups.setdefault(first, [first]).append(later)
+    out = []
+    for names in groups.values():
+        by_stage = sorted((where[n], n) for n in names)
+        out.append((tuple(i for i, _ in by_stage), [n for _, n in by_stage]))
+    return sorted(out)
+
+
 def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
                       tied: list[tuple[str, str]] | None = None) -> dict[str, torch.Tensor]:
     """One state dict by original names, loadable into the HF model with ``strict=True``.
@@ -399,4 +463,4 @@ def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
 
 
 __all__ = ["Stage", "AuxLoss", "VERIFIED_MODEL_TYPES", "partition_model", "run_stages", "check_partition",
-           "tied_parameters", "merge_state_dicts"]
+           "tied_parameters", "shared_tensors", "merge_state_dicts"]

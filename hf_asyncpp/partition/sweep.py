@@ -30,16 +30,44 @@ TINY = [(("hidden_size", "n_embd", "d_model", "n_embed"), 64), (("num_hidden_lay
         (("vocab_size_per_layer_input",), 512), (("output_router_logits",), True), (("router_aux_loss_coef",), 0.05)]
 # per-type corrections where the generic sizes break a config's own validation or shape rules
 OVERRIDES: dict[str, dict] = {
-    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0}, ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "bailing_hybrid": dict(num_expert_group=1, topk_group=1, num_experts_per_token=2, linear_head_dim=16,
+                           linear_num_heads=4, layer_group_size=2),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8, attn_layer_indices=[1, 3]),
+    # byte latent transformer: a local encoder, a global transformer (the decoder layers) and a local decoder
+    "blt": dict(vocab_size=260, local_attention_window_len=8, encoder_hash_byte_group_size=[3, 4],
+                encoder_hash_byte_group_vocab=512, patching_mode=None, patch_size=4,
+                patcher_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+                encoder_config=dict(hidden_size=32, hidden_size_global=64, num_attention_heads=2, num_hidden_layers=1,
+                                    intermediate_size=64),
+                decoder_config=dict(hidden_size=32, hidden_size_global=64, num_attention_heads=2, num_hidden_layers=1,
+                                    intermediate_size=64),
+                global_config=dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, intermediate_size=128)),
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"] * 2,
+                                rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for t in ("sliding_attention", "full_attention")}),
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
     "dots3_note_text": dict(num_key_value_heads=4, head_dim=16, index_head_dim=16, index_topk=8,
                             shared_experts_intermediate_size=32, per_layer_config={}),
+    "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
     "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16),
-    "gemma4_unified_assistant": dict(num_kv_shared_layers=0),
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2, num_dense_layers=1),
+    "kimi_linear": dict(num_experts_per_token=2, linear_head_dim=16, linear_num_heads=4),
+    "longcat_flash": dict(head_dim=8, zero_expert_num=2, expert_ffn_hidden_size=32),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4, hc_lowrank=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                           linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=32),
+    # hybrid layers 1 and 3 run one shared transformer block (tied across layers; the stages hold copies)
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"] * 2),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"] * 2, n_mamba_heads=4, chunk_size=8,
+                   adapter_rank=8),
     "zaya": dict(num_experts_per_tok=1),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_d_head=16,
+                             mamba_d_state=16, mamba_chunk_size=8),
+    # residual blocks of 2 layers (as the real model's several): block_states grows between the layers
+    "inkling2_text": dict(n_layers_per_attn_res_block=2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 _MULTIMODAL_KEYS = ("vision", "audio", "image", "speech", "vq_", "visual")
@@ -83,24 +111,27 @@ def tiny_config(model_type: str):
 
 def skip_reason(model_type: str) -> str | None:
     """Why a type is not a decoder-only text causal LM, from its config alone (None: it is one, or may be)."""
+    import inspect
+
+    import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    cls = getattr(transformers, name, None)
+    params = inspect.signature(cls.forward).parameters if cls is not None else {}
+    if cls is not None and "labels" not in params:  # e.g. Gemma-4's speculative-decoding assistants
+        needs = [k for k in params if k not in ("self", "input_ids", "kwargs", "use_cache", "position_ids", "attention_mask")]
+        return (f"not causal: {name}.forward takes no labels (computes no language-modeling loss; it reads "
+                f"{', '.join(needs) or 'other inputs'} from a target model): not trainable on its own")
     cfg = AutoConfig.for_model(model_type)
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder"
     subs = [k for k, v in cfg.to_dict().items() if isinstance(v, dict) and k.endswith("config")]
     mm = [k for k in subs if any(w in k for w in _MULTIMODAL_KEYS)]
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     if mm or "ConditionalGeneration" in name:
         return f"multimodal ({', '.join(mm) or name})"
-    import inspect
-
-    import transformers
-
-    cls = getattr(transformers, name, None)
-    takes = [k for k in ("pixel_values", "image_patches", "input_features", "input_values")
-             if cls is not None and k in inspect.signature(cls.forward).parameters]
+    takes = [k for k in ("pixel_values", "image_patches", "input_features", "input_values") if k in params]
     if takes:
         return f"multimodal ({name}.forward takes {takes[0]})"
     return None

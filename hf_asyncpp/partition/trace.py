@@ -44,6 +44,13 @@ class Anatomy:
     batch_dim: int = 0  # where (batch, sequence) sit in the hidden state's shape (Gemma-3n stacks 4 streams first)
     side: list[list[tuple[int, int | str]]] = field(default_factory=list)  # carried tensors: their (layer, arg) slots
     forward_kwargs: dict = field(default_factory=dict)  # passed to the model's forward on every stage
+    # parameters held directly by a container (Zaya's input scale on ZayaModel): name -> "pre" | "post"
+    direct: dict[str, str] = field(default_factory=dict)
+    # outputs a layer hands to the next layer besides the hidden state (Zaya's router state): (output index, arg)
+    carry: list[tuple[int, int | str]] = field(default_factory=list)
+    # values per token of each side input, then of each carried output: what crosses a boundary besides the hidden
+    # state (the planner counts them in a stage's activation memory)
+    extra_values: list[int] = field(default_factory=list)
 
     @property
     def norm(self) -> str | None:  # kept for callers of the former anatomy
@@ -133,14 +140,6 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     containers = [".".join(parts[:i]) for i in range(len(parts))]
     paths = {m: n for n, m in model.named_modules(remove_duplicate=False)}
     layer_mods = {id(m) for layer in layers for m in layer.modules()}
-    # units: children of containers; split further where one module runs both before and after the layers
-    for c in containers:
-        m = get_module(model, c)
-        direct = [n for n, _ in m.named_parameters(recurse=False)]
-        if direct:
-            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{direct[0]} sits directly on "
-                                 f"{type(m).__name__}, which also holds the decoder layers; no stage can own it alone")
-
     # watched tensors: each parameter / buffer -> the module paths that hold it directly
     owners: dict[int, list[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
@@ -152,6 +151,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
 
     clock = {"started": 0, "done": 0, "inside": False, "phase": "pre"}
     calls, args_seen, outs = [], {}, {}
+    layer_nodes: set = set()  # autograd nodes of the stand-in layers' outputs
     sig = inspect.signature(layers[0].forward)
     first = next((n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
     real0 = {"out": None}
@@ -168,10 +168,19 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
                 try:
                     out = real(*args, **kwargs)
                     real0["out"] = out
-                except Exception:  # e.g. MoE routing on the meta device: assume the layer returns a tensor
+                except Exception:  # e.g. MoE kernels without a meta implementation: a CPU copy tells the structure
+                    out = _run_on_cpu(real, args, kwargs) if isinstance(h, torch.Tensor) and h.is_meta else None
+                    real0["out"] = out
+                    if out is None:  # assume the layer returns a tensor
+                        out = h
+            else:
+                if isinstance(h, torch.Tensor) and h.requires_grad:
+                    h = h.clone()  # a node of its own: what the model computes from it is found in autograd graphs
+                    layer_nodes.add(h.grad_fn)
+                if isinstance(real0["out"], (tuple, list)):
+                    out = tuple(h if i == _hidden_index(real0["out"], h) else None for i in range(len(real0["out"])))
+                else:
                     out = h
-            elif isinstance(real0["out"], (tuple, list)):
-                out = tuple(h if i == _hidden_index(real0["out"], h) else None for i in range(len(real0["out"])))
             clock["done"] += 1
             clock["inside"] = False
             clock["phase"] = _phase(clock, L)
@@ -221,7 +230,8 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     if calls != list(range(L)):
         raise PartitionError(f"{cls}: calls its decoder layers in the order {calls[:12]}{'...' if len(calls) > 12 else ''}, "
                              f"not once each in order 0..{L - 1}; a stage boundary between layers would be crossed more "
-                             "than once")
+                             "than once per forward (recurrent-depth models run their layers in cycles): train this model "
+                             "on one stage (num_stages=1) or with data parallelism only")
     hidden_arg = 0
     a0, k0 = args_seen[0]
     if not a0:
@@ -236,8 +246,21 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     elif out0 is not None and not isinstance(out0, torch.Tensor):
         raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns {type(out0).__name__}, not a tensor or a tuple")
 
-    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L)
+    pos = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes, pos)
+    carry = _carries(out0, out_index, args_seen, hidden_arg, L)
+    if carry:  # a carried output is a layer argument, not a side input computed before the layers
+        slots = {key for _, key in carry}
+        side = [g for g in side if not all(j > 0 and key in slots for j, key in g)]
+
+    def per_token(j, key):  # values per token of the tensor in layer j's argument ``key``
+        a, k = args_seen[j]
+        t = a[key] if isinstance(key, int) else k[key]
+        return t.numel() // (_B * seq_len)
+    side_values = [per_token(*g[0]) for g in side]
+    carry_values = [per_token(1, key) for _, key in carry]
     units = _units(model, cls, containers, layers_path, uses)
+    direct = _direct(model, cls, containers, uses)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = [paths[emb]] if emb is not None and emb in paths else []
@@ -245,9 +268,36 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
     shape = list((a0[0] if a0 else k0[first]).shape)
     batch_dim = next((i for i in range(len(shape) - 1) if shape[i:i + 2] == [_B, seq_len]), None)
     if batch_dim is None:
-        raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence)")
+        raise PartitionError(f"{cls}: the hidden state entering {layers_path}.0 has shape {shape}, without (batch, sequence "
+                             f"{seq_len}): its decoder layers run over something other than the tokens (byte-latent "
+                             "models: patches, whose number depends on the data), so stages cannot exchange a fixed-shape "
+                             "hidden state; train this model on one stage (num_stages=1) or with data parallelism only")
     return Anatomy(layers_path, L, containers, units, embed, paths.get(head) if head is not None else None, hidden_arg,
-                   out_index, out_len, batch_dim, side, model_kwargs(model))
+                   out_index, out_len, batch_dim, side, model_kwargs(model), direct, carry, side_values + carry_values)
+
+
+def _run_on_cpu(layer: nn.Module, args, kwargs):
+    """The output of a randomly initialized CPU copy of a meta ``layer`` on zero inputs, as meta tensors (None if it
+    fails too): only its structure (which element is the hidden state, what else it returns) is used."""
+    import copy
+
+    from torch.utils._pytree import tree_map
+
+    try:
+        cpu = copy.deepcopy(layer).to_empty(device="cpu")
+        with torch.no_grad():
+            for t in cpu.parameters():
+                t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
+            for t in cpu.buffers():
+                t.zero_()
+        to_cpu = lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x  # noqa: E731
+        out = cpu(*tree_map(to_cpu, args), **tree_map(to_cpu, kwargs))
+    except Exception:
+        return None
+    h = args[0] if args else None
+    return tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta",
+                                          requires_grad=bool(h is not None and h.requires_grad and x.is_floating_point()))
+                    if isinstance(x, torch.Tensor) else x, out)
 
 
 _B = 3  # trace batch size: distinct from the sequence length and small stacked dimensions
@@ -266,9 +316,35 @@ def model_kwargs(model: nn.Module) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[int, int | str]]]:
+def _carries(out0, out_index, args_seen, hidden_arg, L) -> list[tuple[int, int | str]]:
+    """Elements of layer 0's output other than the hidden state that the model passes to layer 1 as an argument."""
+    if L < 2 or not isinstance(out0, (tuple, list)):
+        return []
+    args, kwargs = args_seen[1]
+    items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    return [(i, key) for i, x in enumerate(out0) if i != out_index and isinstance(x, torch.Tensor)
+            for key, v in items if v is x and key != hidden_arg]
+
+
+def _reaches(t: torch.Tensor, nodes: set, limit: int = 20000) -> bool:
+    """Whether ``t`` is computed from one of the autograd ``nodes``."""
+    todo, seen = [t.grad_fn], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        if n in nodes:
+            return True
+        seen.add(n)
+        todo.extend(f for f, _ in n.next_functions)
+    return False
+
+
+def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozenset(),
+                 arg_names=()) -> list[list[tuple[int, int | str]]]:
     """Layer arguments other than the hidden state that carry gradient, grouped by tensor (one tensor may feed all
-    layers); in order of first use."""
+    layers); in order of first use. One the model computes from earlier layers' outputs outside the layers is refused:
+    a later stage cannot rebuild it."""
     groups: dict[int, list] = {}
     for j in range(L):
         args, kwargs = args_seen[j]
@@ -277,12 +353,40 @@ def _side_inputs(cls, layers_path, args_seen, hidden_arg, L) -> list[list[tuple[
             if key == hidden_arg:
                 continue
             if isinstance(v, torch.Tensor):
+                if v.requires_grad and layer_nodes and _reaches(v, layer_nodes):
+                    name = arg_names[key] if isinstance(key, int) and key < len(arg_names) else key
+                    raise PartitionError(
+                        f"{cls}: {layers_path}.{j} receives {name!r}, which the model's forward builds from earlier "
+                        f"decoder layers' outputs outside the layers (between them); the stage holding layer {j} cannot "
+                        "rebuild it from one hidden state: train this model on one stage (num_stages=1) or with data "
+                        "parallelism only")
                 if v.requires_grad:
                     groups.setdefault(id(v), []).append((j, key))
             elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(v)):
                 raise PartitionError(f"{cls}: {layers_path}.{j} receives {key!r}, a structure holding tensors with gradient; "
                                      "the stage builder carries plain tensors between stages only")
     return list(groups.values())
+
+
+def _direct(model, cls, containers, uses) -> dict[str, str]:
+    """Parameters sitting directly on a container (next to the layers): the first stage holds those the model uses
+    before the layers, the last those it uses after; one used between or on both sides cannot be held by one stage."""
+    out: dict[str, str] = {}
+    for c in containers:
+        m = get_module(model, c)
+        names = [n for n, _ in m.named_parameters(recurse=False)]
+        if not names:
+            continue
+        phases = uses.get(c, set())  # uses of the container's own tensors (its parameters and buffers)
+        if "in" in phases or phases == {"pre", "post"} or not phases:
+            how = ("is used between the decoder layers" if "in" in phases else
+                   "is used before and after them" if phases else "is never used by the forward")
+            raise PartitionError(f"{cls}: parameter {c + '.' if c else ''}{names[0]} sits directly on {type(m).__name__}, "
+                                 f"next to the decoder layers, and {how}; no single stage can hold it: remove it or train "
+                                 "this model on one stage (num_stages=1)")
+        for n in names:
+            out[f"{c}.{n}" if c else n] = "post" if phases == {"post"} else "pre"
+    return out
 
 
 def _units(model, cls, containers, layers_path, uses) -> dict[str, str]:

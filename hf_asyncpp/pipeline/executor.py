@@ -36,7 +36,7 @@ from ..export import shard_file, write_shard
 from ..lr import build_scheduler
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import ef_buffers
-from ..partition import merge_state_dicts, partition_model, tied_parameters
+from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import stage_state
 from .p2p import P2P, PeerFailure
@@ -135,19 +135,23 @@ class PipelineEngine:
         rc, p = recipe.pipeline, recipe.pipeline.num_stages
         self.schedule = get_schedule(rc.schedule)
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
-        tied_pairs = tied_parameters(stages)
+        shared = shared_tensors(stages)  # tensors held on several stages: gradients summed across them
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
         del stages
         self.first, self.last = topo.first, topo.last
         self.params = dict(self.stage.named_parameters())
-        self.tied_names = [n for pair in tied_pairs for n in pair if n in self.params]
+        tied: dict[tuple, list[str]] = {}  # per set of stages sharing tensors, this stage's names of them
+        for holders, names in shared:
+            if topo.stage in holders:
+                tied.setdefault(holders, []).append(names[holders.index(topo.stage)])
+        self.tied_names = [n for names in tied.values() for n in names]
         self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
         timeout_s = rc.p2p_timeout_s
-        self.groups = make_groups(topo, bool(tied_pairs), timedelta(seconds=timeout_s))
+        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=timeout_s))
         # a stage-local norm (pipedream without clipping) is not logged as grad_norm
         self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
-        self.reducer = Reducer(self.groups, topo, self.tied_names, timeout_s, self.global_norm)
+        self.reducer = Reducer(self.groups, topo, tied, timeout_s, self.global_norm)
         self.p2p = P2P(topo, timeout_s, self.device)
         self.reports = StepReports(self.groups.report, topo.dp_size, timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))

@@ -8,7 +8,10 @@ Memory per stage (bytes):
   activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes, where a
                  decoder layer keeps about (10 h + 2 kv + 4 I_active) values per token (I_active: the MLP width,
                  top-k x expert width for MoE) and the last stage keeps one vocab-sized value per token for the loss
-                 (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``).
+                 (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``);
+                 a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
+                 carried layer outputs: ``received_values_per_token``).
+A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
 Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
 
 ``search_plans``: for a number of GPUs, every stage count p dividing it (the rest data parallel), the FLOPs-balanced
@@ -77,6 +80,16 @@ def activation_values_per_token(config, layer_ids: list[int], last: bool) -> flo
     return total
 
 
+def received_values_per_token(anatomy, layers: range, stage: int) -> float:
+    """Values per token a stage receives besides the hidden state and keeps for its backward: side inputs its layers
+    or later ones use (per-layer embeddings) and outputs carried from the previous layer (``anatomy.extra_values``)."""
+    if stage == 0:
+        return 0.0
+    n_side = len(anatomy.side)
+    side = sum(v for g, v in zip(anatomy.side, anatomy.extra_values[:n_side]) if max(j for j, _ in g) >= layers.start)
+    return float(side + sum(anatomy.extra_values[n_side:]))
+
+
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
                 layers_per_stage: list[int] | None = None) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
@@ -97,15 +110,12 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     sim = simulate(sched.actions(p, m, steps, extra_warmup=extra), Costs(
         forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
-    sizes = {n: q.numel() for n, q in model.named_parameters()}
-    per_stage_names: list[list[str]] = [[] for _ in range(p)]
-    for n in sizes:
-        per_stage_names[plan.stage_of(n)].append(n)
-    if plan.tied and p > 1:
-        head = f"{plan.anatomy.head}.weight"
-        per_stage_names[-1].append(head)
-        sizes[head] = sizes[f"{plan.anatomy.embed[0]}.weight"]
-        kinds[head] = "adamw"
+    sizes = {n: q.numel() for n, q in model.named_parameters(remove_duplicate=False)}
+    # the names each stage holds: its own, plus its copies of tensors an earlier stage holds (a tied head, a block
+    # shared by several layers): a copy costs weights, gradients and optimizer state on its stage too
+    per_stage_names = [list(names) for names in plan.param_names]
+    for first, copy in plan.tied_pairs:
+        kinds.setdefault(copy, "adamw" if copy == f"{plan.anatomy.head}.weight" else kinds.get(first, "adamw"))
     opt = recipe.optimizer
     act_bytes = 2 if recipe.training.bf16 else 4
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
@@ -120,7 +130,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         else:
             opt_bytes = 4 * n_params
         inflight = sim.peak_inflight[s]
-        act = inflight * tokens_mb * act_bytes * activation_values_per_token(model.config, list(st.layers), s == p - 1)
+        act = inflight * tokens_mb * act_bytes * (activation_values_per_token(model.config, list(st.layers), s == p - 1)
+                                                  + received_values_per_token(plan.anatomy, st.layers, s))
         out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
                                4.0 * n_params * sched.grad_sets, float(opt_bytes),
                                4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0, act, inflight))

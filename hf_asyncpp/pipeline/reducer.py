@@ -19,8 +19,16 @@ from .p2p import PeerFailure
 class Reducer:
     """Worker thread: per step, DP all-reduce, tied-gradient sum and the global grad-norm all-reduce, in order."""
 
-    def __init__(self, groups: Groups, topo: Topology, tied_names: list[str], timeout_s: float, global_norm: bool = True):
-        self.groups, self.topo, self.tied, self.timeout_s = groups, topo, tied_names, timeout_s
+    def __init__(self, groups: Groups, topo: Topology, tied_names, timeout_s: float, global_norm: bool = True):
+        """``tied_names``: per set of stages sharing tensors (as in ``Groups.ties``), this stage's names of them, in
+        the same order on each of those stages; a plain list: the first / last stage pair (``Groups.tie``)."""
+        self.groups, self.topo, self.timeout_s = groups, topo, timeout_s
+        if not isinstance(tied_names, dict):
+            tied_names = {(0, topo.num_stages - 1): list(tied_names)} if tied_names else {}
+        self.tied_sets = {k: v for k, v in tied_names.items() if v}
+        self.tied = [n for names in self.tied_sets.values() for n in names]
+        # a shared tensor's gradient counts once in the norm: on the lowest stage holding it
+        self.not_counted = {n for k, names in self.tied_sets.items() if topo.stage != min(k) for n in names}
         self.global_norm = global_norm  # False: the norm stays stage-local and no stage waits for another
         self.jobs: queue.Queue = queue.Queue()
         self.results: dict[int, object] = {}
@@ -69,14 +77,16 @@ class Reducer:
                 k = grads[n].numel()
                 grads[n] = flat[off : off + k].view_as(grads[n])
                 off += k
-        if self.groups.tie is not None:
-            for n in self.tied:
-                dist.all_reduce(grads[n], group=self.groups.tie)
+        for stages, tied in self.tied_sets.items():  # in the same (sorted) order on every rank
+            group = self.groups.ties.get(stages) or (self.groups.tie if stages == (0, self.topo.num_stages - 1) else None)
+            if group is None:
+                continue
+            for n in tied:
+                dist.all_reduce(grads[n], group=group)
         sq = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
-        last = self.topo.stage == self.topo.num_stages - 1 and self.topo.num_stages > 1
         for n in names:
-            if last and n in self.tied:
-                continue  # counted once, on the first stage
+            if self.topo.num_stages > 1 and n in self.not_counted:
+                continue  # counted once, on the lowest stage holding it
             sq += grads[n].double().pow(2).sum()
         if self.topo.num_stages > 1 and self.global_norm:
             dist.all_reduce(sq, group=self.groups.pipe)
