@@ -33,6 +33,7 @@ from .export import export_run
 from .hub import Pusher
 from .launch import launch_command, processes_needed
 from .modeling import build_model
+from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
 from .pipeline.p2p import PeerFailure
 from .pipeline.profile import write_report
@@ -94,8 +95,6 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, topo: Topology) -> Engi
 def measured_split(recipe: Recipe, tokenizer, main: bool) -> list[int]:
     """``pipeline.layers_per_stage: auto``: the main process measures (or finds its cache) and every rank gets its
     split, so all build the same stages whatever the timing noise on each."""
-    from .pipeline.autosplit import auto_split
-
     box = [auto_split(recipe, lambda: build_model(recipe.model, tokenizer), local_device()) if main else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(box, src=0)

@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 
 from ..config import Recipe, recipe_to_dict
+from ..engine import autocast
+from ..optim import apply_delay_correction, build_optimizer
 from ..partition import MeasuredCosts, measure_costs
 
 log = logging.getLogger("hf_asyncpp")
@@ -64,9 +66,6 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
                    measure: Callable[..., MeasuredCosts] = measure_costs, folder: Optional[Path] = None
                    ) -> tuple[MeasuredCosts, Path, bool]:
     """(costs, cache file, whether it was a cache hit). ``build`` makes a throw-away model (random weights)."""
-    from ..engine import autocast
-    from ..optim import apply_delay_correction, build_optimizer
-
     key = cache_key(recipe, device)
     path = (folder or cache_dir()) / f"{_digest(key)}.json"
     if path.exists():
