@@ -63,20 +63,19 @@ class Groups:
 
     dp: object = None  # this stage's data-parallel replicas
     pipe: object = None  # the stages of this data-parallel replica
-    tie: object = None  # first + last stage of this replica (tied embeddings), when they share a tensor
     ties: dict = field(default_factory=dict)  # stages sharing tensors (tuple of stage ids) -> group, this rank's only
     report: object = None  # every rank, gloo: per-step results travel here without blocking a stage
     dp_ranks: list = field(default_factory=list)
 
     def destroy(self) -> None:
-        for g in {id(x): x for x in (self.dp, self.pipe, self.tie, self.report, *self.ties.values())
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, *self.ties.values())
                   if x is not None}.values():
             dist.destroy_process_group(g)
 
 
 def make_groups(topo: Topology, tied, timeout: timedelta) -> Groups:
-    """``tied``: the sets of stages that hold copies of one tensor (``tie_sets``), or True for the embedding / head
-    pair of the first and last stage. One group per set and data-parallel replica sums their gradients."""
+    """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and
+    data-parallel replica sums their gradients."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
     for s in range(p):
@@ -89,14 +88,12 @@ def make_groups(topo: Topology, tied, timeout: timedelta) -> Groups:
         grp = dist.new_group(ranks, timeout=timeout)
         if d == topo.dp_rank:
             g.pipe = grp
-    sets = [(0, p - 1)] if tied is True else sorted({tuple(sorted(x)) for x in (tied or ())})
+    sets = sorted({tuple(sorted(x)) for x in tied})
     for stages in (sets if p > 1 else []):
         for d in range(dp):
             grp = dist.new_group([s * dp + d for s in stages], timeout=timeout)
             if d == topo.dp_rank and topo.stage in stages:
                 g.ties[stages] = grp
-                if stages == (0, p - 1):
-                    g.tie = grp
     # gloo whatever the default backend: the reports are a few CPU scalars, and a NCCL collective would
     # be ordered on the compute stream
     g.report = dist.new_group(list(range(topo.world_size)), timeout=timeout, backend="gloo")

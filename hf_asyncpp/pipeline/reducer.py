@@ -19,12 +19,11 @@ from .p2p import PeerFailure
 class Reducer:
     """Worker thread: per step, DP all-reduce, tied-gradient sum and the global grad-norm all-reduce, in order."""
 
-    def __init__(self, groups: Groups, topo: Topology, tied_names, timeout_s: float, global_norm: bool = True):
+    def __init__(self, groups: Groups, topo: Topology, tied_names: dict[tuple, list[str]], timeout_s: float,
+                 global_norm: bool = True):
         """``tied_names``: per set of stages sharing tensors (as in ``Groups.ties``), this stage's names of them, in
-        the same order on each of those stages; a plain list: the first / last stage pair (``Groups.tie``)."""
+        the same order on each of those stages."""
         self.groups, self.topo, self.timeout_s = groups, topo, timeout_s
-        if not isinstance(tied_names, dict):
-            tied_names = {(0, topo.num_stages - 1): list(tied_names)} if tied_names else {}
         self.tied_sets = {k: v for k, v in tied_names.items() if v}
         self.tied = [n for names in self.tied_sets.values() for n in names]
         # a shared tensor's gradient counts once in the norm: on the lowest stage holding it
@@ -78,7 +77,7 @@ class Reducer:
                 grads[n] = flat[off : off + k].view_as(grads[n])
                 off += k
         for stages, tied in self.tied_sets.items():  # in the same (sorted) order on every rank
-            group = self.groups.ties.get(stages) or (self.groups.tie if stages == (0, self.topo.num_stages - 1) else None)
+            group = self.groups.ties.get(stages)
             if group is None:
                 continue
             for n in tied:
