@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
 # The README's test command: the same set-up, then the test suite.
-source "$(dirname "$0")/setup_env.sh"
+HF_ASYNCPP_EXTRAS=test source "$(dirname "$0")/setup_env.sh"
 python scripts/prepare_data.py
 exec python -m pytest -q tests "$@"

@@ -401,3 +401,18 @@ def test_a_block_shared_by_layers_is_one_copy_per_stage():
         (0, 1), ["model.layers.0.shared_transf.self_attn.q_proj.weight", "model.layers.3.shared_transf.self_attn.q_proj.weight"])
     layers = stages[1]._shell.model.layers
     assert layers[3].shared_transf.self_attn.q_proj.weight is layers[5].shared_transf.self_attn.q_proj.weight
+
+
+def test_stand_ins_follow_the_input_shape():
+    """A stage's stand-in for a module another stage holds computes its output shape once per input signature:
+    later calls at that shape skip the meta forward, a new batch or sequence length gets its own shape."""
+    model = make_model("llama").eval()
+    stages = partition_model(model, 3)
+    embed = stages[1].get_submodule("model.embed_tokens")  # the middle stage's stand-in (stage 0 holds the embedding)
+    assert not any(True for _ in embed.parameters())
+    for shape in ((2, 24), (2, 24), (3, 7), (1, 24)):
+        ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        with torch.no_grad():
+            torch.testing.assert_close(chain(stages, ids, ids), model(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+            assert embed(ids).shape == (*shape, 32) and not embed(ids).any()
+    assert len(embed._output_shapes) == 3  # (2, 24), (3, 7), (1, 24): computed once each

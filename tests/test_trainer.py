@@ -300,3 +300,9 @@ def test_compare_reports_the_time_2bw_needs_to_reach_the_sync_loss(tmp_path):
     res = compare(tmp_path / "sync", tmp_path / "2bw")
     assert res["target_eval_loss"] == 3.0 and res["sync_train_s"] == 20.0 and res["2bw_train_s"] == 12.0
     assert res["2bw_reach_s"] == pytest.approx(9.0) and res["ratio"] == pytest.approx(0.45)
+    # a 2BW arm with its own, longer budget: the step rate is per step, the crossing on its own curve
+    write(tmp_path / "2bw-long", [{"step": 0, "eval_loss": 5.0}, step(1, 6.0), {"step": 1, "eval_loss": 4.0},
+                                  step(2, 12.0), {"step": 2, "eval_loss": 3.5}, step(3, 18.0), {"step": 3, "eval_loss": 2.0}])
+    res = compare(tmp_path / "sync", tmp_path / "2bw-long")
+    assert res["2bw_steps"] == 3 and res["sync_steps"] == 2 and res["step_speedup"] == pytest.approx(10.0 / 6.0)
+    assert res["2bw_reach_s"] == pytest.approx(14.0) and res["ratio"] == pytest.approx(0.7)

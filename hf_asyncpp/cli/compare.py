@@ -1,7 +1,7 @@
 """Is 2BW worth it for this model? Train a recipe twice on the same processes, seed and data -- synchronous 1F1B +
 Muon, then PipeDream-2BW + Muon + the EF correction -- and compare the time each needs to reach a loss.
 
-    hf-asyncpp compare recipes/cpu-tiny.yaml --steps 300
+    hf-asyncpp compare recipes/cpu-tiny.yaml --steps 300 [--async-steps 360]
     python scripts/compare_schedules.py recipes/cpu-tiny.yaml --steps 300 --out runs/compare-cpu-tiny
 
 Prints the time 2BW needs to reach the synchronous run's final eval loss over the synchronous run's time (below 1:
@@ -10,6 +10,11 @@ excluded; the crossing is interpolated linearly between evaluations) and writes 
 against training time, both arms) and ``compare.json`` into ``--out``. The arms run one after the other, never at
 the same time; extra ``--section.field=value`` arguments go to both. A recipe of one stage is run on
 ``--num-stages`` (default 2).
+
+``--async-steps``: the 2BW arm's own step budget (default ``--steps``). Trained for the same steps, 2BW ends at a
+slightly higher loss (its gradients are one step old) and so never reaches the synchronous run's final loss, however
+much faster its steps are; the question a user asks is whether 2BW, given more steps (its learning-rate schedule
+over its own budget), gets there in less time. Budgets up to the step-rate gain are worth trying.
 """
 from __future__ import annotations
 
@@ -56,13 +61,13 @@ def run_arm(recipe: str, name: str, out: Path, steps: int, eval_steps: int, num_
     return out
 
 
-def curve(run: Path) -> tuple[list[tuple[float, float]], float]:
-    """([(training seconds, eval loss) at each evaluation], training seconds of the whole run)."""
+def curve(run: Path) -> tuple[list[tuple[float, float]], float, int]:
+    """([(training seconds, eval loss) at each evaluation], training seconds of the whole run, its steps)."""
     rows = read_metrics(run / METRICS)
     train_s = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
     train_s[0] = 0.0
     evals = [(train_s[r["step"]], r["eval_loss"]) for r in rows if "eval_loss" in r and r["step"] in train_s]
-    return evals, max(train_s.values())
+    return evals, max(train_s.values()), max(train_s)
 
 
 def crossing(evals: list[tuple[float, float]], target: float) -> float | None:
@@ -75,15 +80,16 @@ def crossing(evals: list[tuple[float, float]], target: float) -> float | None:
 
 def compare(sync: Path, async_: Path) -> dict:
     """The time-to-loss summary of two finished arms."""
-    s_evals, s_time = curve(sync)
-    a_evals, a_time = curve(async_)
+    s_evals, s_time, s_steps = curve(sync)
+    a_evals, a_time, a_steps = curve(async_)
     if not s_evals or not a_evals:
         raise ValueError(f"no evaluations in {sync / METRICS} or {async_ / METRICS}: set --eval-steps")
     target = s_evals[-1][1]
     reach = crossing(a_evals, target)
     return {"target_eval_loss": target, "sync_train_s": s_time, "2bw_train_s": a_time,
             "2bw_final_eval_loss": a_evals[-1][1], "2bw_reach_s": reach,
-            "ratio": None if reach is None else reach / s_time, "step_speedup": s_time / a_time,
+            "ratio": None if reach is None else reach / s_time,
+            "step_speedup": (s_time / s_steps) / (a_time / a_steps), "sync_steps": s_steps, "2bw_steps": a_steps,
             "curves": {"sync": s_evals, "2bw": a_evals}}
 
 
@@ -116,15 +122,21 @@ def summary(res: dict) -> str:
              res["ratio"] is not None else
              f"2BW does not reach it (its final eval loss {res['2bw_final_eval_loss']:.4f}): run more steps")
     return (f"synchronous run: {res['sync_train_s']:.1f} s of training, final eval loss {res['target_eval_loss']:.4f}\n"
-            f"2BW run: {res['2bw_train_s']:.1f} s for the same steps ({res['step_speedup']:.2f}x the step rate), final "
-            f"eval loss {res['2bw_final_eval_loss']:.4f}\n{reach}")
+            f"2BW run: {res['2bw_train_s']:.1f} s for {res['2bw_steps']} steps ({res['step_speedup']:.2f}x the step rate), "
+            f"final eval loss {res['2bw_final_eval_loss']:.4f}\n{reach}")
+
+
+def budget_dir(out: Path, name: str, steps: int, async_steps: int) -> Path:
+    """An arm's folder; a 2BW arm with its own step budget is named for it (several budgets can share ``--out``)."""
+    return out / name if name == "sync" or async_steps == steps else out / f"{name}-{async_steps}steps"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
-    ap.add_argument("--steps", type=int, required=True, help="optimizer steps of each arm")
+    ap.add_argument("--steps", type=int, required=True, help="optimizer steps of the synchronous arm (and of 2BW's by default)")
+    ap.add_argument("--async-steps", type=int, default=None, help="optimizer steps of the 2BW arm (default --steps)")
     ap.add_argument("--eval-steps", type=int, default=None, help="evaluate every this many steps (default: steps / 10)")
     ap.add_argument("--num-stages", type=int, default=None, help="pipeline stages (default: the recipe's, at least 2)")
     ap.add_argument("--out", default=None, help="folder of both runs, the PNG and compare.json (default runs/compare-<recipe>)")
@@ -141,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     p = args.num_stages or max(2, recipe.pipeline.num_stages)
     eval_steps = args.eval_steps or max(1, args.steps // 10)
     out = Path(args.out or f"runs/compare-{Path(args.recipe).stem}")
+    async_steps = args.async_steps or args.steps
     runs = {}
     for name in ARMS:
-        print(f"training the {ARMS[name][0]} arm ({args.steps} steps on {p} stages) -> {out / name}", flush=True)
-        runs[name] = run_arm(args.recipe, name, out / name, args.steps, eval_steps, p, extra, args.reuse)
+        steps = args.steps if name == "sync" else async_steps
+        run = budget_dir(out, name, args.steps, async_steps)
+        print(f"training the {ARMS[name][0]} arm ({steps} steps on {p} stages) -> {run}", flush=True)
+        runs[name] = run_arm(args.recipe, name, run, steps, eval_steps, p, extra, args.reuse)
     res = compare(runs["sync"], runs["2bw"])
-    plot(res, out / "time_to_loss.png", f"{Path(args.recipe).stem}: {args.steps} steps on {p} stages, same seed and data")
+    budget = f"{args.steps} steps" if async_steps == args.steps else f"sync {args.steps} / 2BW {async_steps} steps"
+    plot(res, out / "time_to_loss.png", f"{Path(args.recipe).stem}: {budget} on {p} stages, same seed and data")
     (out / "compare.json").write_text(json.dumps(res, indent=1))
     print(summary(res) + f"\nplot: {out / 'time_to_loss.png'}")
     return 0
