@@ -71,6 +71,7 @@ OVERRIDES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 _MULTIMODAL_KEYS = ("vision", "audio", "image", "speech", "vq_", "visual")
+TINY_MAX_PARAMS = 20_000_000  # a tiny text model here has well under 1M; more means full-size sub-models
 
 
 @dataclass
@@ -110,7 +111,8 @@ def tiny_config(model_type: str):
 
 
 def skip_reason(model_type: str) -> str | None:
-    """Why a type is not a decoder-only text causal LM, from its config alone (None: it is one, or may be)."""
+    """Why a type is not a decoder-only text causal LM, from its config and class (built on the meta device only
+    when the config carries a media sub-config); None: it is one, or may be."""
     import inspect
 
     import transformers
@@ -127,14 +129,38 @@ def skip_reason(model_type: str) -> str | None:
     cfg = AutoConfig.for_model(model_type)
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder"
-    subs = [k for k, v in cfg.to_dict().items() if isinstance(v, dict) and k.endswith("config")]
-    mm = [k for k in subs if any(w in k for w in _MULTIMODAL_KEYS)]
-    if mm or "ConditionalGeneration" in name:
-        return f"multimodal ({', '.join(mm) or name})"
+    if "ConditionalGeneration" in name:
+        return f"multimodal ({name})"
     takes = [k for k in ("pixel_values", "image_patches", "input_features", "input_values") if k in params]
     if takes:
         return f"multimodal ({name}.forward takes {takes[0]})"
+    mm = multimodal_subconfigs(cfg)
+    if not mm:
+        return None
+    twins = [t for t, n in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if n == name and t != model_type]
+    if twins:  # the multimodal config of a text model registered under its own type (qwen4_exp / qwen4_exp_text)
+        return f"multimodal ({', '.join(mm)}): its text model {name} is checked as {twins[0]}"
+    # a media sub-config the class may not use (Moshi's text LM ignores its audio codec's): built on the meta device,
+    # a model that holds media modules, or full-size ones the tiny config does not reach, is multimodal
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            meta = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    except Exception as e:
+        return f"multimodal ({', '.join(mm)}): no text model builds from this config ({type(e).__name__})"
+    media = [n for n, _ in meta.named_parameters() if any(w in n for w in _MULTIMODAL_KEYS)]
+    size = sum(t.numel() for t in meta.parameters())
+    if media or size > TINY_MAX_PARAMS:
+        return f"multimodal ({', '.join(mm)}): {name} holds " + (media[0].rsplit(".", 2)[0] if media else
+                                                                f"{size / 1e6:.0f}M parameters at the tiny size")
     return None
+
+
+def multimodal_subconfigs(cfg) -> list[str]:
+    subs = [k for k, v in cfg.to_dict().items() if isinstance(v, dict) and k.endswith("config")]
+    return [k for k in subs if any(w in k for w in _MULTIMODAL_KEYS)]
 
 
 def build(model_type: str):
@@ -204,6 +230,10 @@ def check_type(model_type: str, stage_counts=(2, 3, 4)) -> Verdict:
         except Exception as e:
             if getattr(tiny_config(model_type), "is_decoder", None) is False:
                 return Verdict(model_type, "skipped", "not causal: an encoder (is_decoder=False) with an optional causal head")
+            mm = multimodal_subconfigs(tiny_config(model_type))
+            if mm:
+                return Verdict(model_type, "skipped", f"multimodal ({', '.join(mm)}): no text model builds from this "
+                                                      f"config ({type(e).__name__})")
             return Verdict(model_type, "error", f"cannot build a tiny model: {type(e).__name__}: {str(e)[:160]}")
         vocab = model.config.vocab_size
         try:
