@@ -128,7 +128,7 @@ def main():
         raise SystemExit("--write replaces the whole table: run every model (no --models)")
 
     torch.set_num_threads(1)
-    rows, fixed_rows, sent = [], [], []
+    rows, fixed_rows, sent, verdict = [], [], [], []
     for name, (mt, kw) in CONFIGS.items():
         if only and mt not in only:
             continue
@@ -157,14 +157,23 @@ def main():
                         f"{(e / e0 - 1) * 100:+.2f}% | {statistics.median(times[k]) * 1e3:.1f} | {mid * 100:+.1f}% "
                         f"[{lo * 100:+.1f}, {hi * 100:+.1f}] | {cmid * 100:+.1f}% [{clo * 100:+.1f}, {chi * 100:+.1f}] |")
             extra = statistics.median(t_times[k]) - t_base
+            if k != "plain":
+                verdict.append((f"{name.split(' (')[0]}, {k}", mid, lo, hi, extra / base))
             fixed_rows.append(f"| {name} | {k} | {t_base * 1e3:.2f} | {extra * 1e3:+.2f} | {extra / base * 100:+.1f}% |")
     table = "\n".join(["| model | run | matmul FLOPs | operator calls | elements written | median fwd+bwd (ms) | "
                        "wall time vs plain: median [quartiles] of paired ratios | CPU time vs plain (same) |",
                        "|---|---|---|---|---|---|---|---|", *rows])
     fixed = "\n".join(["| model | run | tiny plain fwd+bwd (ms) | fixed cost added (ms) | over the full model's plain time |",
                        "|---|---|---|---|---|", *fixed_rows])
+    worst = max(verdict, key=lambda v: v[4])
+    over = [v for v in verdict if v[1] > 0.03]
+    summary = (f"Against the 3% target: the fixed cost is at most {worst[4] * 100:.1f}% ({worst[0]}); the paired wall-time "
+               f"medians are within 3% in {len(verdict) - len(over)} of {len(verdict)} chainings" +
+               ("" if not over else " (over: " + "; ".join(f"{v[0]} {v[1] * 100:+.1f}% [{v[2] * 100:+.1f}, {v[3] * 100:+.1f}]"
+                                                      for v in over) + ", quartiles spanning the target)") + ".")
     print(table)
     print(fixed)
+    print(summary)
     print("\n".join(sent))
     if args.write:
         from bench.report import write_section
@@ -189,6 +198,8 @@ noise. The fixed cost is measured where it is all there is: the same architectur
 {args.tiny_repeats} interleaved repeats), and its share of the full model is that cost over the full model's plain time:
 
 {fixed}
+
+{summary}
 
 What crosses a stage boundary (MoE: hidden states + router statistics pooled over every router so far, 2E + 1
 numbers, whatever the depth):
