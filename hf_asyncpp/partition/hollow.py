@@ -46,6 +46,9 @@ def _to_meta(x):
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
+_MAX_SHAPES = 64  # input signatures a stand-in remembers (a run sees one or two: training and evaluation shapes)
+
+
 def _leaf_key(x):
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.dtype)
@@ -92,6 +95,8 @@ def absent(module: nn.Module, device_of=lambda: None) -> nn.Module:
             with torch.no_grad(), MetaValues():
                 out = cls.forward(shell, *tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
             if key is not None:
+                if len(shapes) >= _MAX_SHAPES:  # e.g. an object argument hashed by identity, new at every call
+                    shapes.clear()
                 shapes[key] = out
         return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
 
