@@ -230,10 +230,6 @@ def check_type(model_type: str, stage_counts=(2, 3, 4)) -> Verdict:
         except Exception as e:
             if getattr(tiny_config(model_type), "is_decoder", None) is False:
                 return Verdict(model_type, "skipped", "not causal: an encoder (is_decoder=False) with an optional causal head")
-            mm = multimodal_subconfigs(tiny_config(model_type))
-            if mm:
-                return Verdict(model_type, "skipped", f"multimodal ({', '.join(mm)}): no text model builds from this "
-                                                      f"config ({type(e).__name__})")
             return Verdict(model_type, "error", f"cannot build a tiny model: {type(e).__name__}: {str(e)[:160]}")
         vocab = model.config.vocab_size
         try:
