@@ -36,7 +36,6 @@ def main():
     args = ap.parse_args()
     common = [f"--training.max_steps={args.steps}", "--training.export=false", "--training.report_to=none",
               "--training.eval_steps=0", "--training.save_steps=0", "--data.eval_blocks=8"]
-    m = 4  # cpu-tiny's microbatches per step
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for i, (name, over) in enumerate(ARMS.items()):
@@ -45,6 +44,7 @@ def main():
                              f"--training.output_dir={out}"], out)
             print(f"{name}: {tps:,.0f} tokens/s", flush=True)
             for s in prof["stages"]:
+                m = s["counts"]["F"] / s["counts"]["STEP"]  # microbatches per step, as the run did them
                 fb = m * (s["forward_ms"] + s["backward_ms"])
                 rows.append(f"| {name} | {s['stage']} | {fb:.0f} | {s['step_ms']:.1f} | {s['step_ms'] / fb:.0%} | "
                             f"{tps:,.0f} |")

@@ -75,18 +75,15 @@ def build(mt: str, kw: dict, batch: int, seq: int):
     def plain():  # no KV cache, as in the stages (a training forward has none): the same work on both sides
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    fns, all_stages, split = {"plain": plain}, [], {}
-    for p in (1, 2, 4):
-        stages = partition_model(model, p, seq_len=seq)
-        all_stages += stages
+    fns, chains = {"plain": plain}, {p: partition_model(model, p, seq_len=seq) for p in (1, 2, 4)}
+    for p, stages in chains.items():
         fns[f"{p} stage{'s' if p > 1 else ''}"] = lambda stages=stages: run_stages(stages, ids, ids).backward()
-        split[p] = stages
 
     def clear():  # every run starts from no gradients (no accumulation on either side)
-        for m in (model, *all_stages):
+        for m in (model, *(s for stages in chains.values() for s in stages)):
             m.zero_grad(set_to_none=True)
 
-    return fns, clear, split[2], ids
+    return fns, clear, chains[2], ids
 
 
 def timed(fns: dict, clear, repeats: int) -> tuple[dict, dict]:
