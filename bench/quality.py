@@ -70,9 +70,13 @@ def arm_dir(name: str, overrides: list[str], seed: int, out_root: Path) -> Path:
                        + (DELAYED_TAG if delayed else ""))
 
 
-def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Path) -> dict:
+def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Path, report_only: bool = False) -> dict | None:
+    """Run one arm (or reuse it if finished; resume it if killed) and read its eval curve. ``report_only``: None for
+    an arm that has not finished, nothing is run."""
     out = arm_dir(name, overrides, seed, out_root)
     final = out / "final_eval.json"
+    if report_only and not final.exists():
+        return None
     if final.exists():
         done = yaml.safe_load((out / "recipe.yaml").read_text())["training"]["max_steps"]
         if done != steps:
@@ -82,7 +86,10 @@ def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Pa
                "--pipeline.schedule=none", "--pipeline.num_stages=1", "--pipeline.num_microbatches=4",
                "--pipeline.microbatch_size=8", f"--training.max_steps={steps}", f"--training.seed={seed}",
                f"--training.output_dir={out}", f"--training.eval_steps={50 if steps <= 300 else 100}",
-               "--training.save_steps=0", "--training.torch_threads=1", "--training.report_to=none",
+               # a checkpoint every eval and resume from the latest: an arm killed with its session (runs take
+               # 10-35 min) goes on where it stopped, and a resumed run equals an uninterrupted one (test_trainer.py)
+               f"--training.save_steps={50 if steps <= 300 else 100}", "--training.save_total_limit=1",
+               "--training.resume_from_checkpoint=latest", "--training.torch_threads=1", "--training.report_to=none",
                "--data.eval_blocks=128", "--optimizer.delay_correction=none", *overrides]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         t0 = time.time()
@@ -109,6 +116,8 @@ def main():
     ap.add_argument("--arms", default=None, help="comma-separated arm names to run (default: all of the table)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "quality"))
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: report (and --write) the finished arms only, listing the ones missing")
     args = ap.parse_args()
     args.steps = args.steps or (1000 if args.long else 300)
     args.seeds = args.seeds or ("0" if args.long else "0,1,2")
@@ -136,8 +145,12 @@ def main():
             raise SystemExit(f"--arms: unknown {unknown}; known: {', '.join(table)}")
     jobs = [(name, table[name], args.steps, seed, out_root) for seed in seeds for name in names]
     with ThreadPoolExecutor(args.parallel) as ex:
-        results = list(ex.map(lambda j: run_arm(*j), jobs))
+        results = list(ex.map(lambda j: run_arm(*j, report_only=args.report_only), jobs))
+    missing = [f"{name} (seed {seed})" for (name, _, _, seed, _), r in zip(jobs, results) if r is None]
+    results = [r for r in results if r is not None]
     text = report(results, lrs, args, out_root)
+    if missing:
+        text += f"\n\nNot run yet ({len(missing)} of {len(jobs)}): " + "; ".join(missing) + "."
     print(text)
     if args.write:
         write_section(text, "quality_long" if args.long else "quality", args)

@@ -57,10 +57,35 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_two_stage_2bw_run_exports_and_evaluates(tmp_path):
-    out = tmp_path / "run"
-    rc, log = launch(write_recipe(tmp_path / "r.yaml", out), "--training.export=true")
+# Newton-Schulz in float32 (auto's choice on a CPU, named so a GPU run is exact too): bfloat16 would amplify the
+# float noise of a new partition in test_resume_onto_another_topology
+EXACT = ("--optimizer.ns_dtype=float32",)
+STEPS_24 = dict(max_steps=24, save_steps=4, logging_steps=1)
+
+
+@pytest.fixture(scope="module")
+def two_stage_run(tmp_path_factory):
+    """The default 8-step run, exported: checked on its own and the uninterrupted reference of the topology change
+    (each launch costs about 20 s of start-up, so the tests share it)."""
+    tmp = tmp_path_factory.mktemp("two-stage")
+    out = tmp / "run"
+    rc, log = launch(write_recipe(tmp / "r.yaml", out), "--training.export=true", *EXACT)
     assert rc == 0, log[-3000:]
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def straight_24(tmp_path_factory):
+    """24 steps uninterrupted, logged every step: the reference of the SIGKILL resume and of logging every 7 steps."""
+    tmp = tmp_path_factory.mktemp("straight")
+    out = tmp / "straight"
+    rc, log = launch(write_recipe(tmp / "a.yaml", out, **STEPS_24))
+    assert rc == 0, log[-3000:]
+    return out
+
+
+def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
+    out, log = two_stage_run
     final = json.loads((out / "final_eval.json").read_text())
     assert final["export_eval_ppl"] < final["untrained_eval_ppl"]
     assert (out / "export" / "README.md").exists() and "exported" in log
@@ -105,12 +130,9 @@ def test_one_process_starts_the_pipeline_itself(tmp_path):
     assert f"accelerate launch --config_file {config} -m hf_asyncpp.cli.train {recipe}" in r.stderr
 
 
-def test_sigkill_then_resume_is_exact(tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    steps = dict(max_steps=24, save_steps=4)
-    rc, log = launch(write_recipe(tmp_path / "a.yaml", straight, **steps))
-    assert rc == 0, log[-3000:]
-    proc = launch(write_recipe(tmp_path / "b.yaml", killed, **steps), wait=False)
+def test_sigkill_then_resume_is_exact(tmp_path, straight_24):
+    straight, killed = straight_24, tmp_path / "killed"
+    proc = launch(write_recipe(tmp_path / "b.yaml", killed, **STEPS_24), wait=False)
     deadline = time.time() + 300
     while not list(killed.glob("checkpoint-*/manifest.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -128,15 +150,12 @@ def test_sigkill_then_resume_is_exact(tmp_path):
         assert all((a[k] == b[k]).all() for k in a)
 
 
-def test_resume_onto_another_topology(tmp_path):
+def test_resume_onto_another_topology(tmp_path, two_stage_run):
     """2 stages for 4 steps, then 4 stages on 4 processes: the same 2BW + Muon + EF semantics continue."""
-    straight, moved = tmp_path / "straight", tmp_path / "moved"
-    exact = ["--optimizer.ns_dtype=float32"]  # bf16 Newton-Schulz would amplify the float noise of a new partition
-    rc, log = launch(write_recipe(tmp_path / "a.yaml", straight), *exact)
+    (straight, _), moved = two_stage_run, tmp_path / "moved"
+    rc, log = launch(write_recipe(tmp_path / "b.yaml", moved, stop_after_steps=4), *EXACT)
     assert rc == 0, log[-3000:]
-    rc, log = launch(write_recipe(tmp_path / "b.yaml", moved, stop_after_steps=4), *exact)
-    assert rc == 0, log[-3000:]
-    rc, log = launch(tmp_path / "b.yaml", *exact, "--pipeline.num_stages=4", "--pipeline.num_microbatches=4",
+    rc, log = launch(tmp_path / "b.yaml", *EXACT, "--pipeline.num_stages=4", "--pipeline.num_microbatches=4",
                      "--pipeline.microbatch_size=1", "--training.resume_from_checkpoint=latest",
                      "--training.stop_after_steps=null", procs=4)
     assert rc == 0, log[-3000:]
@@ -147,18 +166,18 @@ def test_resume_onto_another_topology(tmp_path):
         assert abs(x - y) <= 1e-4 * abs(x), (a, b)
 
 
-def test_logging_steps_change_nothing_computed(tmp_path):
+def test_logging_steps_change_nothing_computed(tmp_path, straight_24):
     """logging_steps 1 and 7 give bit-identical losses, grad norms, lrs and weights: logging never drains the
     pipeline, so what it reports cannot change what is computed."""
     rows, weights = {}, {}
-    for every in (1, 7):
-        out = tmp_path / f"every-{every}"
-        rc, log = launch(write_recipe(tmp_path / f"{every}.yaml", out, logging_steps=every, max_steps=14, save_steps=14))
-        assert rc == 0, log[-3000:]
+    every_7 = tmp_path / "every-7"
+    rc, log = launch(write_recipe(tmp_path / "7.yaml", every_7, **{**STEPS_24, "logging_steps": 7}))
+    assert rc == 0, log[-3000:]
+    for every, out in ((1, straight_24), (7, every_7)):
         rows[every] = [(r["step"], r["loss"], r["grad_norm"], r["lr"])
                        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-        weights[every] = {s: load_file(str(out / "checkpoint-0000014" / f"stage-{s}.safetensors")) for s in ("00", "01")}
-    assert [r[0] for r in rows[1]] == list(range(1, 15))  # one record per step, in order
+        weights[every] = {s: load_file(str(out / "checkpoint-0000024" / f"stage-{s}.safetensors")) for s in ("00", "01")}
+    assert [r[0] for r in rows[1]] == list(range(1, 25))  # one record per step, in order
     assert rows[1] == rows[7]  # bitwise
     for s, tensors in weights[1].items():
         assert all(torch.equal(t, weights[7][s][k]) for k, t in tensors.items()), s
