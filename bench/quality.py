@@ -173,6 +173,7 @@ def summarize(results: list[dict]) -> dict[str, dict]:
         sync = by.get(f"{n.split()[0]} sync")
         if sync:
             diffs = [finals[k] - sync[k] for k in finals if k in sync]
+            s["gaps"] = {k: finals[k] - sync[k] for k in finals if k in sync}
             s["gap"] = statistics.mean(diffs) if diffs else float("nan")
             s["gap_sd"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         out[n] = s
@@ -183,9 +184,26 @@ def _pm(x: float, sd: float, n: int, digits: int = 4) -> str:
     return f"{x:.{digits}f} ± {sd:.{digits}f}" if n > 1 else f"{x:.{digits}f}"
 
 
+def _paired(s: dict, a: str, b: str) -> tuple[float, float, int] | None:
+    """Mean gap to sync of arms ``a`` and ``b`` over the seeds both have (and how many): arms with different seed
+    counts are compared on the same seeds, never a 3-seed mean against one seed."""
+    ga, gb = s.get(a, {}).get("gaps"), s.get(b, {}).get("gaps")
+    common = sorted(set(ga or ()) & set(gb or ()))
+    if not common:
+        return None
+    return statistics.mean(ga[k] for k in common), statistics.mean(gb[k] for k in common), len(common)
+
+
+def _n_seeds(n: int) -> str:
+    return "one seed" if n == 1 else f"{n} seeds"
+
+
 def _closed(s: dict, opt: str, arm: str) -> float | None:
-    base, ef = s.get(f"{opt} delay-1", {}).get("gap"), s.get(arm, {}).get("gap")
-    return None if base is None or ef is None or base <= 0 else (base - ef) / base
+    pair = _paired(s, f"{opt} delay-1", arm)
+    if pair is None or pair[0] <= 0:
+        return None
+    base, ef, _ = pair
+    return (base - ef) / base
 
 
 def _met(ok: bool | None) -> str:
@@ -197,15 +215,15 @@ def report(results, lrs, args, out_root: Path) -> str:
     n_seeds = len(args.seeds.split(","))
     lines = [f"Final eval loss (mean ± sample sd over {n_seeds} seed{'s' if n_seeds > 1 else ''}; the gap to sync is "
              "paired by seed, same init and data order).", "",
-             "| arm | final eval loss | min .. max | gap to sync | gap % | share of the delay gap closed by EF |",
-             "|---|---|---|---|---|---|"]
+             "| arm | seeds | final eval loss | min .. max | gap to sync | gap % | share of the delay gap closed by EF |",
+             "|---|---|---|---|---|---|---|"]
     for n, v in s.items():
         opt = n.split()[0]
         gap, closed = v.get("gap"), (_closed(s, opt, n) if "EF" in n else None)
         sync = s.get(f"{opt} sync", {}).get("mean")
         gap_s = "" if gap is None else (f"{gap:+.4f} ± {v['gap_sd']:.4f}" if v["n"] > 1 else f"{gap:+.4f}")
         pct = "" if gap is None or not sync else f"{gap / sync:+.2%}"
-        lines.append(f"| {n} | {_pm(v['mean'], v['sd'], v['n'])} | {v['min']:.4f} .. {v['max']:.4f} | {gap_s} | {pct} | "
+        lines.append(f"| {n} | {v['n']} | {_pm(v['mean'], v['sd'], v['n'])} | {v['min']:.4f} .. {v['max']:.4f} | {gap_s} | {pct} | "
                      + ("" if closed is None else f"{closed:.0%}") + " |")
     lines += ["", "Next to the paper (arXiv 2606.30634, 360M model, 20 tokens per parameter; ours: 2.6M parameters, "
               f"{args.steps} steps of 4,096 tokens):", "",
@@ -230,17 +248,21 @@ def report(results, lrs, args, out_root: Path) -> str:
         if f"{opt} delay-1 + EF" in s:
             lines.append(f"- EF (lambda 1) closes >= 60% of {opt}'s delay gap: "
                          f"{'n/a' if c is None else f'{c:.0%}'} -> {_met(None if c is None else c >= 0.6)}")
-    if "muon pipedream p=8" in s and "muon delay-1" in s:
-        d, p8 = s["muon delay-1"]["mean"], s["muon pipedream p=8"]["mean"]
-        p4 = s.get("muon pipedream p=4", {}).get("mean")
-        lines.append(f"- constant delay (2BW) beats PipeDream at p = 8: muon delay-1 {d:.4f} vs pipedream p=8 {p8:.4f}"
-                     + (f" (p=4: {p4:.4f})" if p4 is not None else "") + f" -> {_met(d < p8)}")
+    pd8 = _paired(s, "muon delay-1", "muon pipedream p=8")
+    if pd8:
+        d, p8, n = pd8
+        p4 = _paired(s, "muon delay-1", "muon pipedream p=4")
+        lines.append(f"- constant delay (2BW) beats PipeDream at p = 8 (gap to sync, {_n_seeds(n)}): muon delay-1 "
+                     f"{d:+.4f} vs pipedream p=8 {p8:+.4f}" + (f" (p=4: {p4[1]:+.4f})" if p4 else "") + f" -> {_met(d < p8)}")
     for opt in ("adamw", "muon"):
-        auto, one = s.get(f"{opt} delay-1 + EF auto"), s.get(f"{opt} delay-1 + EF")
-        if auto and one:
-            diff = auto["mean"] - one["mean"]
-            lines.append(f"- ef_lambda auto at least as good as lambda = 1 ({opt}): {auto['mean']:.4f} vs {one['mean']:.4f} "
-                         f"({diff:+.4f}; seed sd {max(auto['sd'], one['sd']):.4f}) -> {_met(diff <= 0)}")
+        pair = _paired(s, f"{opt} delay-1 + EF", f"{opt} delay-1 + EF auto")
+        if pair:
+            one, auto, n = pair
+            sd = [s[f"{opt} delay-1 + EF{x}"]["gap_sd"] for x in ("", " auto")]
+            lines.append(f"- ef_lambda auto at least as good as lambda = 1 ({opt}; gap to sync, {_n_seeds(n)}): "
+                         f"{auto:+.4f} vs {one:+.4f} ({auto - one:+.4f}"
+                         + (f"; seed sd of the gaps {max(sd):.4f}" if n > 1 else "") + f") -> {_met(auto <= one)}")
+    lines += _gap_over_training(results)
     sweep = [(opt, lam) for opt in ("adamw", "muon") for lam in ("lambda=0.5", "", "lambda=1.5", "auto")
              if f"{opt} delay-1 + EF{' ' + lam if lam else ''}" in s]
     if any(lam for _, lam in sweep):
@@ -265,6 +287,34 @@ def report(results, lrs, args, out_root: Path) -> str:
         (ROOT / "docs" / png).write_bytes((out_root / png).read_bytes())
     lines.append(f"\n![eval loss curves]({png})")
     return "\n".join(lines)
+
+
+def _gap_over_training(results: list[dict]) -> list[str]:
+    """The delay gap and EF's share of it at every evaluation (paired by seed, mean over the seeds that have all
+    three arms): the final number alone cannot say whether a gap is closing or opening as training goes on."""
+    curves = {(r["name"], r["seed"]): dict(r["curve"]) for r in results}
+    gaps = {}  # (opt, step) -> lists of delay gaps and EF gaps
+    for opt in ("adamw", "muon"):
+        for (name, seed), sync in curves.items():
+            d, e = curves.get((f"{opt} delay-1", seed)), curves.get((f"{opt} delay-1 + EF", seed))
+            if name != f"{opt} sync" or d is None or e is None:
+                continue
+            for step in sorted(set(sync) & set(d) & set(e) - {0}):
+                g = gaps.setdefault((opt, step), ([], []))
+                g[0].append(d[step] - sync[step])
+                g[1].append(e[step] - sync[step])
+    steps = sorted({st for (_, st) in gaps})
+    if not steps or not all(("adamw", st) in gaps and ("muon", st) in gaps for st in steps):
+        return []
+    lines = ["", "The gap during training (eval loss of the delayed arm minus sync at each evaluation, mean over seeds; "
+             "EF's share of it closed):", "", "| step | AdamW gap | EF closes | Muon gap | EF closes | Muon's gap / AdamW's |",
+             "|---|---|---|---|---|---|"]
+    for st in steps:
+        (ad, ae), (md, me) = ([statistics.mean(x) for x in gaps[(o, st)]] for o in ("adamw", "muon"))
+        share = lambda d, e: f"{(d - e) / d:.0%}" if d > 0 else "n/a"  # noqa: E731
+        lines.append(f"| {st} | {ad:+.4f} | {share(ad, ae)} | {md:+.4f} | {share(md, me)} | "
+                     + (f"{md / ad:.2f}" if ad > 0 else "n/a") + " |")
+    return lines
 
 
 def _plot(results, path: Path) -> None:
