@@ -266,15 +266,24 @@ def report(results, lrs, args, out_root: Path) -> str:
     sweep = [(opt, lam) for opt in ("adamw", "muon") for lam in ("lambda=0.5", "", "lambda=1.5", "auto")
              if f"{opt} delay-1 + EF{' ' + lam if lam else ''}" in s]
     if any(lam for _, lam in sweep):
-        lines += ["", "EF lambda sweep (final eval loss, mean over seeds; share of the delay gap closed):", "",
-                  "| optimizer | lambda 0.5 | lambda 1 | lambda 1.5 | auto |", "|---|---|---|---|---|"]
+        lines += ["", "EF lambda sweep (gap to sync and the share of the delay gap closed, each optimizer on the seeds "
+                  "all its sweep arms have):", "",
+                  "| optimizer | seeds | lambda 0.5 | lambda 1 | lambda 1.5 | auto |", "|---|---|---|---|---|---|"]
         for opt in ("adamw", "muon"):
+            names = [f"{opt} delay-1 + EF{' ' + lam if lam else ''}" for lam in ("lambda=0.5", "", "lambda=1.5", "auto")]
+            have = [n for n in names if n in s] + [f"{opt} delay-1"]
+            common = sorted(set.intersection(*(set(s.get(n, {}).get("gaps") or ()) for n in have)))
+            if not common:
+                continue
+            base = statistics.mean(s[f"{opt} delay-1"]["gaps"][k] for k in common)
             cells = []
-            for lam in ("lambda=0.5", "", "lambda=1.5", "auto"):
-                arm = f"{opt} delay-1 + EF{' ' + lam if lam else ''}"
-                c = _closed(s, opt, arm)
-                cells.append(f"{s[arm]['mean']:.4f} ({'n/a' if c is None else f'{c:.0%}'})" if arm in s else "-")
-            lines.append(f"| {opt} | " + " | ".join(cells) + " |")
+            for n in names:
+                if n not in s:
+                    cells.append("-")
+                    continue
+                gap = statistics.mean(s[n]["gaps"][k] for k in common)
+                cells.append(f"{gap:+.4f} ({(base - gap) / base:.0%})" if base > 0 else f"{gap:+.4f}")
+            lines.append(f"| {opt} | {', '.join(map(str, common))} | " + " | ".join(cells) + " |")
     how = (f"tuned on the sync arms over {args.sweep}" if args.sweep else
            "given: AdamW's and Muon's are the best of 1e-3, 3e-3, 1e-2 on their sync arms at 300 steps (the sweep of "
            "2026-11-22); NAdam's is not swept")
