@@ -263,6 +263,7 @@ def report(results, lrs, args, out_root: Path) -> str:
                          f"{auto:+.4f} vs {one:+.4f} ({auto - one:+.4f}"
                          + (f"; seed sd of the gaps {max(sd):.4f}" if n > 1 else "") + f") -> {_met(auto <= one)}")
     lines += _gap_over_training(results)
+    lines += _sync_steps_worth(results, args.steps)
     sweep = [(opt, lam) for opt in ("adamw", "muon") for lam in ("lambda=0.5", "", "lambda=1.5", "auto")
              if f"{opt} delay-1 + EF{' ' + lam if lam else ''}" in s]
     if any(lam for _, lam in sweep):
@@ -323,6 +324,35 @@ def _gap_over_training(results: list[dict]) -> list[str]:
         share = lambda d, e: f"{(d - e) / d:.0%}" if d > 0 else "n/a"  # noqa: E731
         lines.append(f"| {st} | {ad:+.4f} | {share(ad, ae)} | {md:+.4f} | {share(md, me)} | "
                      + (f"{md / ad:.2f}" if ad > 0 else "n/a") + " |")
+    return lines
+
+
+def _sync_steps_worth(results: list[dict], steps: int) -> list[str]:
+    """At which step the sync run's eval curve (linearly interpolated between evaluations) first reaches each
+    delayed arm's final loss, same seed: the delay's cost in steps, which reads the same at any loss level. A rough
+    measure (the sync run is at another point of its lr schedule there), but it says whether a gap is "a few steps
+    behind" or a different trajectory."""
+    curves = {(r["name"], r["seed"]): r["curve"] for r in results}
+    worth = {}
+    for (name, seed), curve in curves.items():
+        sync = curves.get((f"{name.split()[0]} sync", seed))
+        if sync is None or "sync" in name:
+            continue
+        final = curve[-1][1]
+        for (s0, l0), (s1, l1) in zip(sync, sync[1:]):
+            if l1 <= final <= l0:
+                worth.setdefault(name, []).append(s0 + (l0 - final) / (l0 - l1) * (s1 - s0) if l0 > l1 else s1)
+                break
+        else:
+            worth.setdefault(name, []).append(float("nan") if final < sync[-1][1] else 0.0)
+    if not worth:
+        return []
+    lines = ["", f"What {steps} delayed steps are worth in sync steps (the step at which the same seed's sync run "
+             "reaches the arm's final eval loss; mean over seeds; NaN: the arm ends below the sync run):", "",
+             "| arm | seeds | sync steps | share of the run |", "|---|---|---|---|"]
+    for name, vals in worth.items():
+        m = statistics.mean(vals)
+        lines.append(f"| {name} | {len(vals)} | {m:.0f} | {m / steps:.0%} |")
     return lines
 
 
