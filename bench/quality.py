@@ -10,7 +10,9 @@ the pipeline executor, tests/test_runtime.py) with the same model, data order an
 Each arm is a real run of scripts/pretrain.py (1 thread); ``--parallel`` arms run at once (losses do not depend on
 machine load). The learning rate of each optimizer is its sync arm's (``--adamw-lr``, ``--muon-lr``, ``--nadam-lr``;
 ``--sweep`` tunes them on the sync arms first) and is used unchanged for that optimizer's other arms. A finished arm
-(its directory holds final_eval.json) is reused. ``--long``: the six AdamW/Muon sync / delay-1 / delay-1 + EF arms
+(its directory holds final_eval.json) is reused; an arm killed midway (a session's end) resumes from its last
+checkpoint, one per evaluation, exactly. ``--report-only`` runs nothing and reports the finished arms, naming the
+missing ones. ``--long``: the six AdamW/Muon sync / delay-1 / delay-1 + EF arms
 only, in ``OUT/long<steps>``, reported in the ``quality_long`` section. Writes a loss-curve PNG and (``--write``)
 the ``quality`` (or ``quality_long``) section of docs/benchmarks.md.
 """
@@ -393,7 +395,8 @@ def write_section(table: str, key: str, args) -> None:
 
     title = ("## Delay tolerance at 1000 steps (one seed)" if key == "quality_long"
              else "## Delay tolerance: the paper's table at our scale")
-    write(key, f"{title}\n\nCommand: `python bench/quality.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; "
+    shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")  # the command that runs the arms (reused)
+    write(key, f"{title}\n\nCommand: `python bench/quality.py {shown}` ({time.strftime('%Y-%m-%d')}; "
                f"Llama h128 x 8 layers, 2.6M parameters, tied embeddings, default corpus, single-process exact delay "
                f"references)\n\n{table}")
 
