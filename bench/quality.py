@@ -174,8 +174,8 @@ def summarize(results: list[dict]) -> dict[str, dict]:
              "min": min(vals), "max": max(vals)}
         sync = by.get(f"{n.split()[0]} sync")
         if sync:
-            diffs = [finals[k] - sync[k] for k in finals if k in sync]
-            s["gaps"] = {k: finals[k] - sync[k] for k in finals if k in sync}
+            s["gaps"] = {k: finals[k] - sync[k] for k in finals if k in sync}  # by seed
+            diffs = list(s["gaps"].values())
             s["gap"] = statistics.mean(diffs) if diffs else float("nan")
             s["gap_sd"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         out[n] = s
