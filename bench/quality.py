@@ -361,6 +361,23 @@ def _sync_steps_worth(results: list[dict], steps: int) -> list[str]:
     return lines
 
 
+def _color(name: str) -> str:
+    """One hue per optimizer (PipeDream its own), darker for the corrected arms: arms of one optimizer read together."""
+    if "pipedream" in name:
+        return "tab:olive" if "p=4" in name else "tab:brown"
+    base = {"adamw": ("tab:blue", "navy"), "muon": ("tab:red", "darkred"), "nadam": ("tab:green", "darkgreen")}
+    light, dark = base.get(name.split()[0], ("tab:gray", "black"))
+    return dark if "EF" in name else light
+
+
+def _linestyle(name: str) -> str:
+    if "sync" in name:
+        return "-"
+    if "auto" in name:
+        return "-."
+    return ":" if "EF" in name else "--"
+
+
 def _plot(results, path: Path) -> None:
     import matplotlib
 
@@ -371,12 +388,12 @@ def _plot(results, path: Path) -> None:
     for r in results:  # the first seed; the lambda sweep arms are in the table only
         if r["seed"] != results[0]["seed"] or "lambda=" in r["name"]:
             continue
-        style = "-" if "sync" in r["name"] else ("--" if "EF" not in r["name"] else ":")
-        axes[0].plot(*zip(*r["curve"]), style, marker="o", ms=3, label=r["name"])
+        style = dict(color=_color(r["name"]), linestyle=_linestyle(r["name"]))
+        axes[0].plot(*zip(*r["curve"]), marker="o", ms=3, label=r["name"], **style)
         steps, losses = zip(*r["train"])
         k = 10
         smooth = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
-        axes[1].plot(steps, smooth, style, label=r["name"], lw=1)
+        axes[1].plot(steps, smooth, label=r["name"], lw=1, **style)
     axes[0].set_title(f"held-out loss (seed {results[0]['seed']})")
     axes[1].set_title("training loss (moving average)")
     for ax in axes:
