@@ -36,7 +36,9 @@ def render(rows: list[Verdict], version: str) -> str:
            "Types that are encoder-decoder, multimodal or not causal are skipped with the reason.", "",
            f"**{len(exact)} of {len(tried)} decoder-only text types split exactly ({len(exact) / max(1, len(tried)):.1%}).** "
            f"{len(rows) - len(tried)} types skipped.", "",
-           "Regenerate: `OMP_NUM_THREADS=1 python bench/partition_sweep.py`.", "",
+           f"Generated with transformers {version}, torch {torch.__version__}. Regenerate with the pinned versions "
+           "(`constraints.txt`): `OMP_NUM_THREADS=1 python bench/partition_sweep.py`; a newer transformers: "
+           "`bash scripts/test.sh --latest`, then the same command with `.venv-latest/bin/python`.", "",
            "| type | verdict | reason |", "|---|---|---|"]
     for r in rows:
         reason = r.reason.replace("|", "\\|").replace("\n", " ")

@@ -263,6 +263,46 @@ def test_formerly_refused_models_split_exactly_and_what_cannot_is_named():
         partition_model(odd, 2)
 
 
+class _SkipOverLayers:
+    """A Llama body that hands a tensor computed from its embeddings to every layer (which ignore it) and, when
+    ``reread``, adds it to the last layer's output: a side input read again after the layers (Inkling-2-Loop's
+    ``block_states`` at few layers)."""
+
+    reread = True
+
+    def forward(self, input_ids=None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        h = self.embed_tokens(input_ids)
+        skip = 2.0 * h
+        rope = self.rotary_emb(h, torch.arange(h.shape[1], device=h.device)[None])
+        for layer in self.layers:
+            h = layer(h, position_embeddings=rope, skip=skip)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h + skip if self.reread else h))
+
+
+@pytest.mark.parametrize("reread", [True, False])
+def test_a_side_input_read_after_the_layers_is_refused(reread):
+    """The stages carry a side input only to the layers that take it; the last stage's own copy of it would be built
+    from stand-ins (zeros), so a model that reads it after the layers is refused, naming it. The same model without
+    that read splits exactly: the guard refuses the read, not side inputs."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    from hf_asyncpp.partition.sweep import compare
+
+    model = make_model("llama_untied").eval()
+    model.model.__class__ = type("SkipOverLayersModel", (_SkipOverLayers, LlamaModel), {"reread": reread})
+    if reread:
+        with pytest.raises(PartitionError, match=r"model.layers.0 receives 'skip', which the model computes before the "
+                                                 r"decoder layers and reads again after the last one \(in model\)"):
+            partition_model(model, 2, check=False)
+        return
+    ref = model(IDS, labels=IDS)
+    ref.loss.backward()
+    want = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    assert compare(model, 2, IDS, ref.loss.detach(), want) is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3_text", "mixtral", "gpt2"])
 def test_meta_stages_materialize(arch):
     """Plan and build on meta, ``to_empty`` each stage, load the real weights: the real model's loss and buffers."""

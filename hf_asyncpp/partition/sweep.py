@@ -68,6 +68,10 @@ OVERRIDES: dict[str, dict] = {
                              mamba_d_state=16, mamba_chunk_size=8),
     # residual blocks of 2 layers (as the real model's several): block_states grows between the layers
     "inkling2_text": dict(n_layers_per_attn_res_block=2),
+    # its middle layers run in a loop (layers 2-3 twice), as the real model's 6-17 three times; the defaults (loop
+    # from layer 6) would loop nothing at 4 layers
+    "inkling2_loop_text": dict(n_layers_per_attn_res_block=2, loop_layer_index_start=2, loop_layer_index_end=4,
+                               loop_num_passes=2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 _MULTIMODAL_KEYS = ("vision", "audio", "image", "speech", "vq_", "visual")

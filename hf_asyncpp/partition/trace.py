@@ -90,11 +90,14 @@ def _state(module: nn.Module):
 
 
 class _Watch(TorchFunctionMode):
-    """Records, for every use of a watched weight, whether the layers have started / finished."""
+    """Records, for every use of a watched weight, whether the layers have started / finished; and, for every tensor
+    with gradient an operation reads after the last layer, the module that reads it (``late``: a side input read
+    there is refused, see ``_side_inputs``)."""
 
     def __init__(self, owners: dict[int, list[str]], clock: dict, stack: list, uses: dict):
         super().__init__()
         self.owners, self.clock, self.stack, self.uses = owners, clock, stack, uses
+        self.late: dict[int, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,7 +105,10 @@ class _Watch(TorchFunctionMode):
             return _DATA_DEPENDENT[func]  # a meta model has no values: take the branch for "no padding, no packing"
         if getattr(func, "__name__", "") == "__get__" or func in _METADATA:
             return func(*args, **kwargs)  # reading a weight's dtype or shape is not using it
+        late = self.clock["phase"] == "post"
         for t in tree_leaves((args, kwargs)):
+            if late and isinstance(t, torch.Tensor) and t.requires_grad:
+                self.late.setdefault(id(t), self.stack[-1] if self.stack else "")
             if isinstance(t, torch.Tensor) and id(t) in self.owners:
                 owners = self.owners[id(t)]
                 mine = [o for o in owners if o in self.stack]
@@ -215,7 +221,8 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
         kw = model_kwargs(model)
         if "output_router_logits" in inspect.signature(type(model).forward).parameters:
             kw["output_router_logits"] = False  # the stand-in layers route nothing
-        with torch.enable_grad(), _Watch(owners, clock, stack, uses):
+        watch = _Watch(owners, clock, stack, uses)
+        with torch.enable_grad(), watch:
             model(input_ids=ids, labels=ids, **kw)
     except PartitionError:
         raise
@@ -247,7 +254,7 @@ def trace(model: nn.Module, seq_len: int = 16) -> Anatomy:
         raise PartitionError(f"{cls}: {type(layers[0]).__name__} returns {type(out0).__name__}, not a tensor or a tuple")
 
     pos = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes, pos)
+    side = _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes, pos, watch.late)
     carry = _carries(out0, out_index, args_seen, hidden_arg, L)
     if carry:  # a carried output is a layer argument, not a side input computed before the layers
         slots = {key for _, key in carry}
@@ -340,11 +347,12 @@ def _reaches(t: torch.Tensor, nodes: set, limit: int = 20000) -> bool:
     return False
 
 
-def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozenset(),
-                 arg_names=()) -> list[list[tuple[int, int | str]]]:
+def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozenset(), arg_names=(),
+                 late=None) -> list[list[tuple[int, int | str]]]:
     """Layer arguments other than the hidden state that carry gradient, grouped by tensor (one tensor may feed all
-    layers); in order of first use. One the model computes from earlier layers' outputs outside the layers is refused:
-    a later stage cannot rebuild it."""
+    layers); in order of first use. Refused: one the model computes from earlier layers' outputs outside the layers
+    (a later stage cannot rebuild it), and one the model also reads after the last layer (``late``: tensor id ->
+    the module reading it), since the last stage would read its own stand-in value, not the carried one."""
     groups: dict[int, list] = {}
     for j in range(L):
         args, kwargs = args_seen[j]
@@ -360,6 +368,13 @@ def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozens
                         f"decoder layers' outputs outside the layers (between them); the stage holding layer {j} cannot "
                         "rebuild it from one hidden state: train this model on one stage (num_stages=1) or with data "
                         "parallelism only")
+                if v.requires_grad and late and id(v) in late:
+                    name = arg_names[key] if isinstance(key, int) and key < len(arg_names) else key
+                    raise PartitionError(
+                        f"{cls}: {layers_path}.{j} receives {name!r}, which the model computes before the decoder layers "
+                        f"and reads again after the last one (in {late[id(v)] or 'the top-level forward'}); the stages "
+                        "carry it to the layers that take it, but the last stage would rebuild it from stand-ins of the first stage's modules and compute "
+                        "something else: train this model on one stage (num_stages=1) or with data parallelism only")
                 if v.requires_grad:
                     groups.setdefault(id(v), []).append((j, key))
             elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(v)):
