@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .pipeline.channels import all_channels
+
 
 @dataclass
 class Topology:
@@ -66,9 +68,12 @@ class Groups:
     ties: dict = field(default_factory=dict)  # stages sharing tensors (tuple of stage ids) -> group, this rank's only
     report: object = None  # every rank, gloo: per-step results travel here without blocking a stage
     dp_ranks: list = field(default_factory=list)
+    # point-to-point: one group per direction between adjacent stages of this replica (``pipeline.channels``),
+    # this rank's only
+    p2p: dict = field(default_factory=dict)
 
     def destroy(self) -> None:
-        for g in {id(x): x for x in (self.dp, self.pipe, self.report, *self.ties.values())
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, *self.ties.values(), *self.p2p.values())
                   if x is not None}.values():
             dist.destroy_process_group(g)
 
@@ -88,6 +93,11 @@ def make_groups(topo: Topology, tied, timeout: timedelta) -> Groups:
         grp = dist.new_group(ranks, timeout=timeout)
         if d == topo.dp_rank:
             g.pipe = grp
+    for d in range(dp):
+        for kind, s in all_channels(p):
+            grp = dist.new_group([s * dp + d, (s + 1) * dp + d], timeout=timeout)
+            if d == topo.dp_rank and topo.stage in (s, s + 1):
+                g.p2p[(kind, s)] = grp
     sets = sorted({tuple(sorted(x)) for x in tied})
     for stages in (sets if p > 1 else []):
         for d in range(dp):

@@ -6,6 +6,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every distributed test (spawned or launched) transfers under NCCL's ordering rule (hf_asyncpp/pipeline/nccl_order.py):
+# a post order that would hang on GPUs fails here
+os.environ.setdefault("HF_ASYNCPP_P2P", "nccl-order")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402

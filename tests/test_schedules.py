@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from hf_asyncpp.pipeline.schedules import (SCHEDULES, TWO_BW, Action, ActionType as T, format_actions, parse_actions, schedule_actions,
-                                  version_lag)
+from hf_asyncpp.pipeline.schedules import (SCHEDULES, TWO_BW, Action, ActionType as T, format_actions, get_schedule, parse_actions,
+                                  schedule_actions, version_lag)
 from hf_asyncpp.pipeline.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.pipeline.timeline import plot_timeline
 
@@ -290,6 +290,99 @@ def test_plot_timeline_writes_a_png(tmp_path):
         out = plot_timeline(what, str(tmp_path / "t.png"), "2bw")
         with open(out, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- NCCL's ordering rule
+
+
+def _accepts(schedule, p, m):
+    try:
+        get_schedule(schedule).check(p, m)
+    except ValueError:
+        return False
+    return True
+
+
+# (schedule, p, m, steps): every m in {p, 2p, 64} a schedule accepts, 3 steps; pipedream takes m = 1 only, so it runs
+# 3 steps and 3p steps (one microbatch each: the latter reaches its steady state)
+NCCL_GRID = [(s, p, m, 3) for s in SCHEDULES for p in (2, 3, 4, 8, 16) for m in sorted({p, 2 * p, 64}) if _accepts(s, p, m)] + [
+    ("pipedream", p, 1, n) for p in (2, 3, 4, 8, 16) for n in sorted({3, 3 * p})]
+ONE_COMMUNICATOR = lambda src, dst: "world"  # the old executor: every transfer on the world group
+
+
+@pytest.mark.parametrize("schedule,p,m,n", NCCL_GRID)
+def test_every_schedule_obeys_nccl_ordering_on_per_direction_channels(schedule, p, m, n):
+    """Per-direction communicators with the executor's prefetch: no deadlock, and at comm = 0 the same timeline."""
+    acts = schedule_actions(schedule, p, m, n)
+    plain = simulate(acts, Costs(), schedule, m)
+    res = simulate(acts, Costs(), schedule, m, nccl=True)
+    assert res.makespan == plain.makespan and res.timeline == plain.timeline
+    # with latency: posting every receive at its RECV action is the plain model; prefetching hides some latency
+    slow = Costs(forward=1, backward=2, comm=0.25)
+    ref = simulate(acts, slow, schedule, m)
+    assert simulate(acts, slow, schedule, m, nccl=True, prefetch=False).makespan == pytest.approx(ref.makespan)
+    assert simulate(acts, slow, schedule, m, nccl=True).makespan <= ref.makespan + 1e-9
+
+
+@pytest.mark.parametrize("schedule,p", [(s, p) for s in SCHEDULES for p in (2, 4, 8)])
+def test_one_communicator_for_both_directions_deadlocks_every_schedule_the_bug_per_direction_channels_fix(schedule, p):
+    """The executor before ``channels``: activations and gradients on the world group. The prefetched receive of
+    each stage stands in front of its next send on the one NCCL stream per pair, and its neighbour's stands in front
+    of the send it waits for: two receives at the heads, a hang gloo never shows."""
+    m = 1 if schedule == "pipedream" else p
+    acts = schedule_actions(schedule, p, m, 3)
+    with pytest.raises(ScheduleError, match=r"(?s)^deadlock.*'world'.*two receives wait for each other"):
+        simulate(acts, nccl=True, channel=ONE_COMMUNICATOR)
+    simulate(acts, nccl=True)  # the same lists on per-direction channels
+    # without the prefetch only GPipe survives one communicator: in 1F1B a stage's send to its neighbour and the
+    # neighbour's send back meet at the heads, and an unbuffered send completes only with its receive
+    if schedule == "gpipe":
+        simulate(acts, nccl=True, channel=ONE_COMMUNICATOR, prefetch=False)
+    else:
+        with pytest.raises(ScheduleError, match=r"(?s)^deadlock.*two sends wait for each other"):
+            simulate(acts, nccl=True, channel=ONE_COMMUNICATOR, prefetch=False)
+
+
+def test_a_prefetched_receive_ahead_of_a_send_deadlocks_one_communicator_and_not_two():
+    """Stage 1's prefetch posts RECV_ACT0.1 ahead of its SEND_GRAD0.0, and stage 0 posts RECV_GRAD0.0 ahead of its
+    SEND_ACT0.1: on one communicator each head is a receive waiting for the send queued behind the other's."""
+    acts = parse_actions("""
+        stage 0: F0.0@v0 SEND_ACT0.0>1 RECV_GRAD0.0<1 B0.0@v0 F0.1@v0 SEND_ACT0.1>1 RECV_GRAD0.1<1 B0.1@v0 REDUCE0 STEP0
+        stage 1: RECV_ACT0.0<0 F0.0@v0 B0.0@v0 SEND_GRAD0.0>0 RECV_ACT0.1<0 F0.1@v0 B0.1@v0 SEND_GRAD0.1>0 REDUCE0 STEP0
+    """)
+    ref = simulate(acts, Costs(), None, 2)
+    with pytest.raises(ScheduleError) as err:
+        simulate(acts, nccl=True, channel=ONE_COMMUNICATOR)
+    assert str(err.value) == """\
+deadlock: no stage can go on
+stage 0 @   2: F0.0@v0 SEND_ACT0.0>1 [RECV_GRAD0.0<1]  <-- ERROR HERE: waits for SEND_GRAD0.0 from stage 1: \
+RECV_GRAD0.0<1 (posted here) heads 'world' to stage 1; stage 1's head there is RECV_ACT0.1<0 (two receives wait for \
+each other)
+stage 1 @   4: RECV_ACT0.0<0 F0.0@v0 B0.0@v0 SEND_GRAD0.0>0 [RECV_ACT0.1<0]  <-- ERROR HERE: waits for SEND_ACT0.1 \
+from stage 0: RECV_ACT0.1<0 (prefetched at @0 after RECV_ACT0.0<0) heads 'world' to stage 0; stage 0's head there is \
+RECV_GRAD0.0<1 (two receives wait for each other); behind it: SEND_GRAD0.0>0"""
+    for kw in ({}, {"channel": ONE_COMMUNICATOR, "prefetch": False}):  # per-direction channels, or no prefetch
+        assert simulate(acts, Costs(), None, 2, nccl=True, **kw).timeline == ref.timeline
+
+
+def test_nccl_mode_catches_what_the_plain_one_does():
+    acts = schedule_actions("1f1b", 2, 2, 1)
+    swapped = list(acts[1])  # stage 1 receives microbatch 1 before 0: the heads do not match
+    i, j = [k for k, a in enumerate(swapped) if a.type == T.RECV_ACT]
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ScheduleError, match=r"RECV_ACT0\.1<0, but the next message from stage 0 is SEND_ACT0\.0 "
+                                            r"\(receives out of send order; on \('act', 0\)\)"):
+        simulate([acts[0], swapped], nccl=True)
+    with pytest.raises(ScheduleError, match=r"never received, first SEND_ACT0\.0>1 \(on \('act', 0\)\)"):
+        simulate([acts[0] + [Action(T.SEND_ACT, 0, 0, peer=1)], acts[1]], nccl=True)
+    far = [[Action(T.SEND_ACT, 0, 0, peer=2)], [], [Action(T.RECV_ACT, 0, 0, peer=0)]]
+    with pytest.raises(ScheduleError, match="no communicator for 0 -> 2: stages 0 and 2 are not adjacent"):
+        simulate(far, nccl=True)
+    # a send waited in place completes once its receive is posted: the prefetch posts it before the RECV action
+    three = schedule_actions("1f1b", 3, 3, 2)
+    simulate(three, nccl=True, blocking_sends=True)
+    with pytest.raises(ScheduleError, match=r"(?s)^deadlock.*blocking send waits for its receive"):
+        simulate(three, nccl=True, blocking_sends=True, prefetch=False)
 
 
 # ---------------------------------------------------------------------------- planner search

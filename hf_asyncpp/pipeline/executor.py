@@ -152,7 +152,7 @@ class PipelineEngine:
         # a stage-local norm (pipedream without clipping) is not logged as grad_norm
         self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
         self.reducer = Reducer(self.groups, topo, tied, timeout_s, self.global_norm)
-        self.p2p = P2P(topo, timeout_s, self.device)
+        self.p2p = P2P(topo, timeout_s, self.device, self.groups.p2p)
         self.reports = StepReports(self.groups.report, topo.dp_size, timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
         self.nonfinite_skipped = 0
@@ -378,6 +378,7 @@ class PipelineEngine:
     def close(self) -> None:
         """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""
         self.reducer.close()
+        self.p2p.close()
         self.groups.destroy()
 
     # ------------------------------------------------------------------ eval

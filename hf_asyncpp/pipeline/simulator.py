@@ -14,7 +14,26 @@ its inputs are ready):
   posts it and takes ``reduce``. Every stage must post the reductions in the same step order.
   ``STEP{k}`` waits for that reduction to finish.
 
-Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action, ``<-- ERROR HERE``), a
+NCCL (``nccl=True``). gloo matches a receive with its send whatever else is in flight, so the model above is
+all it needs. NCCL does not: the point-to-point operations a rank posts on one communicator to one peer run on
+one stream and complete one at a time, in the order they were posted, in both directions. A receive at the head
+of that FIFO holds back every later send and receive behind it until its data arrives, and a send completes only
+together with the receive at the head of the peer's FIFO (no buffering: the strict case of large messages). So
+``nccl=True`` keeps one FIFO of posted operations per (rank, communicator, peer), the communicator being
+``channel(src, dst)`` (``channels.channel``: one per direction between adjacent stages), and posts in the
+executor's order: a send at its SEND action (the program goes on); a receive at its RECV action unless posted
+already, and with ``prefetch`` the stage's next receive of the same kind right after a receive completed (at the
+RECV action, before the next action), so it sits in front of every send the stage posts after it. The head send
+of one FIFO and the head receive of the peer's FIFO on the same communicator complete together at
+max(both posts, the previous completion on either FIFO) + ``comm``; a stage blocks at a RECV until its receive
+completed (and, with ``blocking_sends``, at a SEND until its send completed). With everything on one communicator
+(``channel=lambda s, d: "world"``, the executor before ``channels``) a prefetched receive stands in front of the
+stage's next send while the peer's stands in front of its own: a deadlock gloo never shows (without the prefetch
+1F1B still hangs there: two unbuffered sends meet at the heads). With the per-direction channels each FIFO holds
+only sends or only receives, and for the schedules' lists the rule costs nothing (same timeline at comm = 0).
+
+Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action, ``<-- ERROR HERE``; with
+``nccl`` also the FIFO the blocked transfer sits in, what stands in front of it and the peer's head), a
 receive out of send order, a message never received, a microbatch not forwarded and backwarded exactly
 once on every stage, a backward with another version than its forward, microbatches of one step on
 different versions at one stage, a forward on a version not produced yet, a step's REDUCE before its last
@@ -26,8 +45,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, fields
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
 
+from . import channels
 from .schedules import Action, ActionType, get_schedule
 
 __all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate"]
@@ -144,7 +164,8 @@ def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], wi
 
 def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Optional[str] = None,
              num_microbatches: Optional[int] = None, *, blocking_sends: bool = False,
-             reduce_scope: str = "global") -> SimResult:
+             reduce_scope: str = "global", nccl: bool = False,
+             channel: Callable[[int, int], Hashable] = channels.channel, prefetch: bool = True) -> SimResult:
     """Run one window's action lists (``actions[s]`` for stage s); raise ``ScheduleError`` on any defect.
 
     Args:
@@ -152,13 +173,27 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
         costs: ``Costs``, a dict (``{"forward": 1, "B": 2, ...}``) or a callable ``(action, stage) -> cost``.
         schedule: a schedule name or record; if given, every forward's version is checked against its ``version``.
         num_microbatches: if given, every step must have exactly these microbatches.
-        blocking_sends: a send waits until its receiver reaches the matching receive.
+        blocking_sends: a send waits until its receiver reaches the matching receive (with ``nccl``: until the
+            send completed, which a receive posted ahead by ``prefetch`` allows before the receiver's RECV action).
         reduce_scope: ``"global"`` (the executor's: STEP{k} waits until every stage posted REDUCE{k}, for the
             global grad norm) or ``"stage"`` (a stage's reduction only needs its own post, e.g. per-stage clipping).
+        nccl: also obey NCCL's ordering rule, which gloo forgives: per (rank, communicator, peer) the posted
+            sends and receives complete one at a time in post order, in both directions, and a send completes only
+            with the receive at the head of the peer's FIFO. A receive posted early (``prefetch``) therefore holds
+            back every send the stage posts after it on that communicator; lists and channels that make two
+            neighbours' heads wait on each other deadlock (module docstring). Timing: a pair completes at
+            max(its two posts, the previous completion on either FIFO) + ``comm``; the receiver's clock becomes
+            max(its clock, completion). Sends never block the program (with ``blocking_sends`` they wait for
+            their completion in place).
+        channel: ``(src, dst) -> communicator`` of a transfer (``nccl`` only); ``channels.channel`` by default, one
+            per direction between adjacent stages; ``lambda s, d: "world"`` is the old single communicator.
+        prefetch: (``nccl`` only) post a stage's next receive of a kind as soon as its previous one completed,
+            as the executor's ``_receive`` does; False: every receive is posted at its RECV action.
     """
     if reduce_scope not in ("global", "stage"):
         raise ValueError(f"reduce_scope must be 'global' or 'stage', got {reduce_scope!r}")
-    sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global")
+    sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global",
+               _Nccl(channel, prefetch) if nccl else None)
     sim.run()
     sim.check_complete(num_microbatches)
     return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
@@ -174,11 +209,58 @@ class _Message:
 _SEND_OF = {T.RECV_ACT: T.SEND_ACT, T.RECV_GRAD: T.SEND_GRAD}
 
 
+class _Op:
+    """One posted NCCL send or receive: ``action`` (list index ``idx``) of stage ``rank`` on communicator ``comm``,
+    posted while the stage ran its action ``at`` (``at < idx``: a prefetched receive)."""
+
+    __slots__ = ("rank", "idx", "at", "action", "comm", "posted", "done")
+
+    def __init__(self, rank: int, idx: int, at: int, action: Action, comm: Hashable, posted: float):
+        self.rank, self.idx, self.at, self.action, self.comm = rank, idx, at, action, comm
+        self.posted, self.done = posted, None
+
+    def __str__(self) -> str:
+        return str(self.action)
+
+    def message(self) -> tuple:
+        a = self.action
+        return (_SEND_OF.get(a.type, a.type), a.step, a.microbatch)
+
+
+class _Nccl:
+    """NCCL's per-(rank, communicator, peer) FIFOs of posted operations (``simulate(nccl=True)``)."""
+
+    def __init__(self, channel: Callable[[int, int], Hashable], prefetch: bool):
+        self.channel, self.prefetch = channel, prefetch
+        self.fifo: dict[tuple, deque[_Op]] = defaultdict(deque)  # (rank, comm, peer) -> ops not completed, in post order
+        self.free: dict[tuple, float] = defaultdict(float)  # (rank, comm, peer) -> its last completion
+        self.posted: dict[tuple[int, int], _Op] = {}  # (rank, list index) -> its op, until its action finished
+        self.next_recv: list[dict[int, int]] = []  # per stage: RECV index -> index of the next RECV of its kind
+
+    def index(self, actions: list[list[Action]]) -> None:
+        for acts in actions:
+            nxt, last = {}, {}
+            for j, a in enumerate(acts):
+                if a.type.is_recv:
+                    if a.type in last:
+                        nxt[last[a.type]] = j
+                    last[a.type] = j
+            self.next_recv.append(nxt)
+
+
+def _few(ops, n: int = 3) -> str:
+    ops = list(ops)
+    return ", ".join(map(str, ops[:n])) + (f", ... ({len(ops) - n} more)" if len(ops) > n else "")
+
+
 class _Run:
     """The simulation state; ``run`` advances every stage as far as it can until all are done or stuck."""
 
-    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce):
+    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[_Nccl] = None):
         p = self.p = len(actions)
+        self.nccl = nccl
+        if nccl is not None:
+            nccl.index(actions)
         self.actions, self.cost = actions, cost
         self.schedule = get_schedule(schedule) if schedule is not None else None
         self.blocking_sends, self.global_reduce = blocking_sends, global_reduce
@@ -218,6 +300,8 @@ class _Run:
         if (t.is_send or t.is_recv) and (not 0 <= a.peer < self.p or a.peer == s):
             self.fail(s, f"{a} names no other stage", "bad peer")
         handler = {T.F: self.forward, T.B: self.backward, T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
+        if self.nccl is not None:
+            handler = handler or (self.nccl_recv if t.is_recv else self.nccl_send)
         handler = handler or (self.recv if t.is_recv else self.send)
         if not handler(s, a):
             return False
@@ -247,6 +331,80 @@ class _Run:
             self.clock[s] = max(self.clock[s], self.sending[s].done)
         del self.sending[s]
         return True
+
+    # ------------------------------------------------------------------ NCCL (simulate(nccl=True))
+    def post(self, s: int, idx: int) -> _Op:
+        """Stage s posts the transfer of its action ``idx`` now; complete whatever pairs that unblocks."""
+        a, n = self.actions[s][idx], self.nccl
+        src, dst = (s, a.peer) if a.type.is_send else (a.peer, s)
+        try:
+            comm = n.channel(src, dst)
+        except ValueError as e:
+            self.fail(s, f"{a}: no communicator for {src} -> {dst}: {e}", "no channel")
+        op = n.posted[(s, idx)] = _Op(s, idx, self.ptr[s], a, comm, self.clock[s])
+        n.fifo[(s, comm, a.peer)].append(op)
+        self.match(s, comm, a.peer)
+        return op
+
+    def match(self, s: int, comm: Hashable, d: int) -> None:
+        """Complete the heads of s's and d's FIFOs on ``comm`` while they are a send and its receive."""
+        n = self.nccl
+        mine, theirs = n.fifo[(s, comm, d)], n.fifo[(d, comm, s)]
+        while mine and theirs and mine[0].action.type.is_send != theirs[0].action.type.is_send:
+            snd, rcv = (mine[0], theirs[0]) if mine[0].action.type.is_send else (theirs[0], mine[0])
+            if snd.message() != rcv.message():
+                k, i = snd.action.step, snd.action.microbatch
+                self.fail(rcv.rank, f"{rcv.action}, but the next message from stage {snd.rank} is "
+                                    f"{snd.action.type.value}{k}.{i} (receives out of send order; on {comm!r})",
+                          "out of send order")
+            mine.popleft(), theirs.popleft()
+            done = max(snd.posted, rcv.posted, n.free[(s, comm, d)], n.free[(d, comm, s)]) + self.cost(rcv.action, rcv.rank)
+            snd.done = rcv.done = n.free[(s, comm, d)] = n.free[(d, comm, s)] = done
+
+    def nccl_recv(self, s: int, a: Action) -> bool:
+        idx = self.ptr[s]
+        op = self.nccl.posted.get((s, idx)) or self.post(s, idx)
+        if op.done is None:
+            return False
+        del self.nccl.posted[(s, idx)]
+        self.clock[s] = max(self.clock[s], op.done)
+        nxt = self.nccl.next_recv[s].get(idx)
+        if self.nccl.prefetch and nxt is not None:  # the executor's prefetch, before the stage's next action
+            self.post(s, nxt)
+        return True
+
+    def nccl_send(self, s: int, a: Action) -> bool:
+        idx = self.ptr[s]
+        op = self.nccl.posted.get((s, idx)) or self.post(s, idx)
+        if self.blocking_sends:
+            if op.done is None:
+                return False
+            self.clock[s] = max(self.clock[s], op.done)
+        del self.nccl.posted[(s, idx)]
+        return True
+
+    def why_blocked_nccl(self, s: int, a: Action) -> str:
+        """Which FIFO the blocked transfer sits in, what stands in front of it, and what the peer's head is."""
+        n = self.nccl
+        op = n.posted[(s, self.ptr[s])]
+        d, comm = a.peer, op.comm
+        if a.type.is_recv:
+            wait = f"waits for {_SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {d}"
+        else:
+            wait = "blocking send waits for its receive"
+        how = f"prefetched at @{op.at} after {self.actions[s][op.at]}" if op.at != op.idx else "posted here"
+        q, other = list(n.fifo[(s, comm, d)]), n.fifo[(d, comm, s)]
+        pos = q.index(op)
+        where = f"{op} ({how}) " + (f"heads {comm!r} to stage {d}" if pos == 0 else
+                                     f"is queued on {comm!r} to stage {d} behind {_few(q[:pos])}")
+        head = "it" if pos == 0 else f"the head {q[0]}"
+        if not other:
+            facing = f"stage {d} has posted nothing there for {head}"
+        else:
+            kind = "receives" if q[0].action.type.is_recv else "sends"
+            facing = f"stage {d}'s head there is {other[0]} (two {kind} wait for each other)"
+        behind = f"; behind it: {_few(q[pos + 1:])}" if pos + 1 < len(q) else ""
+        return f"{wait}: {where}; {facing}{behind}"
 
     def reduce(self, s: int, a: Action) -> bool:
         n = len(self.reduce_seq[s])
@@ -309,6 +467,8 @@ class _Run:
         return True
 
     def why_blocked(self, s: int, a: Action) -> str:
+        if self.nccl is not None and (a.type.is_recv or a.type.is_send):
+            return self.why_blocked_nccl(s, a)
         if a.type.is_recv:
             return f"waits for {_SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {a.peer}"
         if a.type.is_send:
@@ -322,6 +482,10 @@ class _Run:
             if q:
                 raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
                                     f"{q[0].type.value}{q[0].step}.{q[0].microbatch}")
+        for (src, comm, dst), q in (self.nccl.fifo.items() if self.nccl is not None else ()):
+            if q:  # only sends can be left: a posted receive blocks its stage at its RECV
+                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
+                                    f"{q[0].action} (on {comm!r})")
         ref = set(self.fwd[0]) if self.p else set()
         sizes: dict[int, list[int]] = defaultdict(list)
         for k, i in sorted(ref):
