@@ -176,7 +176,7 @@ class LocalEngine:
         return None
 
     def close(self) -> None:
-        """Nothing to release (the pipeline engine stops its reduction worker here)."""
+        """Nothing to release (the pipeline engine releases its process groups here)."""
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()

@@ -6,26 +6,37 @@ Then, rather than stopping, the trainer hands over to ``torch.distributed.run`` 
 on a free local port, one worker per stage, a dead worker ends the others): on CPU with gloo, on a machine with at
 least p GPUs with NCCL, and with fewer GPUs than stages with gloo and the stages sharing the GPUs (NCCL refuses two
 ranks on one GPU). A process started by a launcher (``WORLD_SIZE`` set: torchrun, ``accelerate launch`` with a
-multi-process config, SLURM's srun through them, MPI) is used as it is; ``HF_ASYNCPP_NO_SPAWN=1`` turns the hand-over
-off (the trainer then stops with the command to run).
+multi-process config, MPI) is used as it is; ``HF_ASYNCPP_NO_SPAWN=1`` turns the hand-over off (the trainer then
+stops with the command to run).
+
+SLURM's ``srun`` starts the tasks itself (one per GPU) but sets only ``SLURM_*`` variables, none of the ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` that ``torch.distributed`` reads: a task of an srun step with more than one task is
+a launched rank too (:func:`slurm_step_tasks`), and :func:`adopt_slurm` fills torch's variables from SLURM's before
+the process group is created (``trainer.train`` calls it first).
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import subprocess
+import zlib
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from .config import Recipe
+from .config import Recipe, RecipeError
 from .shipped import shipped_file
 
 log = logging.getLogger("hf_asyncpp")
 
 NO_SPAWN = "HF_ASYNCPP_NO_SPAWN"
-_LAUNCHER_VARS = ("WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_TORCH_LAUNCHER_VARS = ("WORLD_SIZE", "LOCAL_RANK")  # torchrun, accelerate launch, or adopt_slurm already ran
+_LAUNCHER_VARS = (*_TORCH_LAUNCHER_VARS, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def processes_needed(recipe: Recipe) -> int:
@@ -33,12 +44,204 @@ def processes_needed(recipe: Recipe) -> int:
     return recipe.pipeline.num_stages if recipe.pipeline.schedule != "none" else 1
 
 
-def started_by_launcher() -> bool:
-    return any(v in os.environ for v in _LAUNCHER_VARS)
+def started_by_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether another program started this process as one rank of several: then it must not start its own."""
+    env = os.environ if env is None else env
+    return slurm_step_tasks(env) > 1 or any(v in env for v in _LAUNCHER_VARS)
 
 
-def should_spawn(recipe: Recipe) -> bool:
-    return processes_needed(recipe) > 1 and not started_by_launcher() and os.environ.get(NO_SPAWN, "0") in ("", "0")
+def should_spawn(recipe: Recipe, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this one process starts the recipe's stage processes itself (nobody else started them)."""
+    env = os.environ if env is None else env
+    return processes_needed(recipe) > 1 and not started_by_launcher(env) and env.get(NO_SPAWN, "0") in ("", "0")
+
+
+# ---------------------------------------------------------------------------- SLURM's srun as the launcher
+
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 10000
+"""MASTER_PORT under srun: ``20000 + SLURM_JOB_ID % 10000``. Every task of the job computes the same port without
+talking to the others; the range is unprivileged and below Linux's ephemeral ports (32768-60999), so an outgoing
+connection cannot already hold it; two jobs share a port only if their ids differ by a multiple of 10000 and they
+share the first node. Set MASTER_PORT to choose another (two concurrent srun steps of one job need that)."""
+
+
+class LaunchError(RecipeError):
+    """The launcher's environment cannot be used. A RecipeError so that it ends the run the same way as a wrong process
+    count does (one ``error:`` line, exit code 2): both are fixed in the launch command, not in the code."""
+
+
+def slurm_step_tasks(env: Mapping[str, str]) -> int:
+    """The number of tasks of the srun step this process is one of; 0 when it is not a task of an srun step or
+    another launcher (torchrun, accelerate, MPI) started it, even inside an srun step.
+
+    An srun step is told apart by ``SLURM_STEP_ID``: an ``sbatch`` script's own shell also has ``SLURM_NTASKS`` (the
+    job's task count) and ``SLURM_PROCID=0``, but no step id, and a program it runs directly is one process, not
+    one of N. ``SLURM_STEP_NUM_TASKS`` is the step's count even under ``srun --preserve-env``, which keeps the
+    job's ``SLURM_NTASKS``. An MPI launcher under SLURM (``mpirun``, hydra) starts its daemons as an srun step of one
+    task per node, so its ranks see that step's SLURM variables: ``OMPI_COMM_WORLD_SIZE``, or a ``PMI_SIZE`` other
+    than the step's task count, leaves them to the MPI variables. srun's own PMI plugin (``--mpi=pmi2``) sets
+    ``PMI_SIZE`` equal to the step's count, and then srun is the launcher."""
+    if any(v in env for v in (*_TORCH_LAUNCHER_VARS, "OMPI_COMM_WORLD_SIZE")) or "SLURM_PROCID" not in env:
+        return 0
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        return 0
+    name = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if env.get(n)), None)
+    tasks = _slurm_int(env, name) if name else 1
+    return tasks if env.get("PMI_SIZE", str(tasks)) == str(tasks) else 0
+
+
+def _slurm_int(env: Mapping[str, str], name: str) -> int:
+    """An integer SLURM variable; a LaunchError naming it when it is missing or not a number (a wrapper mangled it)."""
+    raw = env.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"SLURM: {name}={raw!r} is missing or not an integer; run the training under srun unchanged, "
+                          "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself") from None
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split a SLURM list at the commas outside brackets: ``a[1,3],b`` is ``a[1,3]`` and ``b``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets in {text!r}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced brackets in {text!r}")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_host(pattern: str) -> list[str]:
+    """One host pattern, ``gpu[001-003,007]`` or ``r[1-2]n[1-2]``, in SLURM's order; ranges keep their zero padding."""
+    m = re.search(r"\[([^\[\]]*)\]", pattern)
+    if m is None:
+        return [pattern]
+    values = []
+    for item in m.group(1).split(","):
+        lo, dash, hi = item.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{item!r} is not a number or a range of numbers in {pattern!r}")
+        values += ([f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)] if dash else [lo])
+    head, tails = pattern[:m.start()], _expand_host(pattern[m.end():])
+    return [head + v + tail for v in values for tail in tails]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list (``gpu[001-003,007],login1``) as host names, in order, done in Python so that
+    no SLURM command is needed where the training runs; ValueError on a form it does not know."""
+    return [host for part in _split_top_level(nodelist.strip()) for host in _expand_host(part)]
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: expanded in Python, else by ``scontrol show hostnames`` where it exists."""
+    try:
+        return expand_nodelist(nodelist)[0]
+    except (ValueError, IndexError) as e:
+        hosts = _scontrol_hostnames(nodelist)
+        if hosts:
+            return hosts[0]
+        raise LaunchError(f"SLURM: cannot read the node list {nodelist!r} ({e}); set MASTER_ADDR to the host name of "
+                          "the step's first node (where task 0 runs)") from None
+
+
+def _scontrol_hostnames(nodelist: str) -> list[str]:
+    """``scontrol show hostnames`` where SLURM's commands are installed, for a node list form Python does not read;
+    empty when there is no scontrol or it fails."""
+    scontrol = shutil.which("scontrol")
+    if not scontrol:
+        return []
+    try:
+        r = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return r.stdout.split() if r.returncode == 0 else []
+
+
+def _expand_counts(counts: str) -> list[int]:
+    """SLURM's per-node counts, ``2(x3),1`` = [2, 2, 2, 1]."""
+    out = []
+    for item in counts.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if m is None:
+            raise ValueError(item)
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _tasks_on_this_node(env: Mapping[str, str], tasks: int) -> int:
+    """LOCAL_WORLD_SIZE: this node's entry of the step's tasks per node, else an even share of the tasks."""
+    node = _slurm_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        try:
+            counts = _expand_counts(env[name])
+            return counts[node]
+        except (KeyError, ValueError, IndexError):
+            continue
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return max(1, tasks // max(1, int(nodes) if nodes.isdigit() else 1))
+
+
+def slurm_master_port(job_id: str) -> int:
+    """The rendezvous port of a job (see SLURM_PORT_BASE); a non-numeric id is hashed (crc32, stable)."""
+    n = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return SLURM_PORT_BASE + n % SLURM_PORT_SPAN
+
+
+def slurm_mapping(env: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's variables for a task of an srun step with more than one task (empty otherwise): RANK from
+    SLURM_PROCID, WORLD_SIZE from the step's task count, LOCAL_RANK from SLURM_LOCALID, LOCAL_WORLD_SIZE from the
+    tasks on this node, and, only where the user did not set them, MASTER_ADDR (the step's first node, where srun
+    puts task 0) and MASTER_PORT (from the job id: every task derives the same one)."""
+    tasks = slurm_step_tasks(env)
+    if tasks <= 1:
+        return {}
+    rank = _slurm_int(env, "SLURM_PROCID")
+    if not 0 <= rank < tasks:
+        raise LaunchError(f"SLURM: SLURM_PROCID={rank} is not a task of a {tasks}-task step; run under srun unchanged")
+    out = {"RANK": str(rank), "WORLD_SIZE": str(tasks), "LOCAL_RANK": str(_slurm_int(env, "SLURM_LOCALID")),
+           "LOCAL_WORLD_SIZE": str(_tasks_on_this_node(env, tasks))}
+    if not env.get("MASTER_ADDR"):
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise LaunchError("SLURM: no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST to take MASTER_ADDR from; set "
+                              "MASTER_ADDR to the host name of the step's first node")
+        out["MASTER_ADDR"] = _first_host(nodelist)
+    if not env.get("MASTER_PORT"):
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job:
+            raise LaunchError("SLURM: no SLURM_JOB_ID to derive MASTER_PORT from; set MASTER_PORT (the same on every task)")
+        out["MASTER_PORT"] = str(slurm_master_port(job))
+    return out
+
+
+def adopt_slurm(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Under srun, set torch.distributed's variables from SLURM's (:func:`slurm_mapping`), so that accelerate's
+    process group, the GPU choice (LOCAL_RANK) and the launcher watch see an ordinary launched rank; call it before
+    the process group is created. Returns what it set (empty: not an srun step of several tasks, or a launcher
+    already set them). Task 0 prints one line with the mapping."""
+    env = os.environ if env is None else env
+    mapping = slurm_mapping(env)
+    if not mapping:
+        return mapping
+    env.update(mapping)
+    if mapping["RANK"] == "0":
+        nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "?"
+        addr = "" if "MASTER_ADDR" in mapping else " (set by you)"
+        port = " (from SLURM_JOB_ID)" if "MASTER_PORT" in mapping else " (set by you)"
+        print(f"hf_asyncpp: SLURM detected (job {env.get('SLURM_JOB_ID', '?')}, step {env.get('SLURM_STEP_ID', '?')}): "
+              f"{mapping['WORLD_SIZE']} srun tasks on {nodes} node(s) as ranks: RANK=SLURM_PROCID, "
+              f"WORLD_SIZE={mapping['WORLD_SIZE']}, LOCAL_RANK=SLURM_LOCALID, LOCAL_WORLD_SIZE={mapping['LOCAL_WORLD_SIZE']} "
+              f"on this node, MASTER_ADDR={env['MASTER_ADDR']}{addr}, MASTER_PORT={env['MASTER_PORT']}{port}", flush=True)
+    return mapping
 
 
 def accelerate_config(n: int) -> Path | None:
@@ -75,6 +278,8 @@ def launch_command(recipe: Recipe, recipe_path: str) -> str:
     cfg = accelerate_config(n)
     cpu = (f"accelerate launch --config_file {cfg} -m hf_asyncpp.cli.train {path}" if cfg else
            f"ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {n} -m hf_asyncpp.cli.train {path}")
+    slurm = (f"\n(under SLURM: srun with --ntasks a multiple of {n}, one task per GPU: srun --ntasks-per-node=<GPUs per "
+             f"node> python -m hf_asyncpp.cli.train {path})" if "SLURM_JOB_ID" in os.environ else "")
     return (f"  hf-asyncpp train {path}   (starts the {n} processes itself unless {NO_SPAWN}=1)\n  {cpu}\n"
             f"(on {n} GPUs: accelerate launch --multi_gpu --num_processes {n} -m hf_asyncpp.cli.train {path}); "
-            "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process")
+            "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process" + slurm)

@@ -31,7 +31,7 @@ from .engine import Engine, LocalEngine, NonFiniteError
 from .evaluation import perplexity_from_sums
 from .export import export_run
 from .hub import Pusher
-from .launch import launch_command, processes_needed
+from .launch import adopt_slurm, launch_command, processes_needed
 from .modeling import build_model
 from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
@@ -117,6 +117,7 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
     t, rp = recipe.training, recipe.pipeline
+    adopt_slurm()  # under srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* from SLURM's variables, before any of them is read
     supervision.watch_parent()  # a rank never outlives its launcher
     accelerator = make_accelerator(recipe)
     world, rank = accelerator.num_processes, accelerator.process_index

@@ -3,6 +3,7 @@
     hf-asyncpp train recipes/cpu-tiny.yaml [--training.max_steps=50 ...]
     accelerate launch scripts/pretrain.py recipes/cpu-tiny.yaml
     torchrun --nproc_per_node 2 -m hf_asyncpp.cli.train recipes/cpu-tiny.yaml
+    srun --ntasks-per-node=8 python -m hf_asyncpp.cli.train recipes/moe-10b.yaml    (one task per GPU; SLURM)
 
 Started as one process for a recipe of several stages, it starts the stage processes itself (``launch.py``).
 """
@@ -22,10 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         recipe = load_recipe(argv[0], argv[1:])
+        spawn_here = should_spawn(recipe)  # a LaunchError (a mangled SLURM variable) is a RecipeError too
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if should_spawn(recipe):
+    if spawn_here:
         return spawn(recipe, argv)
     return trainer.main(argv)
 

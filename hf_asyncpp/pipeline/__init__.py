@@ -6,7 +6,7 @@
 ``timeline``       draws a simulated or measured timeline
 ``versions``       the weight versions a stage holds (2BW: two buffers)
 ``p2p``            transfers between adjacent stages; ``PeerFailure``
-``reducer``        the reduction thread (data-parallel all-reduce, tied sum, global grad norm)
+``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
 ``executor``       ``PipelineEngine``: one stage running its action list as a stream of steps
 ``stage_state``    a stage's checkpoint files, by parameter name
 ``planner``        will it fit, how fast: memory and simulated step time without allocating; the layout search

@@ -2,7 +2,7 @@
 
 One executor for every schedule (the ``Schedule`` record makes the action lists; the simulator checks them), so
 sync and async runs differ only in their lists. Its parts live beside it: weight versions (``versions.py``),
-transfers (``p2p.py``), the reduction thread (``reducer.py``), checkpoint files (``stage_state.py``).
+transfers (``p2p.py``), the gradient reduction (``reducer.py``), checkpoint files (``stage_state.py``).
 
 Streaming. ``run(batches, first_step, num_steps)`` executes the steps as one action list and yields each step's
 result as soon as every stage has applied it: the loss lives on the last stage and the grad norm/lr at every
@@ -11,7 +11,8 @@ stage's STEP, so at STEP{k} each rank posts a non-blocking all-reduce of step k'
 reporting waits on a peer; the pipeline drains only at the end of a ``run`` call, which the trainer makes only
 where the numbers need it (a checkpoint, an evaluation, the end).
 
-Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report.
+Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report
+and, while a reduction is in flight on gloo, of its phase.
 Batches are pulled from the iterator at a step's first forward and dropped after its last; receives of known
 shape are posted one ahead (see ``P2P.post``).
 """
@@ -178,12 +179,15 @@ class PipelineEngine:
         actions = self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
                                               first_step, self.recipe.pipeline.extra_warmup)
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
+        reducing, reducer = self.reducer.jobs, self.reducer
         clock = time.perf_counter
         for a in actions:
             t0 = clock()
             handlers[a.type](a, w)
             secs[a.type] += clock() - t0
             counts[a.type] += 1
+            if reducing:  # issue a reduction's next phase once the previous one has completed
+                reducer.poll()
             if pending and pending[0][0].is_completed():
                 yield from self.reports.ready()
         self.p2p.drain()
@@ -376,7 +380,7 @@ class PipelineEngine:
         return sorted((x for x in parts if x), key=lambda x: x["stage"]) if self.topo.is_main else None
 
     def close(self) -> None:
-        """Stop the reduction worker and release this engine's process groups (before destroying the default one)."""
+        """Finish what is in flight and release this engine's process groups (before destroying the default one)."""
         self.reducer.close()
         self.p2p.close()
         self.groups.destroy()

@@ -201,11 +201,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0) -> tuple[float, float]:
+def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, float]:
     """(seconds per step, bubble) in steady state: the difference of a 4-step and a 2-step window, so the fill and
-    drain of a window (paid once per drain point, not per step) do not count against an asynchronous schedule."""
-    short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope)
-    long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope)
+    drain of a window (paid once per drain point, not per step) do not count against an asynchronous schedule.
+    ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
+    short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
+    long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
     step = (long.makespan - short.makespan) / 2
     busy = sum(iv.end - iv.start for tl in long.timeline for iv in tl) - sum(
         iv.end - iv.start for tl in short.timeline for iv in tl)

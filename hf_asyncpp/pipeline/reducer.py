@@ -1,13 +1,31 @@
-"""The reduction worker: per step, the data-parallel all-reduce, the tied-embedding sum and the grad norm.
+"""The gradient reduction of each step: data-parallel mean, tied-gradient sums, global grad norm.
 
-It runs on its own thread so that a stage never waits on a collective it does not need yet: the executor hands it
-step k's gradients at ``REDUCE{k}`` and asks for the result at ``STEP{k}``, which 2BW places (m - p + 1)
-forward/backward pairs later. Every stage submits in step order, so the collectives match across ranks.
+Issued by the executor's own thread as asynchronous collectives at ``REDUCE{k}`` and waited for at ``STEP{k}``,
+which 2BW places (m - p + 1) forward/backward pairs later; in between nothing waits for them. Three phases per
+step, each issued when the one before it has completed, because each needs the previous one's result: the
+data-parallel all-reduce (in buckets of at most ``bucket_mb``, so no copy of every gradient at once), the sums of
+tensors several stages hold (tied embeddings), then the all-reduce of the squared norm over the pipeline. Steps
+are reduced in order, so the collectives match across ranks.
+
+How a phase waits for the one before it depends on the backend:
+
+- NCCL: every collective runs on its communicator's stream; ``work.wait()`` makes the *current* stream wait and
+  returns at once. The reducer issues all three phases right away on a side stream of its own (after the compute
+  stream's gradients are ready), so the compute stream never waits for a collective until ``STEP`` joins the
+  side stream; the one host sync of a step is the norm's value at ``STEP`` (clipping and the non-finite check).
+  No second thread issues NCCL calls (NCCL's documentation calls that unsafe on one device).
+- gloo: ``work.wait()`` blocks the calling thread, so the next phase is issued when the executor finds the
+  previous one completed (``poll``, once per action) or at ``STEP`` (``result``), whichever comes first.
+
+Before this module, a worker thread ran the phases with synchronous collectives; on NCCL that made the compute
+stream wait for every reduction at once, and the global norm could not finish before stage 0's ``REDUCE``.
 """
 from __future__ import annotations
 
-import queue
-import threading
+from collections import deque
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,81 +34,139 @@ from ..topology import Groups, Topology
 from .p2p import PeerFailure
 
 
+class _Job:
+    """One step's reduction: a generator yielding the works of each phase; its return value is (grads, sq)."""
+
+    def __init__(self, key: int, phases: Iterator[list], stream_ordered: bool):
+        self.key, self.phases, self.stream_ordered = key, phases, stream_ordered
+        self.works: list = []  # the collectives the next phase waits for
+        self.result = None
+
+
 class Reducer:
-    """Worker thread: per step, DP all-reduce, tied-gradient sum and the global grad-norm all-reduce, in order."""
+    """Per step, in order: DP all-reduce in buckets, tied-gradient sums, the global grad-norm all-reduce."""
 
     def __init__(self, groups: Groups, topo: Topology, tied_names: dict[tuple, list[str]], timeout_s: float,
-                 global_norm: bool = True):
+                 global_norm: bool = True, bucket_mb: float = 25.0):
         """``tied_names``: per set of stages sharing tensors (as in ``Groups.ties``), this stage's names of them, in
         the same order on each of those stages."""
-        self.groups, self.topo, self.timeout_s = groups, topo, timeout_s
+        self.groups, self.topo, self.timeout = groups, topo, timedelta(seconds=timeout_s)
         self.tied_sets = {k: v for k, v in tied_names.items() if v}
-        self.tied = [n for names in self.tied_sets.values() for n in names]
         # a shared tensor's gradient counts once in the norm: on the lowest stage holding it
         self.not_counted = {n for k, names in self.tied_sets.items() if topo.stage != min(k) for n in names}
         self.global_norm = global_norm  # False: the norm stays stage-local and no stage waits for another
-        self.jobs: queue.Queue = queue.Queue()
-        self.results: dict[int, object] = {}
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="hf_asyncpp-reducer")
-        self.thread.start()
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.jobs: deque[_Job] = deque()
+        self.done: dict[int, _Job] = {}
+        self.side = None  # CUDA side stream (NCCL), made at the first submit
 
+    # ------------------------------------------------------------------ the executor's calls
     def submit(self, key: int, grads: dict[str, torch.Tensor]) -> None:
-        self.jobs.put((key, grads))
+        """Start step ``key``'s reduction (its gradients are final)."""
+        device = next(iter(grads.values())).device
+        stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
+        if stream_ordered and self.side is None:
+            self.side = torch.cuda.Stream(device)
+        job = _Job(key, self._phases(grads, stream_ordered), stream_ordered)
+        if stream_ordered:
+            self.side.wait_stream(torch.cuda.current_stream(device))  # the gradients are computed there
+        self.jobs.append(job)
+        self.poll()
 
-    def result(self, key: int):
-        with self.cond:
-            # twice the P2P timeout: the collectives inside have that timeout each, so they fail first and say why
-            ok = self.cond.wait_for(lambda: key in self.results, timeout=self.timeout_s * 2)
-            if not ok:
-                raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} did not finish within {self.timeout_s * 2:.0f}s; a peer has probably died")
-            res = self.results.pop(key)
-        if isinstance(res, BaseException):
-            raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} failed: {res}") from res
-        return res
+    def poll(self) -> None:
+        """Issue every phase whose predecessor has completed, in step order; never waits."""
+        while self.jobs and self._advance(self.jobs[0], block=False):
+            job = self.jobs.popleft()
+            self.done[job.key] = job
 
-    def _run(self):
-        while True:
-            key, grads = self.jobs.get()
-            if key is None:
-                return
-            try:
-                res = self._reduce(grads)
-            except BaseException as e:  # delivered to the main thread
-                res = e
-            with self.cond:
-                self.results[key] = res
-                self.cond.notify_all()
+    def result(self, key: int) -> tuple[dict[str, torch.Tensor], float]:
+        """Step ``key``'s reduced gradients and global grad norm (waits for what is still in flight)."""
+        while key not in self.done:
+            if not self.jobs:
+                raise RuntimeError(f"rank {self.topo.rank}: step {key} was never submitted for reduction")
+            job = self.jobs[0]
+            self._advance(job, block=True)
+            self.done[self.jobs.popleft().key] = job
+        grads, sq = self.done.pop(key).result
+        if self.side is not None and sq.is_cuda:
+            torch.cuda.current_stream(sq.device).wait_stream(self.side)  # the optimizer reads the reduced grads
+        return grads, float(sq.sqrt())  # the step's one host sync (clipping, the non-finite check, the log)
 
-    def _reduce(self, grads: dict[str, torch.Tensor]):
+    def close(self) -> None:
+        for job in list(self.jobs):  # a failed run: let what is in flight finish or time out
+            for w in job.works:
+                try:
+                    w.wait(self.timeout)
+                except RuntimeError:
+                    pass
+        self.jobs.clear()
+
+    # ------------------------------------------------------------------ phases
+    def _advance(self, job: _Job, block: bool) -> bool:
+        """Run ``job``'s phases as far as their collectives allow; True when it has finished."""
+        with torch.cuda.stream(self.side) if job.stream_ordered else nullcontext():
+            while True:
+                if job.works:
+                    if job.stream_ordered:
+                        for w in job.works:
+                            w.wait()  # the side stream waits; the host does not
+                    elif not block and not all(w.is_completed() for w in job.works):
+                        return False
+                    else:
+                        for w in job.works:
+                            self._wait(w, job.key)
+                try:
+                    job.works = next(job.phases)
+                except StopIteration as stop:
+                    job.result, job.works = stop.value, []
+                    return True
+
+    def _wait(self, work, key: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} failed or timed out after "
+                              f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
+
+    def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool):
+        """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
         names = list(grads)
-        device = grads[names[0]].device
-        if device.type == "cuda":  # NCCL collectives from this thread need its current device set
-            torch.cuda.set_device(device)
         if self.groups.dp is not None:
-            flat = torch.cat([grads[n].reshape(-1) for n in names])
-            dist.all_reduce(flat, group=self.groups.dp)
-            flat /= self.topo.dp_size
-            off = 0
-            for n in names:
-                k = grads[n].numel()
-                grads[n] = flat[off : off + k].view_as(grads[n])
-                off += k
-        for stages, tied in self.tied_sets.items():  # in the same (sorted) order on every rank
-            group = self.groups.ties.get(stages)
-            if group is None:
-                continue
-            for n in tied:
-                dist.all_reduce(grads[n], group=group)
-        sq = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
-        for n in names:
-            if self.topo.num_stages > 1 and n in self.not_counted:
-                continue  # counted once, on the lowest stage holding it
-            sq += grads[n].double().pow(2).sum()
+            buckets = []
+            for bucket in self._buckets(names, grads):
+                flat = torch.cat([grads[n].reshape(-1) for n in bucket])
+                if stream_ordered:
+                    flat.record_stream(torch.cuda.current_stream(flat.device))  # freed after the optimizer used it
+                buckets.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
+            yield [w for _, _, w in buckets]
+            for bucket, flat, _ in buckets:
+                flat /= self.topo.dp_size
+                off = 0
+                for n in bucket:
+                    k = grads[n].numel()
+                    grads[n] = flat[off: off + k].view_as(grads[n])
+                    off += k
+        works = [dist.all_reduce(grads[n], group=self.groups.ties[stages], async_op=True)
+                 for stages, tied in self.tied_sets.items() if stages in self.groups.ties for n in tied]
+        if works:  # in the same (sorted) order on every rank
+            yield works
+        counted = [grads[n] for n in names if not (self.topo.num_stages > 1 and n in self.not_counted)]
+        # per-tensor norms in the gradients' dtype (no float64 copy of any gradient), summed in float64
+        sq = torch.stack(torch._foreach_norm(counted, 2)).double().pow(2).sum() if counted else \
+            torch.zeros((), dtype=torch.float64, device=grads[names[0]].device)
         if self.topo.num_stages > 1 and self.global_norm:
-            dist.all_reduce(sq, group=self.groups.pipe)
-        return grads, float(sq.sqrt())
+            yield [dist.all_reduce(sq, group=self.groups.pipe, async_op=True)]
+        return grads, sq
 
-    def close(self):
-        self.jobs.put((None, None))
-        self.thread.join(timeout=self.timeout_s)
+    def _buckets(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[list[str]]:
+        """Consecutive gradients of one dtype, at most ``bucket_bytes`` each (a larger tensor is a bucket alone)."""
+        out, cur, size = [], [], 0
+        for n in names:
+            g = grads[n]
+            nbytes = g.numel() * g.element_size()
+            if cur and (size + nbytes > self.bucket_bytes or g.dtype != grads[cur[0]].dtype):
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(n)
+            size += nbytes
+        return out + ([cur] if cur else [])

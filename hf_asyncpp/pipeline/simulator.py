@@ -165,7 +165,8 @@ def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], wi
 def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Optional[str] = None,
              num_microbatches: Optional[int] = None, *, blocking_sends: bool = False,
              reduce_scope: str = "global", nccl: bool = False,
-             channel: Callable[[int, int], Hashable] = channels.channel, prefetch: bool = True) -> SimResult:
+             channel: Callable[[int, int], Hashable] = channels.channel, prefetch: bool = True,
+             reduce_on_compute_stream: bool = False) -> SimResult:
     """Run one window's action lists (``actions[s]`` for stage s); raise ``ScheduleError`` on any defect.
 
     Args:
@@ -189,11 +190,15 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
             per direction between adjacent stages; ``lambda s, d: "world"`` is the old single communicator.
         prefetch: (``nccl`` only) post a stage's next receive of a kind as soon as its previous one completed,
             as the executor's ``_receive`` does; False: every receive is posted at its RECV action.
+        reduce_on_compute_stream: a stage computes nothing after its REDUCE{k} until step k's reduction has
+            finished: what a collective waited for on the compute stream does (a reduction issued with NCCL from
+            a thread that never selected a stream), against the default, a reduction off the compute stream that
+            only STEP{k} waits for.
     """
     if reduce_scope not in ("global", "stage"):
         raise ValueError(f"reduce_scope must be 'global' or 'stage', got {reduce_scope!r}")
     sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global",
-               _Nccl(channel, prefetch) if nccl else None)
+               _Nccl(channel, prefetch) if nccl else None, reduce_on_compute_stream)
     sim.run()
     sim.check_complete(num_microbatches)
     return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
@@ -256,8 +261,10 @@ def _few(ops, n: int = 3) -> str:
 class _Run:
     """The simulation state; ``run`` advances every stage as far as it can until all are done or stuck."""
 
-    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[_Nccl] = None):
+    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[_Nccl] = None,
+                 reduce_blocks: bool = False):
         p = self.p = len(actions)
+        self.reduce_blocks, self.reduce_waiting = reduce_blocks, {}
         self.nccl = nccl
         if nccl is not None:
             nccl.index(actions)
@@ -407,17 +414,34 @@ class _Run:
         return f"{wait}: {where}; {facing}{behind}"
 
     def reduce(self, s: int, a: Action) -> bool:
-        n = len(self.reduce_seq[s])
-        for o, seq in enumerate(self.reduce_seq):
-            if len(seq) > n and seq[n] != a.step:
-                self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on stage {o} "
-                             f"(collectives out of order)", "collective out of order")
-        if a.step in self.reduce_idx[s]:
-            self.fail(s, f"{a} twice", "duplicate")
-        self.reduce_seq[s].append(a.step)
-        self.reduce_idx[s][a.step] = self.ptr[s]
-        self.reduce_at[a.step][s] = self.clock[s]
+        if self.reduce_waiting.get(s) != a.step:  # not already posted and waiting (reduce_on_compute_stream)
+            n = len(self.reduce_seq[s])
+            for o, seq in enumerate(self.reduce_seq):
+                if len(seq) > n and seq[n] != a.step:
+                    self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on stage {o} "
+                                 f"(collectives out of order)", "collective out of order")
+            if a.step in self.reduce_idx[s]:
+                self.fail(s, f"{a} twice", "duplicate")
+            self.reduce_seq[s].append(a.step)
+            self.reduce_idx[s][a.step] = self.ptr[s]
+            self.reduce_at[a.step][s] = self.clock[s]
+        if not self.reduce_blocks:
+            return True
+        # on the compute stream: the stage computes nothing more until the reduction has finished
+        self.reduce_waiting[s] = a.step
+        ready = self._reduction_done(s, a.step)
+        if ready is None:
+            return False
+        del self.reduce_waiting[s]
+        self.clock[s] = max(self.clock[s], ready)
         return True
+
+    def _reduction_done(self, s: int, k: int) -> Optional[float]:
+        """When step k's reduction finishes as seen from stage s (None: not every stage it needs has posted it)."""
+        posted = self.reduce_at[k] if self.global_reduce else {s: self.reduce_at[k][s]}
+        if len(posted) < (self.p if self.global_reduce else 1):
+            return None
+        return max(posted.values()) + max(self.cost(Action(T.REDUCE, k), o) for o in posted)
 
     def step(self, s: int, a: Action) -> bool:
         if a.step != self.latest[s]:
@@ -425,10 +449,9 @@ class _Run:
                       "STEP out of order")
         if a.step not in self.reduce_idx[s]:
             self.fail(s, f"{a} before REDUCE{a.step}", "no reduction posted")
-        posted = self.reduce_at[a.step] if self.global_reduce else {s: self.reduce_at[a.step][s]}
-        if len(posted) < (self.p if self.global_reduce else 1):
+        ready = self._reduction_done(s, a.step)
+        if ready is None:
             return False
-        ready = max(posted.values()) + max(self.cost(Action(T.REDUCE, a.step), o) for o in posted)
         self.clock[s] = max(self.clock[s], ready) + self.cost(a, s)
         self.latest[s] += 1
         return True
