@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -40,12 +40,14 @@ from ..optim.ef import ef_buffers
 from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import stage_state
-from .p2p import P2P, PeerFailure
+from .p2p import P2P
+from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .reducer import Reducer
+from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule
 from .versions import Versions
 
-__all__ = ["PipelineEngine", "StepReports"]
+__all__ = ["PipelineEngine"]
 
 T = ActionType
 
@@ -88,46 +90,6 @@ class _Window:
         return nxt if nxt[0] < self.end_step else None
 
 
-class StepReports:
-    """Per-step results delivered without blocking any stage.
-
-    At STEP{k} every rank posts an asynchronous all-reduce of [its loss contribution] on the gloo report group:
-    the last stage contributes step k's mean loss over microbatches, the others zero; the sum over the data-parallel
-    replicas divided by their number is the step's loss. Ranks post in step order, so the collectives match.
-    ``ready`` returns the completed reports in step order without waiting; ``drain`` waits for all of them.
-    """
-
-    def __init__(self, group, dp_size: int, timeout_s: float):
-        self.group, self.dp_size, self.timeout = group, dp_size, timedelta(seconds=timeout_s)
-        self.pending: deque = deque()  # (work, buffer, step, norm, lr, finite)
-
-    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | None, lr: float, finite: bool) -> None:
-        buf = torch.zeros(1, dtype=torch.float64)
-        if loss_mean is not None:
-            buf[0] = loss_mean.to("cpu", torch.float64)
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        self.pending.append((work, buf, step, norm, lr, finite))
-
-    def _result(self, wait: bool) -> StepResult:
-        work, buf, step, norm, lr, finite = self.pending.popleft()
-        if wait:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as e:
-                raise PeerFailure(f"the loss report of step {step} did not arrive within "
-                                  f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
-        return StepResult(step, float(buf[0] / self.dp_size), norm, lr, finite, not finite)
-
-    def ready(self) -> list[StepResult]:
-        out = []
-        while self.pending and self.pending[0][0].is_completed():
-            out.append(self._result(wait=True))  # completed: wait() only surfaces an error
-        return out
-
-    def drain(self) -> list[StepResult]:
-        return [self._result(wait=True) for _ in range(len(self.pending))]
-
-
 class PipelineEngine:
     """This rank's stage of the pipeline; the same ``engine.Engine`` interface as ``engine.LocalEngine``."""
 
@@ -156,6 +118,9 @@ class PipelineEngine:
         self.p2p = P2P(topo, timeout_s, self.device, self.groups.p2p)
         self.reports = StepReports(self.groups.report, topo.dp_size, timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
+        # on CUDA, F/B/STEP run asynchronously: their time is the GPU's, read from events (the profile would
+        # otherwise show launch times and put the GPU time into the receives)
+        self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
         self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
@@ -179,18 +144,25 @@ class PipelineEngine:
         actions = self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
                                               first_step, self.recipe.pipeline.extra_warmup)
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
-        reducing, reducer = self.reducer.jobs, self.reducer
+        reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
         clock = time.perf_counter
         for a in actions:
-            t0 = clock()
-            handlers[a.type](a, w)
-            secs[a.type] += clock() - t0
+            if on_gpu and a.type in DEVICE_TIMED:
+                self.gpu_timer.start(a.type)
+                handlers[a.type](a, w)
+                self.gpu_timer.stop()
+            else:
+                t0 = clock()
+                handlers[a.type](a, w)
+                secs[a.type] += clock() - t0
             counts[a.type] += 1
             if reducing:  # issue a reduction's next phase once the previous one has completed
                 reducer.poll()
-            if pending and pending[0][0].is_completed():
+            if pending:
                 yield from self.reports.ready()
         self.p2p.drain()
+        if on_gpu:
+            self.gpu_timer.collect(secs)
         yield from self.reports.drain()
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
@@ -200,7 +172,10 @@ class PipelineEngine:
     def _batch(self, w: _Window, k: int) -> torch.Tensor:
         b = w.data.get(k)
         if b is None:
-            b = w.data[k] = next(w.batches)
+            b = next(w.batches)
+            if self.device.type == "cuda":  # a copy from pageable memory would make the host wait for the stream
+                b = b.pin_memory()
+            w.data[k] = b
             if tuple(b.shape) != w.shape:
                 raise ValueError(f"pipeline: every step's batch must have one shape between drain points "
                                  f"(step {w.first_step}: {w.shape}, step {k}: {tuple(b.shape)})")

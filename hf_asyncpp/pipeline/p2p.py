@@ -44,6 +44,9 @@ class P2P:
         self.wire = torch.device("cpu") if staged else device  # where transferred tensors live
         self.pending: deque = deque()  # (work, tensor) of sends kept alive until they complete
         self.transport = transport_from_env(self.timeout)
+        # NCCL: a receive is waited for by the compute stream, not the host (no host sync per receive); a dead or
+        # silent peer is then found by the process group's watchdog after its timeout (the same p2p_timeout_s)
+        self.stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
 
     def _group(self, src: int, dst: int):
         return self.groups[channel(src, dst)]
@@ -107,7 +110,10 @@ class P2P:
     def complete(self, posted: tuple, what: str = "waiting for data from") -> list[torch.Tensor]:
         peer, pairs = posted
         for work, _ in pairs:
-            self._wait(work, peer, what)
+            if self.stream_ordered:
+                work.wait()  # the current (compute) stream waits for the data; the host goes on
+            else:
+                self._wait(work, peer, what)
         return [b.to(self.device) for _, b in pairs]
 
     def drain(self) -> None:
