@@ -119,8 +119,16 @@ class PipelineConfig:
     extra_warmup: int = field(default=0, metadata=_range(lo=0))
     """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
     the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""
-    p2p_timeout_s: float = field(default=60.0, metadata=_range(lo=0.0, lo_open=True))
-    """A peer silent for this long is declared dead and every rank exits."""
+    p2p_timeout_s: float = field(default=600.0, metadata=_range(lo=0.0, lo_open=True))
+    """A neighbouring stage silent for this long (no activation or gradient arrives) is declared dead or hung and
+    every rank exits. A peer that dies is found at once whatever this is (gloo: its connection closes; NCCL: the
+    launcher ends the other ranks), so this only bounds a hang; long enough for a stage stalled on data or a
+    checkpoint write."""
+    collective_timeout_s: float = field(default=1800.0, metadata=_range(lo=0.0, lo_open=True))
+    """How long a collective (data-parallel all-reduce, grad norm, loss reports, checkpoint gathers; NCCL's
+    watchdog) may wait for a slow replica before the run is declared hung. Separate from ``p2p_timeout_s`` and
+    longer: one replica's stall (a data download, a checkpoint write) holds every other replica at its next
+    all-reduce."""
 
     @property
     def split(self) -> Optional[list[int]]:

@@ -78,9 +78,10 @@ class Groups:
             dist.destroy_process_group(g)
 
 
-def make_groups(topo: Topology, tied, timeout: timedelta) -> Groups:
+def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None) -> Groups:
     """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and
-    data-parallel replica sums their gradients."""
+    data-parallel replica sums their gradients. ``timeout``: the collectives' groups; ``p2p_timeout`` (default the
+    same): the point-to-point groups (on NCCL their watchdog is what ends a rank whose neighbour went silent)."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
     for s in range(p):
@@ -95,7 +96,7 @@ def make_groups(topo: Topology, tied, timeout: timedelta) -> Groups:
             g.pipe = grp
     for d in range(dp):
         for kind, s in all_channels(p):
-            grp = dist.new_group([s * dp + d, (s + 1) * dp + d], timeout=timeout)
+            grp = dist.new_group([s * dp + d, (s + 1) * dp + d], timeout=p2p_timeout or timeout)
             if d == topo.dp_rank and topo.stage in (s, s + 1):
                 g.p2p[(kind, s)] = grp
     sets = sorted({tuple(sorted(x)) for x in tied})

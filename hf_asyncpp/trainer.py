@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 from . import supervision  # first: it notes the launcher's pid before the slow imports below
@@ -20,7 +21,7 @@ from . import supervision  # first: it notes the launcher's pid before the slow 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, RunState, check_model, choose_resume, rank_seed, set_seed
@@ -60,6 +61,8 @@ def make_accelerator(recipe: Recipe):
         cpu=not torch.cuda.is_available(),
         log_with=report_to or None,
         project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / "logs")),
+        # the default group carries checkpoint and export gathers: a slow replica must not time it out
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.collective_timeout_s))],
     )
 
 

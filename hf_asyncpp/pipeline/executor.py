@@ -110,13 +110,14 @@ class PipelineEngine:
         self.tied_names = [n for names in tied.values() for n in names]
         self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
-        timeout_s = rc.p2p_timeout_s
-        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=timeout_s))
+        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s for a slow replica
+        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.collective_timeout_s),
+                                  p2p_timeout=timedelta(seconds=rc.p2p_timeout_s))
         # a stage-local norm (pipedream without clipping) is not logged as grad_norm
         self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
-        self.reducer = Reducer(self.groups, topo, tied, timeout_s, self.global_norm)
-        self.p2p = P2P(topo, timeout_s, self.device, self.groups.p2p)
-        self.reports = StepReports(self.groups.report, topo.dp_size, timeout_s)
+        self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm)
+        self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p)
+        self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
         # on CUDA, F/B/STEP run asynchronously: their time is the GPU's, read from events (the profile would
         # otherwise show launch times and put the GPU time into the receives)

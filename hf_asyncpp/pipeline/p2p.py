@@ -45,7 +45,7 @@ class P2P:
         self.pending: deque = deque()  # (work, tensor) of sends kept alive until they complete
         self.transport = transport_from_env(self.timeout)
         # NCCL: a receive is waited for by the compute stream, not the host (no host sync per receive); a dead or
-        # silent peer is then found by the process group's watchdog after its timeout (the same p2p_timeout_s)
+        # silent peer is then found by the point-to-point group's watchdog after its timeout (p2p_timeout_s)
         self.stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
 
     def _group(self, src: int, dst: int):
