@@ -40,8 +40,8 @@ from ..optim.ef import ef_buffers
 from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import stage_state
-from .p2p import P2P
 from .gpu_timer import DEVICE_TIMED, GpuTimer
+from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule
