@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -94,15 +95,25 @@ def _pipeline_worker(rank, world, scenarios, one_communicator=False):
     return out
 
 
-def test_runs_under_the_rule_are_bit_identical_to_plain_gloo():
-    """2BW at p = 4 (tied embeddings), 2 stages x 2 replicas, 1F1B and GPipe at p = 4: the same losses, norms and
-    weights bit for bit whichever transport (the rule changes when transfers complete, never what they carry)."""
-    from test_runtime import LLAMA, MIXTRAL, _scenario
+SPECS = {  # world size -> (arch, schedule, stages, microbatches, microbatch size, optimizer, EF, replicas)
+    2: [("LLAMA", "2bw", 2, 2, 2, "muon", True, 1), ("LLAMA", "1f1b", 2, 3, 2, "adamw", False, 1),
+        ("MIXTRAL", "gpipe", 2, 2, 2, "adamw", False, 1), ("LLAMA_UNTIED", "pipedream", 2, 1, 2, "adamw", False, 1)],
+    4: [("LLAMA", "2bw", 4, 4, 1, "muon", True, 1), ("LLAMA", "2bw", 2, 2, 2, "adamw", True, 2),
+        ("LLAMA", "1f1b", 4, 4, 1, "adamw", False, 1), ("MIXTRAL", "gpipe", 4, 2, 1, "muon", False, 1),
+        ("LLAMA", "pipedream", 4, 1, 2, "muon", True, 1)],
+}
 
-    specs = [(LLAMA, "2bw", 4, 4, 1, "muon", True, 1), (LLAMA, "2bw", 2, 2, 2, "adamw", True, 2),
-             (LLAMA, "1f1b", 4, 4, 1, "adamw", False, 1), (MIXTRAL, "gpipe", 4, 2, 1, "muon", False, 1)]
-    scenarios = [_scenario(*s[:7], dp=s[7], seed=7 + i) for i, s in enumerate(specs)]
-    results = run_distributed(_pipeline_worker, 4, [(s[0], s[1]) for s in scenarios])
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_runs_under_the_rule_are_bit_identical_to_plain_gloo(world):
+    """Every schedule at p = 2 and p = 4 (tied embeddings, MoE) and 2 stages x 2 replicas: the same losses, norms and
+    weights bit for bit whichever transport (the rule changes when transfers complete, never what they carry)."""
+    import test_runtime
+
+    specs = SPECS[world]
+    scenarios = [test_runtime._scenario(getattr(test_runtime, s[0]), *s[1:7], dp=s[7], seed=7 + i)
+                 for i, s in enumerate(specs)]
+    results = run_distributed(_pipeline_worker, world, [(s[0], s[1]) for s in scenarios])
     for spec, (plain, ordered) in zip(specs, results[0]):
         assert plain[0] == ordered[0], spec[1:3]
         assert plain[1].keys() == ordered[1].keys()
