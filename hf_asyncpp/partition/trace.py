@@ -361,20 +361,19 @@ def _side_inputs(cls, layers_path, args_seen, hidden_arg, L, layer_nodes=frozens
             if key == hidden_arg:
                 continue
             if isinstance(v, torch.Tensor):
+                why = None
                 if v.requires_grad and layer_nodes and _reaches(v, layer_nodes):
+                    why = ("which the model's forward builds from earlier decoder layers' outputs outside the layers "
+                           f"(between them); the stage holding layer {j} cannot rebuild it from one hidden state")
+                elif v.requires_grad and late and id(v) in late:
+                    why = ("which the model computes before the decoder layers and reads again after the last one "
+                           f"(in {late[id(v)] or 'the top-level forward'}); the stages carry it to the layers that take "
+                           "it, but the last stage would rebuild it from stand-ins of the first stage's modules and "
+                           "compute something else")
+                if why:
                     name = arg_names[key] if isinstance(key, int) and key < len(arg_names) else key
-                    raise PartitionError(
-                        f"{cls}: {layers_path}.{j} receives {name!r}, which the model's forward builds from earlier "
-                        f"decoder layers' outputs outside the layers (between them); the stage holding layer {j} cannot "
-                        "rebuild it from one hidden state: train this model on one stage (num_stages=1) or with data "
-                        "parallelism only")
-                if v.requires_grad and late and id(v) in late:
-                    name = arg_names[key] if isinstance(key, int) and key < len(arg_names) else key
-                    raise PartitionError(
-                        f"{cls}: {layers_path}.{j} receives {name!r}, which the model computes before the decoder layers "
-                        f"and reads again after the last one (in {late[id(v)] or 'the top-level forward'}); the stages "
-                        "carry it to the layers that take it, but the last stage would rebuild it from stand-ins of the first stage's modules and compute "
-                        "something else: train this model on one stage (num_stages=1) or with data parallelism only")
+                    raise PartitionError(f"{cls}: {layers_path}.{j} receives {name!r}, {why}: train this model on one "
+                                         "stage (num_stages=1) or with data parallelism only")
                 if v.requires_grad:
                     groups.setdefault(id(v), []).append((j, key))
             elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(v)):
