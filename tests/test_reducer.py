@@ -64,3 +64,41 @@ def test_reduction_equals_the_direct_computation(stages):
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
             assert norm == pytest.approx(sq ** 0.5, rel=1e-6)
+
+
+def _early_worker(rank, world):
+    from hf_asyncpp.pipeline.reducer import Reducer
+    from hf_asyncpp.topology import Topology, make_groups
+
+    topo = Topology(rank=rank, world_size=world, num_stages=1)
+    groups = make_groups(topo, [], timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    leaves = dict(model.named_parameters())
+    red = Reducer(groups, topo, {}, 30.0, bucket_mb=8 / 1024)  # 8 KB: about two layers a bucket
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).sum().backward()  # an earlier microbatch: accumulates, launches nothing
+    red.arm(0, leaves)
+    model(x + 1).pow(2).sum().backward()  # the step's last backward
+    launched_in_backward = len(red.early.launched)
+    red.after_backward()
+    grads = {n: p.grad for n, p in leaves.items()}
+    local = {n: g.clone() for n, g in grads.items()}
+    red.submit(0, grads)
+    reduced, norm = red.result(0)
+    assert all(len(p._post_accumulate_grad_hooks or {}) == 0 for p in leaves.values())  # hooks removed
+    red.close()
+    groups.destroy()
+    return launched_in_backward, len(red._buckets(list(leaves)[::-1], leaves)), local, {n: g.clone() for n, g in reduced.items()}, norm
+
+
+def test_data_parallel_buckets_start_during_the_last_backward():
+    """Armed before the step's last backward, the buckets whose gradients are final are launched from inside it
+    (last layers first); the rest at submit; the result is the replicas' mean either way."""
+    results = run_distributed(_early_worker, 2)
+    for launched, n_buckets, _, reduced, norm in results:
+        assert 0 < launched <= n_buckets and n_buckets > 2, (launched, n_buckets)
+        want = {n: (results[0][2][n] + results[1][2][n]) / 2 for n in reduced}
+        for n in want:
+            torch.testing.assert_close(reduced[n], want[n], rtol=1e-6, atol=1e-7)
+        assert norm == pytest.approx(sum(float(v.double().pow(2).sum()) for v in want.values()) ** 0.5, rel=1e-6)

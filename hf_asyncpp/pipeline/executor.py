@@ -80,6 +80,7 @@ class _Window:
     end_step: int = 0
     recv_shapes: dict = field(default_factory=dict)  # kind -> meta tensors; fixed within a window
     prefetch: dict = field(default_factory=dict)  # (kind, (step, microbatch)) -> posted receive
+    backwards: dict = field(default_factory=dict)  # step -> backwards run here so far (the m-th is its last)
     act_header_sent: bool = False
 
     def next_micro(self, key: tuple[int, int]) -> tuple[int, int] | None:
@@ -210,7 +211,16 @@ class PipelineEngine:
 
     def _do_backward(self, a: Action, w: _Window) -> None:
         mb = w.micro[(a.step, a.microbatch)]
+        done = w.backwards.get(a.step, 0)
+        last = done == w.m - 1
+        if last:  # the step's gradients become final during this backward: its reduction may start inside it
+            self.reducer.arm(a.step, self.versions.leaves_for(mb.version))
         self._backward(mb, w.m)
+        if last:
+            w.backwards.pop(a.step, None)
+            self.reducer.after_backward()
+        else:
+            w.backwards[a.step] = done + 1
         self.versions.inflight[mb.version] -= 1
         if self.track_memory:
             self.mem["activations"] -= mb.saved_bytes

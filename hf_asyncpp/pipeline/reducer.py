@@ -17,6 +17,15 @@ How a phase waits for the one before it depends on the backend:
 - gloo: ``work.wait()`` blocks the calling thread, so the next phase is issued when the executor finds the
   previous one completed (``poll``, once per action) or at ``STEP`` (``result``), whichever comes first.
 
+The data-parallel buckets start before the step's last backward has finished: ``arm`` (called by the executor
+right before that backward) hooks the version's leaves, and a bucket whose gradients have all been accumulated is
+launched at once, in bucket order (the same on every replica: bucket i only after buckets 0..i-1), the buckets
+laid out last parameter first, the order in which backward finishes them. On gloo the hook issues the all-reduce
+(backward runs on the executor's thread); on CUDA it records an event, and the executor's thread issues the
+all-reduce right after ``backward()`` returns, on the side stream waiting for that event, so the GPU starts it as
+soon as the bucket's gradients exist while the rest of the backward still runs (no NCCL call from autograd's
+thread). ``submit`` launches what is left.
+
 Before this module, a worker thread ran the phases with synchronous collectives; on NCCL that made the compute
 stream wait for every reduction at once, and the global norm could not finish before stage 0's ``REDUCE``.
 """
@@ -43,6 +52,19 @@ class _Job:
         self.result = None
 
 
+class _Early:
+    """Step ``key``'s data-parallel buckets launched during its last backward (``Reducer.arm``)."""
+
+    def __init__(self, key: int, leaves: dict[str, torch.Tensor], buckets: list[list[str]]):
+        self.key, self.leaves, self.buckets = key, leaves, buckets
+        self.grad_of = lambda n: leaves[n].grad  # at submit: the step's gradient dict instead
+        self.left = [len(b) for b in buckets]  # gradients each bucket still waits for
+        self.bucket_of = {n: i for i, b in enumerate(buckets) for n in b}
+        self.events: dict[int, object] = {}  # CUDA: bucket -> event recorded when its last gradient landed
+        self.launched: list[tuple[list[str], torch.Tensor, object]] = []  # (names, flat, work), in bucket order
+        self.handles: list = []
+
+
 class Reducer:
     """Per step, in order: DP all-reduce in buckets, tied-gradient sums, the global grad-norm all-reduce."""
 
@@ -59,15 +81,79 @@ class Reducer:
         self.jobs: deque[_Job] = deque()
         self.done: dict[int, _Job] = {}
         self.side = None  # CUDA side stream (NCCL), made at the first submit
+        self.early: _Early | None = None  # the step whose last backward is running or has run
 
     # ------------------------------------------------------------------ the executor's calls
+    def arm(self, key: int, leaves: dict[str, torch.Tensor]) -> None:
+        """Step ``key``'s last backward on this stage is next: launch each data-parallel bucket as soon as its
+        gradients are final (no-op without data parallelism)."""
+        some = next(iter(leaves.values()))
+        # gloo on CPU: the hooks run on this thread and issue the all-reduce; NCCL on CUDA: events, issued after
+        # backward; gloo with CUDA tensors (stages sharing a GPU): at submit, as without arming
+        if self.groups.dp is None or (some.is_cuda and not self._stream(leaves)):
+            return
+        names = list(leaves)[::-1]  # last parameters first: backward finishes them first
+        early = self.early = _Early(key, leaves, self._buckets(names, {n: leaves[n] for n in names}))
+        for n, leaf in leaves.items():
+            if leaf.requires_grad:
+                early.handles.append(leaf.register_post_accumulate_grad_hook(
+                    lambda t, n=n: self._accumulated(early, n)))
+
+    def after_backward(self) -> None:
+        """Right after the armed backward returned (executor's thread): on CUDA, issue the buckets whose events were
+        recorded (the side stream waits for each; the GPU starts them while the backward's kernels still run)."""
+        early = self.early
+        if early is None or not early.events:
+            return
+        with torch.cuda.stream(self.side):
+            self._launch(early, cuda=True)
+
+    def _accumulated(self, early: _Early, name: str) -> None:
+        """A leaf's gradient of the armed backward is final (post-accumulate-grad hook, autograd's thread)."""
+        i = early.bucket_of[name]
+        early.left[i] -= 1
+        if early.left[i]:
+            return
+        if early.leaves[name].is_cuda:  # no NCCL call from this thread: mark the moment, issue later
+            ev = torch.cuda.Event()
+            ev.record()
+            early.events[i] = ev
+        else:
+            self._launch(early, cuda=False)
+
+    def _launch(self, early: _Early, cuda: bool, final: bool = False) -> None:
+        """Launch the complete buckets that are next in bucket order (``final``: every one left, at submit)."""
+        while len(early.launched) < len(early.buckets):
+            i = len(early.launched)
+            if not final and (early.left[i] or (cuda and i not in early.events)):
+                return
+            if cuda and i in early.events:
+                self.side.wait_event(early.events.pop(i))
+            bucket = early.buckets[i]
+            flat = torch.cat([early.grad_of(n).reshape(-1) for n in bucket])
+            if cuda:
+                flat.record_stream(torch.cuda.current_stream(flat.device))
+            early.launched.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
+
+    def _stream(self, grads: dict[str, torch.Tensor]) -> bool:
+        """Whether this step's collectives are stream-ordered (NCCL on CUDA); makes the side stream on first use."""
+        device = next(iter(grads.values())).device
+        if device.type == "cuda" and dist.get_backend() == "nccl":
+            if self.side is None:
+                self.side = torch.cuda.Stream(device)
+            return True
+        return False
+
     def submit(self, key: int, grads: dict[str, torch.Tensor]) -> None:
         """Start step ``key``'s reduction (its gradients are final)."""
         device = next(iter(grads.values())).device
-        stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
-        if stream_ordered and self.side is None:
-            self.side = torch.cuda.Stream(device)
-        job = _Job(key, self._phases(grads, stream_ordered), stream_ordered)
+        stream_ordered = self._stream(grads)
+        early, self.early = self.early, None
+        if early is not None:
+            for h in early.handles:
+                h.remove()
+            early = early if early.key == key else None
+        job = _Job(key, self._phases(grads, stream_ordered, early), stream_ordered)
         if stream_ordered:
             self.side.wait_stream(torch.cuda.current_stream(device))  # the gradients are computed there
         self.jobs.append(job)
@@ -128,16 +214,21 @@ class Reducer:
             raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} failed or timed out after "
                               f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
 
-    def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool):
+    def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool, early: _Early | None = None):
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
         names = list(grads)
         if self.groups.dp is not None:
-            buckets = []
-            for bucket in self._buckets(names, grads):
-                flat = torch.cat([grads[n].reshape(-1) for n in bucket])
-                if stream_ordered:
-                    flat.record_stream(torch.cuda.current_stream(flat.device))  # freed after the optimizer used it
-                buckets.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
+            if early is not None:  # buckets launched during the last backward, then the rest in bucket order
+                early.grad_of = grads.__getitem__  # what never got a gradient holds zeros there
+                self._launch(early, cuda=stream_ordered, final=True)
+                buckets = early.launched
+            else:
+                buckets = []
+                for bucket in self._buckets(names, grads):
+                    flat = torch.cat([grads[n].reshape(-1) for n in bucket])
+                    if stream_ordered:
+                        flat.record_stream(torch.cuda.current_stream(flat.device))  # freed after the optimizer used it
+                    buckets.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
             yield [w for _, _, w in buckets]
             for bucket, flat, _ in buckets:
                 flat /= self.topo.dp_size
