@@ -88,6 +88,7 @@ def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Pa
                "--pipeline.schedule=none", "--pipeline.num_stages=1", "--pipeline.num_microbatches=4",
                "--pipeline.microbatch_size=8", f"--training.max_steps={steps}", f"--training.seed={seed}",
                f"--training.output_dir={out}", f"--training.eval_steps={50 if steps <= 300 else 100}",
+               "--training.overwrite_output_dir=true",  # an arm killed before its first checkpoint starts over
                # a checkpoint every eval and resume from the latest: an arm killed with its session (runs take
                # 10-35 min) goes on where it stopped, and a resumed run equals an uninterrupted one (test_trainer.py)
                f"--training.save_steps={50 if steps <= 300 else 100}", "--training.save_total_limit=1",

@@ -300,18 +300,35 @@ def checkpoint_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+# what a finished or interrupted run leaves in its output_dir besides checkpoints (reporting.py, export.py and
+# profile.py write them); a fresh run must not mix its own with these
+RUN_OUTPUTS = ("metrics.jsonl", "final_eval.json", "export", "loss_curve.png", "pipeline_profile.json",
+               "pipeline_timeline.png", "logs", TOKENIZER_DIR, RECIPE_FILE)
+
+
+def previous_run(output_dir: str | Path) -> list[Path]:
+    """What an earlier run left in ``output_dir``: its checkpoints (complete or not) and run outputs; [] if none."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = sorted(p for p in root.iterdir() if _NAME.match(p.name) or p.name.startswith(".tmp-checkpoint-"))
+    return found + [root / n for n in RUN_OUTPUTS if (root / n).exists()]
+
+
 def clear_stale(output_dir: str | Path) -> None:
     """Remove temp dirs of checkpoints that were never committed (a crash or a full disk left them)."""
     for p in Path(output_dir).glob(".tmp-checkpoint-*"):
         shutil.rmtree(p, ignore_errors=True)
 
 
-def prune(output_dir: str | Path, limit: int | None) -> None:
-    """Keep the newest ``limit`` complete checkpoints; also clear stale temp dirs."""
+def prune(output_dir: str | Path, limit: int | None, keep: Path | None = None) -> None:
+    """Keep the newest ``limit`` complete checkpoints, ``keep`` (the one just written) always among them, even when
+    older-numbered than others (a run resumed from an earlier checkpoint); also clear stale temp dirs."""
     root = Path(output_dir)
     clear_stale(root)
     if not limit:
         return
-    ckpts = list_checkpoints(root)
-    for _, p in ckpts[:-limit]:
+    ckpts = [p for _, p in list_checkpoints(root) if keep is None or p.resolve() != Path(keep).resolve()]
+    kept = limit - 1 if keep is not None else limit
+    for p in ckpts[:len(ckpts) - kept] if kept > 0 else ckpts:
         shutil.rmtree(p, ignore_errors=True)

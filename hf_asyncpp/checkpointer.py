@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,7 @@ class Checkpointer:
                                          "num_stages": topo.num_stages}, written)
             except WriteError as e:
                 raise WriteError(f"{e}; {self._latest()}") from None
-            ckpt.prune(self.out, self.recipe.training.save_total_limit)
+            ckpt.prune(self.out, self.recipe.training.save_total_limit, keep=final)
             log.info("saved %s", final.name)
         self._push(state, engine, final)
         acc.wait_for_everyone()
@@ -214,6 +215,27 @@ def _verify_shared(path: Path, topo: Topology) -> list[str]:
     parts = [None] * topo.world_size
     dist.all_gather_object(parts, mine)
     return sorted(p for part in parts for p in part)
+
+
+def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None = None) -> None:
+    """A run that resumes nothing must not write into another run's folder: its metrics would be appended to the old
+    ones, ``save_total_limit`` would prune its checkpoints in favour of the old higher-numbered ones, and ``latest``
+    would resume the old run. Refused, naming both ways out; ``overwrite`` (``training.overwrite_output_dir``, the
+    Trainer's name) removes the old run first (main process; called before anything of the new run is written)."""
+    found = ckpt.previous_run(out)
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        way = ("it has no complete checkpoint to resume" if resume == "latest" else
+               "continue it with --training.resume_from_checkpoint=latest")
+        raise RecipeError(f"training.output_dir: {out} holds another run ({names}); {way}; start over there with "
+                          "--training.overwrite_output_dir=true (removes that run), or choose another output_dir")
+    if main:
+        log.warning("training.overwrite_output_dir: removing the previous run in %s (%s)", out,
+                    ", ".join(p.name for p in found))
+        for p in found:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None:

@@ -206,6 +206,9 @@ class TrainingConfig:
     save_total_limit: Optional[int] = field(default=2, metadata=_range(lo=1))
     resume_from_checkpoint: Optional[str] = None
     """``latest`` or a checkpoint directory."""
+    overwrite_output_dir: bool = False
+    """A run that resumes nothing stops before writing anything when ``output_dir`` holds another run (its
+    checkpoints, metrics, export); true: that run is removed first (the Trainer's name)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """accelerate trackers (tensorboard, wandb, mlflow, trackio, ...); [] or [none] disables. A tracker whose package
     is not installed is an error naming it."""

@@ -24,7 +24,8 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, RunState, check_model, choose_resume, rank_seed, set_seed
+from .checkpointer import (Checkpointer, RunState, check_fresh_run, check_model, choose_resume, rank_seed,
+                           set_seed)
 from .config import Recipe, RecipeError, load_recipe, save_recipe
 from .data import BlockStream, DataError, eval_blocks, next_batch, resolve_data_files, train_hold_out
 from .downstream import evaluate_tasks_during_training
@@ -132,6 +133,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     out = check_output_dir(t.output_dir)
     topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
     resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
+    if resume is None:  # a fresh run: never into another run's folder unless told to replace it
+        with accelerator.main_process_first():
+            check_fresh_run(out, t.overwrite_output_dir, accelerator.is_main_process, t.resume_from_checkpoint)
 
     # data and tokenizer (a resumed run's own, from its checkpoint): the main process prepares, the others reuse
     with accelerator.main_process_first():

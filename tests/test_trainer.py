@@ -306,3 +306,33 @@ def test_compare_reports_the_time_2bw_needs_to_reach_the_sync_loss(tmp_path):
     res = compare(tmp_path / "sync", tmp_path / "2bw-long")
     assert res["2bw_steps"] == 3 and res["sync_steps"] == 2 and res["step_speedup"] == pytest.approx(10.0 / 6.0)
     assert res["2bw_reach_s"] == pytest.approx(14.0) and res["ratio"] == pytest.approx(0.7)
+
+
+def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
+    """A finished 6-step run's folder: a new run (no resume) stops before writing anything, naming both ways out;
+    ``overwrite_output_dir`` replaces the old run; resuming it is untouched by the check."""
+    from hf_asyncpp.config import RecipeError
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out)))
+    before = {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(RecipeError, match=r"holds another run \(checkpoint-0000003/, checkpoint-0000006/, metrics"
+                                          r".*resume_from_checkpoint=latest.*overwrite_output_dir=true"):
+        train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0)))
+    assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
+    train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0, training__overwrite_output_dir=True)))
+    assert [p.name for _, p in ckpt.list_checkpoints(out)] == [ckpt.checkpoint_name(2)]
+    assert len(losses(out)) == 2  # the new run's 2 steps, none of the old run's 6
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    """Resumed from an earlier checkpoint, a run's new checkpoint is older-numbered than the others: save_total_limit
+    must not delete it."""
+    for step in (3, 6, 9):
+        (tmp_path / ckpt.checkpoint_name(step)).mkdir()
+        (tmp_path / ckpt.checkpoint_name(step) / ckpt.MANIFEST).write_text("{}")
+    ckpt.prune(tmp_path, 2, keep=tmp_path / ckpt.checkpoint_name(3))
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3), ckpt.checkpoint_name(9)]
+    ckpt.prune(tmp_path, 1, keep=tmp_path / ckpt.checkpoint_name(3))
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3)]

@@ -39,7 +39,8 @@ ARMS = {
 def arm_overrides(name: str, out: Path, steps: int, eval_steps: int, num_stages: int, extra: list[str]) -> list[str]:
     return [*ARMS[name][1], f"--pipeline.num_stages={num_stages}", f"--training.max_steps={steps}",
             f"--training.eval_steps={eval_steps}", "--training.save_steps=0", "--training.export=false",
-            "--training.report_to=none", f"--training.output_dir={out}", *extra]
+            "--training.report_to=none", f"--training.output_dir={out}",
+            "--training.overwrite_output_dir=true", *extra]  # a new comparison replaces the arm's last run
 
 
 def run_arm(recipe: str, name: str, out: Path, steps: int, eval_steps: int, num_stages: int, extra: list[str],

@@ -10,8 +10,10 @@ Started as one process for a recipe of several stages, it starts the stage proce
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from hf_asyncpp import trainer
+from hf_asyncpp.checkpointer import check_fresh_run
 from hf_asyncpp.config import RecipeError, load_recipe
 from hf_asyncpp.launch import should_spawn, spawn
 
@@ -24,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(argv[0], argv[1:])
         spawn_here = should_spawn(recipe)  # a LaunchError (a mangled SLURM variable) is a RecipeError too
+        if spawn_here and recipe.training.resume_from_checkpoint is None:  # said once, before processes start
+            check_fresh_run(Path(recipe.training.output_dir), recipe.training.overwrite_output_dir, main=False)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
