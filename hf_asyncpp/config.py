@@ -7,6 +7,7 @@ what is allowed, because a typo in a 10-hour run's recipe should cost seconds.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -57,6 +58,19 @@ RENAMED = {
                              "lr_scheduler_type: cosine now decays to 0, as in transformers)",
 }
 """Recipe fields that changed name, and what to write instead."""
+
+TRAINER_EQUIVALENTS = {
+    "per_device_train_batch_size": "pipeline.microbatch_size (sequences per microbatch; a step takes "
+                                   "pipeline.num_microbatches of them on each data-parallel replica)",
+    "gradient_accumulation_steps": "pipeline.num_microbatches (microbatches accumulated per optimizer step; in a "
+                                   "pipeline they are also what keeps the stages busy)",
+    "learning_rate": "optimizer.learning_rate",
+    "weight_decay": "optimizer.weight_decay",
+    "adam_epsilon": "optimizer.adam_epsilon",
+    "optim": "optimizer.name (muon, adamw, nadam, sgd)",
+    "num_train_epochs": "training.max_steps (training is counted in optimizer steps)",
+}
+"""transformers.TrainingArguments names a recipe does not use under that name, and the field that means the same."""
 
 
 @dataclass(kw_only=True)
@@ -376,10 +390,14 @@ def _build(cls, data, where: str):
         if dotted in RENAMED:
             raise RecipeError(f"{dotted}: {RENAMED[dotted]}")
     if unknown:
-        prefix = f"{where}." if where else ""
+        prefix, name = f"{where}." if where else "", unknown[0]
+        if name in TRAINER_EQUIVALENTS:
+            raise RecipeError(f"{prefix}{name}: transformers.TrainingArguments' name; here it is "
+                              f"{TRAINER_EQUIVALENTS[name]}")
+        near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.75)
         raise RecipeError(
-            f"{prefix}{unknown[0]}: unknown field; allowed fields{' of ' + where if where else ''}: "
-            + ", ".join(sorted(fields))
+            f"{prefix}{name}: unknown field;{f' did you mean {near[0]!r}?' if near else ''} allowed fields"
+            f"{' of ' + where if where else ''}: " + ", ".join(sorted(fields))
         )
     kwargs = {}
     for name, value in data.items():

@@ -15,7 +15,11 @@ def _with(section, **kw):
 
 BAD = [
     (_with("pipeline", schedule="zero-bubble"), r"pipeline\.schedule: 'zero-bubble' is not allowed; choose one of '2bw', '1f1b', 'gpipe', 'pipedream', 'none'"),
-    (_with("training", max_stepz=10), r"training\.max_stepz: unknown field; allowed fields of training: .*max_steps"),
+    (_with("training", max_stepz=10), r"training\.max_stepz: unknown field; did you mean 'max_steps'\? allowed fields of "
+                                      r"training: .*max_steps"),
+    (_with("training", per_device_train_batch_size=8),
+     r"training\.per_device_train_batch_size: transformers.TrainingArguments' name; here it is pipeline\.microbatch_size"),
+    (_with("training", gradient_accumulation_steps=8), r"here it is pipeline\.num_microbatches"),
     (_with("training", max_steps=0), r"training\.max_steps: 0 is out of range; allowed: >= 1"),
     (_with("training", max_steps="ten"), r"training\.max_steps: expected an integer, got 'ten'"),
     (_with("optimizer", learning_rate=-1.0), r"optimizer\.learning_rate: -1\.0 is out of range; allowed: > 0\.0"),
@@ -83,3 +87,10 @@ def test_shipped_recipes_load():
     assert "recipes/cpu-tiny.yaml" in paths
     for p in paths:
         load_recipe(p)
+
+
+def test_version_is_a_command(capsys):
+    from hf_asyncpp import __version__
+    from hf_asyncpp.cli import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"hf-asyncpp {__version__}"

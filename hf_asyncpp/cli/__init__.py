@@ -8,7 +8,7 @@
     hf-asyncpp timeline --schedule 2bw --stages 4              draw a schedule's simulated timeline
     hf-asyncpp prepare-data                                    the default corpus as local jsonl shards
 
-``python -m hf_asyncpp ...`` is the same command; ``scripts/*.py`` in a checkout are thin wrappers.
+``hf-asyncpp --version`` prints the version. ``python -m hf_asyncpp ...`` is the same command; ``scripts/*.py`` in a checkout are thin wrappers.
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from hf_asyncpp import __version__
+
+        print(f"hf-asyncpp {__version__}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
