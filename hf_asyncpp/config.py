@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .config_names import RENAMED, TRAINER_EQUIVALENTS
 from .pipeline.schedules import SCHEDULES
 
 log = logging.getLogger("hf_asyncpp")
@@ -52,25 +53,6 @@ SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial"
                         "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
 """transformers' ``SchedulerType`` values that need no metric (a test keeps this list equal to transformers')."""
 
-RENAMED = {
-    "training.min_lr_ratio": "renamed: for a cosine decay to a fraction of the peak use lr_scheduler_type: "
-                             "cosine_with_min_lr with lr_scheduler_kwargs: {min_lr_rate: 0.1} (transformers' names; "
-                             "lr_scheduler_type: cosine now decays to 0, as in transformers)",
-}
-"""Recipe fields that changed name, and what to write instead."""
-
-TRAINER_EQUIVALENTS = {
-    "per_device_train_batch_size": "pipeline.microbatch_size (sequences per microbatch; a step takes "
-                                   "pipeline.num_microbatches of them on each data-parallel replica)",
-    "gradient_accumulation_steps": "pipeline.num_microbatches (microbatches accumulated per optimizer step; in a "
-                                   "pipeline they are also what keeps the stages busy)",
-    "learning_rate": "optimizer.learning_rate",
-    "weight_decay": "optimizer.weight_decay",
-    "adam_epsilon": "optimizer.adam_epsilon",
-    "optim": "optimizer.name (muon, adamw, nadam, sgd)",
-    "num_train_epochs": "training.max_steps (training is counted in optimizer steps)",
-}
-"""transformers.TrainingArguments names a recipe does not use under that name, and the field that means the same."""
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from hf_asyncpp import __version__
+
 COMMANDS = {
     "train": ("hf_asyncpp.cli.train", "pretrain a causal LM from a recipe (starts the stage processes itself)"),
     "export": ("hf_asyncpp.cli.export", "export a checkpoint to a Hugging Face folder with a model card"),
@@ -38,8 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from hf_asyncpp import __version__
-
         print(f"hf-asyncpp {__version__}")
         return 0
     if argv[0] not in COMMANDS:
