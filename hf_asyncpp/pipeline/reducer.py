@@ -80,7 +80,7 @@ class Reducer:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.jobs: deque[_Job] = deque()
         self.done: dict[int, _Job] = {}
-        self.side = None  # CUDA side stream (NCCL), made at the first submit
+        self.side = self.compute = None  # CUDA (NCCL): the reducer's side stream and the executor's compute stream
         self.early: _Early | None = None  # the step whose last backward is running or has run
 
     # ------------------------------------------------------------------ the executor's calls
@@ -132,15 +132,15 @@ class Reducer:
             bucket = early.buckets[i]
             flat = torch.cat([early.grad_of(n).reshape(-1) for n in bucket])
             if cuda:
-                flat.record_stream(torch.cuda.current_stream(flat.device))
+                flat.record_stream(self.compute)  # made on the side stream, read by the optimizer on the compute one
             early.launched.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
 
     def _stream(self, grads: dict[str, torch.Tensor]) -> bool:
         """Whether this step's collectives are stream-ordered (NCCL on CUDA); makes the side stream on first use."""
         device = next(iter(grads.values())).device
         if device.type == "cuda" and dist.get_backend() == "nccl":
-            if self.side is None:
-                self.side = torch.cuda.Stream(device)
+            if self.side is None:  # called from the executor's thread outside any stream context
+                self.compute, self.side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
             return True
         return False
 
@@ -227,7 +227,7 @@ class Reducer:
                 for bucket in self._buckets(names, grads):
                     flat = torch.cat([grads[n].reshape(-1) for n in bucket])
                     if stream_ordered:
-                        flat.record_stream(torch.cuda.current_stream(flat.device))  # freed after the optimizer used it
+                        flat.record_stream(self.compute)  # freed only after the optimizer (compute stream) used it
                     buckets.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
             yield [w for _, _, w in buckets]
             for bucket, flat, _ in buckets:
