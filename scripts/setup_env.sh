@@ -7,7 +7,7 @@
 # machine tests or trains with. setup.py keeps open ranges for users.
 # HF_ASYNCPP_LATEST=1 (scripts/test.sh --latest): the newest releases instead, no
 # constraints, in their own .venv-latest, upgraded on every run; torch stays at
-# 2.13.0 (the newest torch from the index is a CUDA build). When that passes,
+# constraints.txt's version (the newest torch from the index is a CUDA build). When that passes,
 # scripts/update_constraints.sh writes its versions to constraints.txt.
 #
 # HF_ASYNCPP_EXTRAS (set by the caller before sourcing): the package extras to add,
@@ -18,21 +18,27 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LATEST="${HF_ASYNCPP_LATEST:-0}"
 if [ "$LATEST" = 1 ]; then
   VENV="${HF_ASYNCPP_VENV:-$ROOT/.venv-latest}"
-  PIN=(--upgrade --upgrade-strategy eager)
 else
   VENV="${HF_ASYNCPP_VENV:-$ROOT/.venv}"
-  PIN=(-c "$ROOT/constraints.txt")
 fi
 PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtualenv $VENV"
   "$PY" -m venv "$VENV"
 fi
+if [ "$LATEST" = 1 ]; then
+  # everything at its newest but torch, held at constraints.txt's version: an eager upgrade would otherwise pull
+  # the newest torch from the index, a multi-GB CUDA build
+  grep '^torch==' "$ROOT/constraints.txt" > "$VENV/torch-constraint.txt"
+  PIN=(--upgrade --upgrade-strategy eager -c "$VENV/torch-constraint.txt")
+else
+  PIN=(-c "$ROOT/constraints.txt")
+fi
 EXTRAS="${HF_ASYNCPP_EXTRAS:-}"
 stamp="$VENV/.hf_asyncpp-installed${EXTRAS:+-$EXTRAS}"
 want="$(cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" "$ROOT/constraints.txt" | sha1sum | cut -d' ' -f1)"
 if [ "$LATEST" = 1 ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing dependencies into $VENV (about a minute the first time)$([ "$LATEST" = 1 ] && echo ': newest releases, unpinned')"
+  echo "[setup] installing dependencies into $VENV (about a minute the first time)$([ "$LATEST" = 1 ] && echo ': newest releases (torch held at its pin)')"
   quiet() {  # pip's output less its harmless warnings about the machine's mirror folders; its exit status kept
     local out rc=0
     out="$("$@" 2>&1)" || rc=$?
