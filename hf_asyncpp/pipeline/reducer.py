@@ -53,7 +53,8 @@ class _Job:
 
 
 class _Early:
-    """Step ``key``'s data-parallel buckets launched during its last backward (``Reducer.arm``)."""
+    """Step ``key``'s data-parallel buckets: those launched during its last backward (``Reducer.arm``), then, at
+    submit, the rest (every one, when the step was not armed)."""
 
     def __init__(self, key: int, leaves: dict[str, torch.Tensor], buckets: list[list[str]]):
         self.key, self.leaves, self.buckets = key, leaves, buckets
@@ -92,12 +93,16 @@ class Reducer:
         # backward; gloo with CUDA tensors (stages sharing a GPU): at submit, as without arming
         if self.groups.dp is None or (some.is_cuda and not self._stream(leaves)):
             return
-        names = list(leaves)[::-1]  # last parameters first: backward finishes them first
-        early = self.early = _Early(key, leaves, self._buckets(names, {n: leaves[n] for n in names}))
+        early = self.early = self._plan(key, leaves)
         for n, leaf in leaves.items():
             if leaf.requires_grad:
                 early.handles.append(leaf.register_post_accumulate_grad_hook(
                     lambda t, n=n: self._accumulated(early, n)))
+
+    def _plan(self, key: int, tensors: dict[str, torch.Tensor]) -> _Early:
+        """Step ``key``'s data-parallel buckets, last parameters first (backward finishes them first)."""
+        names = list(tensors)[::-1]
+        return _Early(key, tensors, self._buckets(names, tensors))
 
     def after_backward(self) -> None:
         """Right after the armed backward returned (executor's thread): on CUDA, issue the buckets whose events were
@@ -218,17 +223,11 @@ class Reducer:
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
         names = list(grads)
         if self.groups.dp is not None:
-            if early is not None:  # buckets launched during the last backward, then the rest in bucket order
-                early.grad_of = grads.__getitem__  # what never got a gradient holds zeros there
-                self._launch(early, cuda=stream_ordered, final=True)
-                buckets = early.launched
-            else:
-                buckets = []
-                for bucket in self._buckets(names, grads):
-                    flat = torch.cat([grads[n].reshape(-1) for n in bucket])
-                    if stream_ordered:
-                        flat.record_stream(self.compute)  # freed only after the optimizer (compute stream) used it
-                    buckets.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
+            # the buckets launched during the last backward (if armed), then the rest, in bucket order
+            early = early or self._plan(-1, grads)
+            early.grad_of = grads.__getitem__  # what never got a gradient holds zeros there
+            self._launch(early, cuda=stream_ordered, final=True)
+            buckets = early.launched
             yield [w for _, _, w in buckets]
             for bucket, flat, _ in buckets:
                 flat /= self.topo.dp_size
