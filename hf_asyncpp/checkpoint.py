@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -177,11 +178,14 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def commit(tmp: Path, final: Path, manifest: dict, written: dict[str, dict] | None = None) -> Path:
+def commit(tmp: Path, final: Path, manifest: dict, written: dict[str, dict] | None = None,
+           before_move: Callable[[], None] | None = None) -> Path:
     """Write the manifest last, then move the complete directory into place.
 
     ``written``: size and sha256 of files recorded while they were written (every rank's ``take_written``);
-    the rest (written by libraries: config, tokenizer, recipe) are hashed here.
+    the rest (written by libraries: config, tokenizer, recipe) are hashed here. ``before_move`` runs after the
+    manifest is on disk and right before the move, the last moment a commit can still be called off (the
+    supervisor's launcher check: hashing and fsync take long enough for a launcher to die meanwhile).
     """
     known = {**take_written(tmp), **(written or {})}
     files = {}
@@ -195,6 +199,8 @@ def commit(tmp: Path, final: Path, manifest: dict, written: dict[str, dict] | No
     save_json(tmp / MANIFEST, {**manifest, "files": files, "versions": library_versions()})
     _written.pop(str((tmp / MANIFEST).absolute()), None)
     _fsync(tmp)
+    if before_move is not None:
+        before_move()
     replace_dir(tmp, final)  # re-saving the same step (e.g. after a resume) replaces it
     _fsync(final.parent)
     return final

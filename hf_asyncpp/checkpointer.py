@@ -168,10 +168,10 @@ class Checkpointer:
                     "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
                     "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
                     "schedule": self.recipe.pipeline.schedule})
-                supervision.check_parent()  # never commit a checkpoint after the launcher died
                 written = {k: v for p in parts for k, v in p["written"].items()}
                 ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size,
-                                         "num_stages": topo.num_stages}, written)
+                                         "num_stages": topo.num_stages}, written,
+                            before_move=supervision.check_parent)  # never commit after the launcher died
             except WriteError as e:
                 raise WriteError(f"{e}; {self._latest()}") from None
             ckpt.prune(self.out, self.recipe.training.save_total_limit, keep=final)

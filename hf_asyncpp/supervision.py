@@ -5,7 +5,8 @@ itself is killed (``kill -9``, an OOM killer, a scheduler) nothing signals the w
 on training unsupervised for minutes and to write more checkpoints into the run's folder, where a relaunch would
 then meet them. :func:`watch_parent` starts a daemon thread that notices the parent is gone (the process is
 re-parented) within ``interval_s`` and ends this rank at once; :func:`check_parent` is the same test, called
-right before a checkpoint is committed so that no checkpoint lands after the launcher died.
+between writing a checkpoint's manifest and moving the checkpoint into place, so that no checkpoint whose
+manifest was written after the launcher died is ever committed.
 
 Only ranks started by a launcher are watched (``LOCAL_RANK`` in the environment): a single process started from
 a shell may outlive it on purpose (``nohup``).

@@ -160,6 +160,22 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
         assert torch.equal(w, torch.full((2_000_000,), float(step)))
 
 
+def test_a_commit_called_off_after_its_manifest_leaves_no_checkpoint(tmp_path):
+    """The launcher check runs after the manifest is on disk (hashing and fsync take time in which the launcher
+    can die): a commit called off there leaves nothing a resume would take."""
+    tmp, final = ckpt.temp_dir(tmp_path, 3), tmp_path / ckpt.checkpoint_name(3)
+    tmp.mkdir()
+    ckpt.save_json(tmp / "trainer_state.json", {"step": 3})
+
+    def launcher_gone():
+        assert (tmp / ckpt.MANIFEST).is_file()
+        raise SystemExit(7)
+
+    with pytest.raises(SystemExit):
+        ckpt.commit(tmp, final, {"step": 3}, before_move=launcher_gone)
+    assert not final.exists() and ckpt.list_checkpoints(tmp_path) == []
+
+
 def _bad(tmp_path, **kw):
     from hf_asyncpp.trainer import train
 
