@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from . import checkpoint as ckpt
 from . import storage, supervision
@@ -34,6 +35,7 @@ from .hub import Pusher, snapshot
 from .model_card import card_from_recipe
 from .modeling import build_config
 from .reporting import METRICS, read_metrics
+from .resume_report import resume_report
 from .storage import WriteError, human, write_error, writing
 from .topology import Topology
 
@@ -200,7 +202,13 @@ class Checkpointer:
                              commit_message=f"hf_asyncpp: checkpoint at step {state.step}")
 
     def resume(self, path: Path, engine: Engine, stream, data_files=None) -> RunState:
-        return resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule, data_files)
+        state = resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule, data_files)
+        saved = path / ckpt.RECIPE_FILE
+        if self.accelerator.is_main_process and saved.is_file():  # a changed recipe is run, and said
+            for line in resume_report(yaml.safe_load(saved.read_text()) or {}, self.recipe,
+                                      engine.scheduler.last_epoch, path.name):
+                log.warning("resume: %s", line)
+        return state
 
 
 def _verify_shared(path: Path, topo: Topology) -> list[str]:

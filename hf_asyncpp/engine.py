@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from .config import Recipe
 from .evaluation import nll_per_block
 from .export import shard_file, write_shard
-from .lr import build_scheduler
+from .lr import build_scheduler, continue_schedule
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .partition import partition_plan
 from .topology import Topology, local_device
@@ -45,6 +45,9 @@ class Engine(Protocol):
 
     config: object
     """The model's transformers config (saved with checkpoints and exports)."""
+
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """This process's lr schedule; its ``last_epoch`` counts the updates applied (the same on every stage)."""
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         """Steps [first_step, first_step + num_steps), one batch pulled per step; each step's result yielded in order
@@ -230,8 +233,11 @@ class LocalEngine:
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path}: missing {missing[:5]} unexpected {unexpected[:5]}")
         state = ckpt.load_state(path / "optimizer.pt")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        recipe_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])  # the moments; the hyperparameters stay the recipe's:
+        for group, mine in zip(self.optimizer.param_groups, recipe_groups, strict=True):
+            group.update(mine)
+        continue_schedule(self.optimizer, self.scheduler, state["scheduler"])
         self.delay.load_state_dict(state["delay"])
         self.nonfinite_skipped = state["nonfinite_skipped"]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
+from ..lr import continue_schedule
 from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
 from .versions import Versions
 
@@ -36,7 +37,7 @@ def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, s
 
 def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, versions: Versions, ef_lambda: float) -> dict:
     """Restore this stage from a checkpoint of any number of stages; returns the saved extra fields."""
-    weights, older, by_name, ef_by_name, groups = {}, {}, {}, {}, {}
+    weights, older, by_name, ef_by_name = {}, {}, {}, {}
     files = ckpt.stage_weight_files(path)
     if not files:
         raise FileNotFoundError(f"{path}: no stage-XX.safetensors; it was not written by a pipelined run "
@@ -53,8 +54,6 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
             if i in osd["state"]:
                 by_name[n] = osd["state"][i]
         ef_by_name.update(ef_state_by_name(osd, names))
-        for g in osd["param_groups"]:
-            groups.setdefault(g.get("name"), g)
     mine = stage.state_dict()
     missing = [k for k in mine if k not in weights]
     if missing:
@@ -63,20 +62,11 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     sd = optimizer.state_dict()
     names = param_names(stage, optimizer)
     sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-    for g in sd["param_groups"]:  # the lr the schedule had reached, not the fresh optimizer's
-        name = g.get("name")
-        # a checkpoint from before muon_split_fused has no "muon_split" group: its experts were in "muon"
-        saved = groups.get(name, groups.get(name.removesuffix("_split")) if isinstance(name, str) else None)
-        if saved is not None:
-            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "name", "split_rows")})
     ef = ef_state_from_names(ef_by_name, names, ef_lambda)
     if ef is not None:
         sd[EF_KEY] = ef
-    optimizer.load_state_dict(sd)
-    sched = scheduler.state_dict()  # per-group lists differ between stages: keep ours, take the position
-    sched.update({k: meta["scheduler"][k] for k in ("last_epoch", "_step_count") if k in meta["scheduler"]})
-    sched["_last_lr"] = [g["lr"] for g in optimizer.param_groups]
-    scheduler.load_state_dict(sched)
+    optimizer.load_state_dict(sd)  # the fresh groups: the recipe's hyperparameters; the state by parameter name
+    continue_schedule(optimizer, scheduler, meta["scheduler"])  # the saved position on the recipe's schedule
     params = dict(stage.named_parameters())
     versions.load(meta["latest_version"], {k: t for k, t in older.items() if k.split("/", 1)[1] in params})
     return meta

@@ -1,0 +1,75 @@
+"""A resume with a changed recipe runs the new recipe from the checkpoint's position, and says so: a longer
+``max_steps`` continues on the schedule for the new length (compared with an uninterrupted run of that length and
+with transformers' own scheduler), a changed hyperparameter takes effect, and each change is named once with both
+values before step 1."""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+from transformers import AutoTokenizer, get_scheduler
+
+from hf_asyncpp.config import recipe_from_dict
+from hf_asyncpp.engine import LocalEngine
+from hf_asyncpp.modeling import build_model
+from hf_asyncpp.resume_report import changed_fields
+from hf_asyncpp.topology import Topology
+from hf_asyncpp.trainer import train
+from test_trainer import tiny
+
+
+def _lrs(out) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r.get("learning_rate", r.get("lr")) for r in rows if "loss" in r}
+
+
+def _transformers_lr(peak: float, total: int, applied: int) -> float:
+    """The reference: transformers' linear schedule for ``total`` steps, stepped ``applied`` times."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=total)
+    for _ in range(applied):
+        opt.step()
+        sched.step()
+    return sched.get_last_lr()[0]
+
+
+def test_a_longer_run_continues_on_the_new_schedule_and_says_how_the_lr_changes(tmp_path, caplog):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(recipe_from_dict(tiny(straight, training__max_steps=10, training__save_steps=0)))
+    train(recipe_from_dict(tiny(resumed, training__max_steps=6, training__save_steps=3, training__stop_after_steps=3)))
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        train(recipe_from_dict(tiny(resumed, training__max_steps=10, training__save_steps=0,
+                                    training__resume_from_checkpoint="latest")))
+    after, reference = _lrs(resumed), _lrs(straight)
+    assert [after[s] for s in range(4, 11)] == [reference[s] for s in range(4, 11)]  # the 10-step schedule, bitwise
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
+    assert said[0] == "resume: training.max_steps: 6 in checkpoint-0000003, 10 now; the run continues with 10"
+    then, now = _transformers_lr(0.003, 6, 3), _transformers_lr(0.003, 10, 3)
+    assert said[-1] == (f"resume: the learning-rate schedule is this recipe's from update 4 on (linear over 10 steps): "
+                        f"the next update's lr is {now:.3e} where the checkpoint's schedule gives {then:.3e} "
+                        f"({(now - then) / then:+.0%})")
+    assert len(said) == 2  # nothing else changed that alters a number (stop_after_steps, save_steps do not)
+
+
+def test_changed_hyperparameters_take_effect_on_resume(tmp_path):
+    """The checkpoint gives the moments and the position, the recipe the hyperparameters: a lowered weight decay
+    and betas are what the resumed optimizer uses (the saved param groups used to win silently)."""
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__max_steps=6, training__stop_after_steps=3)))
+    new = recipe_from_dict(tiny(out, training__max_steps=6, optimizer__weight_decay=0.01, optimizer__adam_beta2=0.9))
+    engine = LocalEngine(new, build_model(new.model, AutoTokenizer.from_pretrained(str(out / "tokenizer"))), Topology(rank=0, world_size=1, num_stages=1),
+                         log=lambda *a: None)
+    engine.load(out / "checkpoint-0000003")
+    decays = sorted({g["weight_decay"] for g in engine.optimizer.param_groups})
+    assert decays == [0.0, 0.01] and {g["betas"] for g in engine.optimizer.param_groups} == {(0.9, 0.9)}
+    assert engine.scheduler.last_epoch == 3 and engine.optimizer.state  # position and moments from the checkpoint
+    assert engine.optimizer.param_groups[0]["lr"] == _transformers_lr(0.003, 6, 3)
+
+
+def test_only_fields_that_change_numbers_are_reported():
+    saved = {"training": {"max_steps": 6, "logging_steps": 2, "output_dir": "a"}, "optimizer": {"momentum": 0.9},
+             "hub": {"push_to_hub": False}}
+    now = {"training": {"max_steps": 6, "logging_steps": 5, "output_dir": "b", "new_field": 1},
+           "optimizer": {"momentum": 0.95}, "hub": {"push_to_hub": True}}
+    assert changed_fields(saved, now) == [("optimizer", "momentum", 0.9, 0.95)]
