@@ -313,7 +313,9 @@ def check_model_dir(path) -> None:
 def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict[str, str] | None = None,
                     limit: int | None = None, perplexity_blocks=None, batch_size: int = 16, device=None,
                     backend: str = "hf_asyncpp") -> dict[str, dict[str, dict]]:
-    """{model_dir: {task: metrics}} for every model and task (perplexity needs ``perplexity_blocks``).
+    """{model_dir: {task: metrics}} for every model and task (perplexity needs ``perplexity_blocks``: token blocks,
+    or a function of a model's tokenizer that makes them, so that models with other vocabularies each read the
+    text in their own ids).
 
     Runs on ``device`` (None: the current accelerator, as in training, else the CPU). ``backend="lm_eval"`` scores
     the tasks (any lm-eval task name) with lm-evaluation-harness itself; perplexity stays ours.
@@ -345,8 +347,9 @@ def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict
         else:
             model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device)
             res = score_tasks(model, AutoTokenizer.from_pretrained(d), items, batch_size, limit)
-        if "perplexity" in tasks:
-            res["perplexity"] = evaluate_perplexity(model, perplexity_blocks, batch_size)
+        if "perplexity" in tasks:  # a callable tokenizes for this model: ids are only comparable within a vocabulary
+            blocks = perplexity_blocks(AutoTokenizer.from_pretrained(d)) if callable(perplexity_blocks) else perplexity_blocks
+            res["perplexity"] = evaluate_perplexity(model, blocks, batch_size)
         results[str(d)] = res
     return results
 
@@ -395,10 +398,21 @@ def headline_metric(res: dict) -> str:
     return "acc_norm" if "acc_norm" in res else "acc"
 
 
-def results_table(results: dict[str, dict[str, dict]]) -> str:
+def model_names(model_dirs: list[str]) -> list[str]:
+    """A distinct short name per model folder: the folder's own name, with as many parent folders as it takes to
+    tell the models apart (``runs/sync/export`` and ``runs/async/export`` are ``sync/export`` and ``async/export``)."""
+    parts = [Path(d).resolve().parts for d in model_dirs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in model_dirs]  # the same folder twice: its path each time
+
+
+def results_table(results: dict[str, dict[str, dict]], names: list[str] | None = None) -> str:
     models = list(results)
     first = next(iter(results.values()))
-    lines = ["| task | metric | " + " | ".join(Path(m).name or m for m in models) + " |", "|---|---|" + "---|" * len(models)]
+    lines = ["| task | metric | " + " | ".join(names or model_names(models)) + " |", "|---|---|" + "---|" * len(models)]
     for t, res in first.items():
         metrics = ["eval_ppl"] if t == "perplexity" else [m for m in ("acc", "acc_norm") if m in res]
         for m in metrics:
@@ -406,7 +420,7 @@ def results_table(results: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: dict[str, dict[str, dict]], path) -> str:
+def plot_results(results: dict[str, dict[str, dict]], path, names: list[str] | None = None) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,9 +431,9 @@ def plot_results(results: dict[str, dict[str, dict]], path) -> str:
     tasks = [t for t in first if t != "perplexity"]
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks) * len(models) / 2 + 3), 4))
     width = 0.8 / max(1, len(models))
-    for k, d in enumerate(models):
+    for k, (d, name) in enumerate(zip(models, names or model_names(models))):
         ax.bar([i + k * width for i in range(len(tasks))], [results[d][t][headline_metric(results[d][t])] for t in tasks],
-               width, label=Path(d).name or d)
+               width, label=name)
     chance = [(i, first[t]["chance"]) for i, t in enumerate(tasks) if "chance" in first[t]]
     if chance:
         ax.scatter([i + 0.4 - width / 2 for i, _ in chance], [c for _, c in chance], marker="_", s=400, color="black",

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +35,9 @@ from .storage import writing
 
 __all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
            "export_engine", "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card", "write_shard"]
+
+LOADER_KWARGS = ("is_local", "local_files_only")
+"""What a tokenizer's ``init_kwargs`` hold about how it was loaded, not what it is."""
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +195,10 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
                 setattr(model.generation_config, attr, getattr(tokenizer, attr))
     card = clean_card(card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))
+    tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"  # mkdir, not mkdtemp: the user's umask, not 0700
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tokenizer = tokenizer_for_export(tokenizer, config)
     try:
         with writing(out):  # a full disk or a permission error names the folder and the free space
             model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
@@ -210,6 +216,25 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def tokenizer_for_export(tokenizer, config):
+    """The tokenizer to save with a model, the same whichever way it was made. A tokenizer trained here has no
+    length (transformers' 1e30, "no limit"), which pipelines, vLLM and TGI read as the model's context: it gets the
+    model's. One read back from a folder carries how this process loaded it (``is_local``, ``local_files_only``,
+    which ``save_pretrained`` writes back): not a property of the tokenizer, left out. Copied: the run's tokenizer
+    is left as it is."""
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER  # heavy: only when exporting
+
+    if tokenizer is None:
+        return None
+    tokenizer = copy.deepcopy(tokenizer)
+    for key in LOADER_KWARGS:
+        tokenizer.init_kwargs.pop(key, None)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and tokenizer.model_max_length >= VERY_LARGE_INTEGER:
+        tokenizer.model_max_length = limit
+    return tokenizer
 
 
 def export_from_model(model, out_dir, tokenizer=None, card: dict | None = None, max_shard_size: str | int = "2GB") -> Path:
@@ -289,8 +314,11 @@ def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, 
             "metadata": {"total_size": sum(sum(sizes.values()) for _, sizes in shards)}, "weight_map": weight_map})
     config = copy.deepcopy(config)
     config.dtype = torch.float32  # the stages train fp32 master weights
+    meta = _meta_model(config)
+    config.architectures = [type(meta).__name__]  # what save_pretrained writes; vLLM's registry needs it
     config.save_pretrained(str(tmp))
     generation = GenerationConfig.from_model_config(config)
+    tokenizer = tokenizer_for_export(tokenizer, config)
     if tokenizer is not None:
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tokenizer, attr, None) is not None:
@@ -302,7 +330,7 @@ def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, 
     if curve and Path(curve).is_file():
         shutil.copy(curve, tmp / Path(curve).name)
         card["loss_curve"] = Path(curve).name
-    render_model_card(card, _meta_model(config), load_path=str(out)).save(str(tmp / "README.md"))
+    render_model_card(card, meta, load_path=str(out)).save(str(tmp / "README.md"))
 
 
 # ---------------------------------------------------------------------------------------------------

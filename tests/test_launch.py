@@ -74,6 +74,41 @@ def two_stage_run(tmp_path_factory):
     return out, log
 
 
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_the_runs_export_equals_hf_asyncpp_export_of_its_last_checkpoint(two_stage_run, tmp_path):
+    """Written at the end of a 2-stage run (each stage its shard) and by ``hf-asyncpp export`` of the same
+    checkpoint (merged, through save_pretrained): the same config (with ``architectures``, which vLLM needs),
+    generation config, tokenizer (with the model's ``model_max_length``) and weights; both folders readable by
+    others (the user's umask), both cards named without a local path."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hf_asyncpp.cli.export import main as export_main
+
+    out, _ = two_stage_run
+    mine, theirs = out / "export", tmp_path / "cli-export"
+    assert export_main([str(out / "checkpoint-0000008"), str(theirs)]) == 0
+    weights = lambda d: {p.name for p in d.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".index.json")}
+    others = lambda d: {p.name for p in d.iterdir()} - weights(d) - {"README.md", "loss_curve.png"}
+    assert others(mine) == others(theirs) and "config.json" in others(mine)
+    for name in sorted(others(mine)):
+        a, b = (mine / name).read_text(), (theirs / name).read_text()
+        assert json.loads(a) == json.loads(b) if name.endswith(".json") else a == b, name
+    assert AutoConfig.from_pretrained(mine).architectures == ["LlamaForCausalLM"]
+    assert AutoTokenizer.from_pretrained(mine).model_max_length == AutoConfig.from_pretrained(mine).max_position_embeddings
+    a, b = _weights(mine), _weights(theirs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder, name in ((mine, out.name), (theirs, theirs.name)):
+        assert folder.stat().st_mode & 0o777 == 0o777 & ~umask, oct(folder.stat().st_mode)
+        card = ModelCard.load(folder / "README.md")
+        assert card.data.model_name == name and str(tmp_path) not in card.text and str(out) not in card.text
+
+
 @pytest.fixture(scope="module")
 def straight_24(tmp_path_factory):
     """24 steps uninterrupted, logged every step: the reference of the SIGKILL resume and of logging every 7 steps."""

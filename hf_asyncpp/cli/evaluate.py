@@ -11,15 +11,14 @@ to each model's card.
 """
 import argparse
 import json
-import os
 import sys
-
-from transformers import AutoTokenizer
+from pathlib import Path
 
 from hf_asyncpp.config import DataConfig
 from hf_asyncpp.data import eval_blocks, expand_files
-from hf_asyncpp.downstream import check_model_dir, evaluate_models, plot_results, results_table
+from hf_asyncpp.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
 from hf_asyncpp.model_card import add_eval_results
+from hf_asyncpp.storage import write_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--batch-size", type=int, default=8, help="starting batch size; halved on an out-of-memory error")
     ap.add_argument("--out", default=None, help="JSON results (default: eval_results.json in the current directory)")
+    ap.add_argument("--names", default=None, help="comma-separated column and legend names, one per model (default: "
+                    "each folder's name, with parent folders where two would read the same)")
     ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
     args = ap.parse_args(argv)
     tasks = args.tasks.split(",") if args.tasks else (["perplexity"] if args.data else [])
@@ -48,29 +49,35 @@ def main(argv: list[str] | None = None) -> int:
         task_files = dict(tf.split("=", 1) for tf in args.task_file)
     except ValueError:
         ap.error("--task-file takes TASK=FILE")
-    blocks = None
+    names = args.names.split(",") if args.names else model_names(args.model_dirs)
+    if len(names) != len(args.model_dirs) or len(set(names)) != len(names):
+        ap.error(f"--names: give {len(args.model_dirs)} distinct names, one per model")
+    blocks, counts = None, []
     try:
         for d in args.model_dirs:
             check_model_dir(d)
         if "perplexity" in tasks:
             if not args.data:
                 ap.error("task perplexity needs --data FILES")
-            tok = AutoTokenizer.from_pretrained(args.model_dirs[0])
             cfg = DataConfig(seq_len=args.seq_len, text_column=args.text_column, shuffle_buffer=0, min_document_tokens=0)
-            blocks = eval_blocks(cfg, tok, expand_files(args.data, "--data"), args.max_blocks)
+            files = expand_files(args.data, "--data")
+
+            def blocks(tokenizer):  # each model reads the text through its own tokenizer
+                counts.append(len(ids := eval_blocks(cfg, tokenizer, files, args.max_blocks)))
+                return ids
         results = evaluate_models(args.model_dirs, tasks, task_files=task_files, limit=args.limit, perplexity_blocks=blocks,
                                   batch_size=args.batch_size, device=args.device, backend=args.backend)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(results_table(results))
-    out = args.out or "eval_results.json"
+    print(results_table(results, names))
+    out = Path(args.out or "eval_results.json")
     single = len(args.model_dirs) == 1 and tasks == ["perplexity"]
-    payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": len(blocks)} if single else results
-    with open(out, "w") as f:
-        json.dump(payload, f, indent=1)
+    payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": counts[0]} if single else results
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_file(out, lambda f: f.write(json.dumps(payload, indent=1).encode()))
     if any(t != "perplexity" for t in tasks):
-        print(f"chart: {plot_results(results, os.path.splitext(out)[0] + '.png')}")
+        print(f"chart: {plot_results(results, out.with_suffix('.png'), names)}")
     if not args.no_card:
         for d, r in results.items():
             add_eval_results(d, r)
