@@ -109,6 +109,38 @@ def test_the_runs_export_equals_hf_asyncpp_export_of_its_last_checkpoint(two_sta
         assert card.data.model_name == name and str(tmp_path) not in card.text and str(out) not in card.text
 
 
+def test_data_parallel_replicas_read_their_own_shards(tmp_path):
+    """``schedule: none`` on 2 processes: 2 data-parallel replicas, each on its own shard of the stream. The first
+    step's loss (before any update) is the mean over both replicas' batches, computed here by hand from the run's
+    tokenizer, its initial weights and ``BlockStream(rank=r, world_size=2)``; with every replica on shard 0 it
+    would be shard 0's loss alone."""
+    from transformers import AutoTokenizer
+
+    from hf_asyncpp.checkpointer import set_seed
+    from hf_asyncpp.config import load_recipe
+    from hf_asyncpp.data import BlockStream, next_batch, resolve_data_files, train_hold_out
+    from hf_asyncpp.modeling import build_model
+
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "r.yaml", out, max_steps=1, logging_steps=1, save_steps=0)
+    rc, log = launch(path, "--pipeline.schedule=none", "--pipeline.num_stages=1", "--optimizer.name=adamw",
+                     "--optimizer.delay_correction=none")
+    assert rc == 0, log[-3000:]
+    recipe = load_recipe(path, ["--pipeline.schedule=none", "--pipeline.num_stages=1"])
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    set_seed(recipe.training.seed)  # the trainer's initial weights: the same seed before the same build
+    model = build_model(recipe.model, tok)
+    train_files, eval_files = resolve_data_files(recipe.data)
+    p = recipe.pipeline
+    batches = [next_batch(BlockStream(recipe.data, tok, train_files, rank=r, world_size=2, seed=recipe.training.seed,
+                                      hold_out=train_hold_out(recipe.data, eval_files)), p.num_microbatches,
+                          p.microbatch_size) for r in (0, 1)]
+    assert not torch.equal(batches[0], batches[1])
+    with torch.no_grad():
+        by_hand = sum(float(model(input_ids=b, labels=b).loss) for batch in batches for b in batch) / (2 * p.num_microbatches)
+    assert losses(out)[0] == pytest.approx(by_hand, abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def straight_24(tmp_path_factory):
     """24 steps uninterrupted, logged every step: the reference of the SIGKILL resume and of logging every 7 steps."""
@@ -123,6 +155,10 @@ def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
     out, log = two_stage_run
     final = json.loads((out / "final_eval.json").read_text())
     assert final["export_eval_ppl"] < final["untrained_eval_ppl"]
+    last_eval = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r][-1]
+    # the evaluation through the stages (the newest weights, whatever version 2BW still holds) equals transformers'
+    # forward of the reloaded export on the same blocks
+    assert last_eval["step"] == 8 and abs(last_eval["eval_loss"] - final["export_eval_loss"]) < 1e-6
     assert (out / "export" / "README.md").exists() and "exported" in log
     ckpt = out / "checkpoint-0000008"
     assert {"stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors"} <= {p.name for p in ckpt.iterdir()}

@@ -488,3 +488,35 @@ def test_error_feedback_state_round_trip():
     sd.pop("error_feedback")
     ob.load_state_dict(sd)
     assert ob.error_feedback["prev"] == {}
+
+
+def test_recipe_values_reach_muon_and_adamw_as_torch_reads_them():
+    """Every optimizer field of a recipe reaches the optimizer ``build_optimizer`` makes: a llama built with
+    non-default values (no Nesterov, momentum 0.9, 3 Newton-Schulz steps, the original lr adjustment, its own AdamW
+    lr, decay and betas; Newton-Schulz in bfloat16, as torch's) steps exactly as torch.optim.Muon and
+    torch.optim.AdamW built with those values by hand.
+    (The runtime tests build their reference with the same builder, so they cannot see a value dropped here.)"""
+    cfg = OptimizerConfig(name="muon", learning_rate=0.03, weight_decay=0.05, momentum=0.9, nesterov=False, ns_steps=3,
+                          adjust_lr="original", ns_dtype="bfloat16", adamw_lr=0.004, adamw_weight_decay=0.02,
+                          adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6)
+    model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(model, cfg, log=lambda *a: None)
+    kinds, theirs = classify_parameters(ref), dict(ref.named_parameters())
+    muon = [p for n, p in theirs.items() if kinds[n] == "muon"]
+    assert muon and len(muon) == sum(len(g["params"]) for g in opt.param_groups if g["use_muon"])
+    refs = [torch.optim.Muon(muon, lr=0.03, weight_decay=0.05, momentum=0.9, nesterov=False, ns_steps=3,
+                             adjust_lr_fn="original"),
+            torch.optim.AdamW([dict(params=[p for n, p in theirs.items() if kinds[n] == "adamw"], weight_decay=0.02),
+                               dict(params=[p for n, p in theirs.items() if kinds[n] == "adamw_no_decay"], weight_decay=0.0)],
+                              lr=0.004, betas=(0.8, 0.9), eps=1e-6, foreach=False)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        for r in refs:
+            r.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.data, q.data) <= 1e-6, n

@@ -178,13 +178,37 @@ FOUR = [
     (LLAMA, "pipedream", 4, 1, 2, "muon", True, 1),  # tied: the embedding 3 versions stale, the head's copy current
     (LLAMA, "2bw", 2, 2, 2, "muon", True, 2),   # data parallel 2 x pipeline 2
     (MIXTRAL_NO_AUX, "1f1b", 2, 2, 1, "adamw", False, 2),
+    (LLAMA_UNTIED, "gpipe", 2, 2, 1, "sgd", False, 2, 0.0),  # no clipping, SGD: a wrong replica mean moves every weight
 ]
 
 
 def test_four_processes_deeper_pipelines_and_data_parallel(tmp_path):
-    scenarios = [_scenario(*s[:7], dp=s[7], seed=50 + i) for i, s in enumerate(FOUR)]
+    scenarios = [_scenario(*s[:7], dp=s[7], seed=50 + i, clip=s[8] if len(s) > 8 else 0.5) for i, s in enumerate(FOUR)]
     results = run_distributed(pipeline_worker, 4, [(s[0], s[1]) for s in scenarios])
     _check(scenarios, results[0], export_dir=tmp_path)
+
+
+def local_worker(rank, world, scenarios):
+    """``schedule: none`` on ``world`` data-parallel processes: ``LocalEngine``'s own all-reduce of the gradients."""
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.topology import Topology
+
+    out = []
+    for recipe, replica_batches in scenarios:
+        topo = Topology(rank=rank, world_size=world, num_stages=1)
+        eng = LocalEngine(recipe, build(recipe), topo, log=lambda *a: None)
+        out.append((eng.train_steps(replica_batches[topo.dp_rank], 0), eng.full_state_dict(), 1))
+    return out
+
+
+def test_data_parallel_without_a_pipeline_equals_one_process_on_the_whole_batch():
+    """Two replicas of the single-process engine, each on its half of the batch, equal one process on the whole
+    batch: the mean of the replicas' gradients (not their sum), in the loss, the grad norm and the weights. SGD
+    without clipping makes a wrong mean visible in every weight, not only in the norm (clipping and the scale
+    invariance of Adam and Muon absorb a factor 2)."""
+    scenarios = [_scenario(LLAMA, "none", 1, 2, 2, "adamw", False, dp=2, seed=70),
+                 _scenario(MIXTRAL_NO_AUX, "none", 1, 2, 1, "sgd", False, dp=2, seed=71, clip=0.0)]
+    _check(scenarios, run_distributed(local_worker, 2, [(s[0], s[1]) for s in scenarios])[0])
 
 
 NAN_STEP = 2
