@@ -10,6 +10,8 @@ import logging
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -283,6 +285,22 @@ def bad_files(folder: Path) -> dict[str, str]:
         (folder / "secret.jsonl").chmod(0)
         reasons["secret.jsonl"] = "cannot be read (Permission denied)"
     return reasons
+
+
+def test_a_file_without_read_permission_is_named_as_such(tmp_path):
+    """The permission case of :func:`bad_files`, also where the suite runs as root (CI): root reads a mode-000 file
+    through its DAC capabilities, so the probe runs in a process whose bounding set lacks them."""
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(FIXTURE.read_text())
+    secret.chmod(0)
+    probe = [sys.executable, "-c", "import sys; from hf_asyncpp.datafiles import problem_of; print(problem_of(sys.argv[1], 'text'))",
+             str(secret)]
+    if os.geteuid() == 0:
+        probe = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
+                 *probe]
+    r = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{secret}: cannot be read (Permission denied)"
 
 
 def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, caplog):
