@@ -11,7 +11,8 @@ The layout (every file name is spelled here and nowhere else)::
 
     checkpoint-0000100/
       manifest.json                  written last: its presence makes the checkpoint complete
-      trainer_state.json             step, tokens, data positions per rank, the data files, topology, schedule
+      run_state.json                 step, tokens, data positions per rank, the data files, topology, schedule
+      trainer_state.json             transformers.TrainerState of the run (global_step, log_history): not read on resume
       rng-rank000.pt ...             python/torch RNG per rank
       config.json  tokenizer/  recipe.yaml
       model.safetensors  optimizer.pt                                      single-process run
@@ -34,7 +35,8 @@ from safetensors.torch import load_file, save as safetensors_bytes
 from .storage import Written, write_file
 
 MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.json"
+RUN_STATE = "run_state.json"
+TRAINER_STATE = "trainer_state.json"  # a Trainer's name: what tools for Trainer checkpoints read; our run state before
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -42,7 +44,7 @@ _VERSIONS = "-versions.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 RECIPE_FILE = "recipe.yaml"
-_LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "safetensors", "tokenizers")
+_LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
 _written: dict[str, Written] = {}  # absolute path -> size and sha256 of what this process wrote, until commit
 
 
@@ -52,6 +54,13 @@ class CheckpointError(RuntimeError):
 
 class MissingCheckpoint(CheckpointError, FileNotFoundError):
     """``training.resume_from_checkpoint`` names no complete checkpoint."""
+
+
+def run_state_file(path: Path) -> Path:
+    """A checkpoint's run state (what a resume restores): ``run_state.json``, or in a checkpoint written before the
+    Trainer's ``trainer_state.json`` was, that file, which then held the same record."""
+    new = Path(path) / RUN_STATE
+    return new if new.exists() else Path(path) / TRAINER_STATE
 
 
 def rng_file(rank: int) -> str:

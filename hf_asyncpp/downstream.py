@@ -30,6 +30,7 @@ from accelerate.utils import find_executable_batch_size
 from . import __version__
 from .evaluation import evaluate_perplexity, load_metric, resolve_device
 from .reporting import METRICS
+from .storage import write_file
 
 TARGET_DELIMITER = " "
 """lm-eval's default ``target_delimiter``, the same for all five tasks: continuation = delimiter + choice."""
@@ -383,8 +384,8 @@ def evaluate_tasks_during_training(engine, tokenizer, recipe, accelerator, out: 
     task_items = {t: _cached_task(t, (recipe.eval.task_files or {}).get(t), recipe.eval.limit) for t in tasks}
     res = score_tasks(model, tokenizer, task_items, limit=recipe.eval.limit)
     rec = {f"eval/{t}/{m}": r[m] for t, r in res.items() for m in ("acc", "acc_norm") if m in r}
-    with open(Path(out) / METRICS, "a") as f:
-        f.write(json.dumps({"step": step, **rec}) + "\n")
+    line = (json.dumps({"step": step, **rec}) + "\n").encode()
+    write_file(Path(out) / METRICS, lambda f: f.write(line), append=True, fsync=False)  # a full disk names the file
     accelerator.log(rec, step=step)
     return res
 

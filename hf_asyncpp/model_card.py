@@ -7,12 +7,11 @@ task, metric and split) and into a table in its text, each with what it was meas
 """
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import logging
 from pathlib import Path
 
-from .checkpoint import TRAINER_STATE
+from .checkpoint import library_versions, run_state_file
 from .config import Recipe, load_recipe
 from .downstream import SCORER, task_spec
 from .pipeline.schedules import SCHEDULES
@@ -192,10 +191,6 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
         schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
 
 
-def library_versions() -> dict[str, str]:
-    return {name: md.version(name) for name in ("hf_asyncpp", "transformers", "torch", "accelerate", "datasets")}
-
-
 def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | None, metrics: list[dict],
                      loss_curve: str | None = None) -> dict:
     """Card fields of a run: the training setup from its recipe, its progress, and the last evaluation at or before
@@ -229,13 +224,13 @@ def _continued_from(name_or_path: str | None) -> dict:
 
 
 def card_from_checkpoint(ckpt_dir) -> dict:
-    """Model-card fields from what a checkpoint holds: ``recipe.yaml`` (training setup), ``trainer_state.json``
-    (steps, tokens) and the run's ``metrics.jsonl`` one level up (the last evaluation at or before the step).
-    Whatever is absent is left out."""
+    """Model-card fields from what a checkpoint holds: ``recipe.yaml`` (training setup), ``run_state.json``
+    (steps, tokens; ``trainer_state.json`` in an older checkpoint) and the run's ``metrics.jsonl`` one level up (the
+    last evaluation at or before the step). Whatever is absent is left out."""
     ckpt = Path(ckpt_dir)
     step, tokens = None, None
-    if (ckpt / TRAINER_STATE).exists():
-        info = json.loads((ckpt / TRAINER_STATE).read_text())
+    if run_state_file(ckpt).exists():
+        info = json.loads(run_state_file(ckpt).read_text())
         step, tokens = info.get("step"), info.get("tokens")
     recipe = load_recipe(ckpt / "recipe.yaml") if (ckpt / "recipe.yaml").exists() else None
     return card_from_recipe(recipe, step, tokens, read_metrics(ckpt.parent / METRICS))

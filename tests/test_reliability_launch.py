@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,3 +98,14 @@ def test_pipelined_checkpoint_damage_is_named_and_latest_falls_back(tmp_path):
     assert f"resumed from {out / ckpt.checkpoint_name(4)} at step 4" in log
     assert losses(out) == reference  # steps 5-8 again, from checkpoint 4: bitwise the same
     assert ckpt.verify(good) == []  # checkpoint 8 written anew
+
+
+def test_every_rank_entry_point_notes_its_launcher_before_the_slow_imports():
+    """``supervision`` notes the launcher's pid when it is imported; a launcher that dies during the seconds that
+    torch and transformers take to import must still be noticed, so every entry point a rank runs imports it
+    before torch (the order of ``sys.modules`` is the order of first import)."""
+    for entry in ("hf_asyncpp.cli.train", "hf_asyncpp.trainer"):
+        code = (f"import sys, {entry}; names = list(sys.modules); "
+                "print(names.index('hf_asyncpp.supervision') < names.index('torch'))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip() == "True", (entry, r.stdout, r.stderr[-2000:])
