@@ -4,7 +4,9 @@
 process first checks there is room (at least the previous checkpoint's size free, else the run stops cleanly
 with the previous checkpoint the latest), every rank writes its engine part and RNG state into a temp dir, the
 data positions and the sizes and hashes of what each rank wrote are gathered, the main process adds config,
-tokenizer, recipe and ``trainer_state.json``, commits (manifest last), prunes, and pushes when asked.
+tokenizer, recipe, ``run_state.json`` (what a resume restores) and ``trainer_state.json`` (the run as a
+``transformers.TrainerState``, for tools made for Trainer checkpoints), commits (manifest last), prunes, and pushes
+when asked.
 
 Resume reverses it: :func:`choose_resume` verifies the checkpoint against its manifest (the ranks share the
 hashing) and, for ``latest``, falls back to the newest one that verifies; :func:`check_model` refuses a recipe
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from transformers import TrainerState
 
 from . import checkpoint as ckpt
 from . import storage, supervision
@@ -34,7 +37,7 @@ from .export import export_engine
 from .hub import Pusher, snapshot
 from .model_card import card_from_recipe
 from .modeling import build_config
-from .reporting import METRICS, read_metrics
+from .reporting import METRICS, log_history, read_metrics
 from .resume_report import resume_report
 from .storage import WriteError, human, write_error, writing
 from .topology import Topology
@@ -52,6 +55,17 @@ class RunState:
 
 _CONFIG_NOISE = {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "attn_implementation",
                  "output_attentions", "output_hidden_states", "return_dict"}  # (and private "_..." keys): not the model
+
+
+def trainer_state(recipe: Recipe, state: RunState, records: list[dict]) -> TrainerState:
+    """The run at ``state.step`` as the HF Trainer keeps it (``trainer_state.json``): its counters, and its log as
+    ``log_history`` from the run's metrics records. A step is an optimizer step, as in the Trainer; its batch size is
+    the microbatch (``per_device_train_batch_size``)."""
+    t = recipe.training
+    return TrainerState(global_step=state.step, max_steps=t.max_steps, logging_steps=t.logging_steps,
+                        eval_steps=t.eval_steps, save_steps=t.save_steps,
+                        train_batch_size=recipe.pipeline.microbatch_size, num_input_tokens_seen=state.tokens,
+                        log_history=log_history(records, t.logging_steps, t.max_steps, state.step))
 
 
 def data_fingerprint(files: list[str] | None) -> list | None:
@@ -166,10 +180,13 @@ class Checkpointer:
                     self.tokenizer.save_pretrained(str(tmp / ckpt.TOKENIZER_DIR))
                 with writing(tmp / ckpt.RECIPE_FILE):
                     save_recipe(self.recipe, tmp / ckpt.RECIPE_FILE)
-                ckpt.save_json(tmp / ckpt.TRAINER_STATE, {
+                ckpt.save_json(tmp / ckpt.RUN_STATE, {
                     "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
                     "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
                     "schedule": self.recipe.pipeline.schedule})
+                with writing(tmp / ckpt.TRAINER_STATE):
+                    trainer_state(self.recipe, state, read_metrics(self.out / METRICS)).save_to_json(
+                        str(tmp / ckpt.TRAINER_STATE))
                 written = {k: v for p in parts for k, v in p["written"].items()}
                 ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size,
                                          "num_stages": topo.num_stages}, written,
@@ -310,7 +327,7 @@ def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "
     (weights, optimizer/EF state and weight versions are matched by parameter name); with another
     data-parallel size the data order cannot be the uninterrupted one, which is logged. With other training
     files the saved position means nothing: the stream starts at their beginning, which is logged."""
-    meta = ckpt.load_json(path / ckpt.TRAINER_STATE)
+    meta = ckpt.load_json(ckpt.run_state_file(path))  # an older checkpoint's is trainer_state.json
     written = meta.get("schedule", schedule)
     if written != schedule:
         raise RecipeError(f"pipeline.schedule: {path} was written by a {written!r} run; resume it with the same schedule "

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from .config_names import RENAMED, TRAINER_EQUIVALENTS
+from .config_sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
 from .pipeline.schedules import SCHEDULES
 
 log = logging.getLogger("hf_asyncpp")
@@ -45,57 +46,9 @@ class RecipeError(ValueError):
     """An invalid recipe. The message names the dotted field and what is allowed."""
 
 
-def _range(lo=None, hi=None, lo_open=False):
-    return {"lo": lo, "hi": hi, "lo_open": lo_open}
-
-
 SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                         "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
 """transformers' ``SchedulerType`` values that need no metric (a test keeps this list equal to transformers')."""
-
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    config: Optional[dict] = None
-    """Kwargs for ``AutoConfig.for_model`` (must contain ``model_type``): random init."""
-    name_or_path: Optional[str] = None
-    """Local directory or Hub id for ``from_pretrained`` (alternative to ``config``)."""
-    tokenizer_name_or_path: Optional[str] = None
-    """Tokenizer path or Hub id; when unset a byte-level BPE is trained on the corpus."""
-    vocab_size: int = field(default=4096, metadata=_range(lo=256))
-    """Vocabulary size of the tokenizer trained on the corpus."""
-    attn_implementation: Optional[str] = None
-    """``sdpa``, ``eager``, ... (None: the model's default)."""
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    dataset: Optional[str] = None
-    """Hub id or datasets builder name, streamed (``load_dataset(..., streaming=True)``)."""
-    dataset_config: Optional[str] = None
-    """Builder config name for ``dataset``."""
-    train_split: str = "train"
-    """Split of ``dataset`` to train on."""
-    eval_split: Optional[str] = None
-    """Split of ``dataset`` for evaluation (None: 1 in 50 documents of the training stream, chosen by hash, are held out)."""
-    train_files: Optional[list[str]] = None
-    """Local text/jsonl/parquet files or globs; replace the default corpus."""
-    eval_files: Optional[list[str]] = None
-    """Local held-out files or globs."""
-    text_column: str = "text"
-    """Column holding the document text (jsonl, parquet, Hub datasets)."""
-    seq_len: int = field(default=128, metadata=_range(lo=2))
-    """Tokens per packed training block."""
-    shuffle_buffer: int = field(default=1000, metadata=_range(lo=0))
-    """Documents in the streaming shuffle buffer (0: no shuffle)."""
-    eval_blocks: int = field(default=32, metadata=_range(lo=1))
-    """Packed blocks of the held-out stream used for each evaluation."""
-    min_document_tokens: Optional[int] = field(default=None, metadata=_range(lo=0))
-    """Documents with fewer tokens are skipped and counted (None: ``seq_len``, a whole block; 0 keeps all)."""
-    data_dir: str = "data/sotu"
-    """Where the default corpus (State of the Union addresses) is prepared."""
-
 
 
 
@@ -200,14 +153,17 @@ class TrainingConfig:
     save_steps: int = field(default=0, metadata=_range(lo=0))
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: Optional[int] = field(default=2, metadata=_range(lo=1))
-    resume_from_checkpoint: Optional[str] = None
-    """``latest`` or a checkpoint directory."""
+    resume_from_checkpoint: Union[str, bool, None] = None
+    """``latest`` or a checkpoint directory; ``true`` (the Trainer's value) means ``latest``."""
     overwrite_output_dir: bool = False
     """A run that resumes nothing stops before writing anything when ``output_dir`` holds another run (its
     checkpoints, metrics, export); true: that run is removed first (the Trainer's name)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """accelerate trackers (tensorboard, wandb, mlflow, trackio, ...); [] or [none] disables. A tracker whose package
-    is not installed is an error naming it."""
+    """accelerate trackers (tensorboard, wandb, mlflow, trackio, ...); ``all``: every installed one; [] or [none]
+    disables. A tracker whose package is not installed is an error naming it."""
+    project: Optional[str] = None
+    """The trackers' project (tensorboard's folder under ``output_dir/logs``, wandb's project). Unset: the tracker's
+    own variable where it is set (WANDB_PROJECT, COMET_PROJECT_NAME), else ``hf_asyncpp``."""
     run_name: Optional[str] = None
     """The trackers' run name (default: the output directory's name); a resumed run continues the same tracker run."""
     peak_tflops: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
@@ -392,7 +348,8 @@ def _build(cls, data, where: str):
 def _cross_checks(r: Recipe) -> None:
     """Constraints between fields, named by the field a user would change."""
     if (r.model.config is None) == (r.model.name_or_path is None):
-        raise RecipeError("model: give exactly one of model.config (random init) or model.name_or_path")
+        both = "; both are set: remove one (--model.config=null removes the recipe's)" if r.model.config is not None else ""
+        raise RecipeError(f"model: give exactly one of model.config (random init) or model.name_or_path{both}")
     if r.model.config is not None and "model_type" not in r.model.config:
         raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
     p = r.pipeline
@@ -411,6 +368,8 @@ def _cross_checks(r: Recipe) -> None:
             f"use it with pipeline.schedule 'none' (the {p.schedule!r} schedule produces its delay for real)"
         )
     t = r.training
+    if isinstance(t.resume_from_checkpoint, bool):  # the Trainer's boolean: true resumes the newest checkpoint
+        t.resume_from_checkpoint = "latest" if t.resume_from_checkpoint else None
     if isinstance(t.warmup_steps, float) and t.warmup_steps >= 1 and not t.warmup_steps.is_integer():
         raise RecipeError(f"training.warmup_steps: {t.warmup_steps} is neither a number of steps (an integer) nor a "
                           "fraction of max_steps (below 1)")
@@ -432,7 +391,8 @@ def _cross_checks(r: Recipe) -> None:
     if r.hub.push_to_hub and not r.hub.hub_model_id:
         raise RecipeError("hub.hub_model_id: required when hub.push_to_hub is true (e.g. 'user/my-model')")
     if r.data.train_files is not None and r.data.dataset is not None:
-        raise RecipeError("data: give data.train_files or data.dataset, not both")
+        raise RecipeError("data: give data.train_files or data.dataset, not both: remove one (--data.dataset=null "
+                          "removes the recipe's)")
 
 
 def recipe_from_dict(data: dict) -> Recipe:
@@ -453,8 +413,10 @@ def _parse_scalar(text: str):
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``--section.field=value`` overrides (values parsed as YAML) to a raw recipe dict."""
+    """Apply ``--section.field=value`` overrides (values parsed as YAML) to a raw recipe dict; a field given here
+    replaces its alternative in the file (:func:`_yield_to_command_line`)."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
+    given = set()
     for ov in overrides:
         if not ov.startswith("--") or "=" not in ov:
             raise RecipeError(f"override {ov!r}: expected --section.field=value, e.g. --training.max_steps=50")
@@ -467,7 +429,32 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise RecipeError(f"override {ov!r}: {part} is not a section")
             node = nxt
         node[parts[-1]] = _parse_scalar(value)
+        given.add(key)
+    _yield_to_command_line(data, given)
     return data
+
+
+def _yield_to_command_line(data: dict, given: set[str]) -> None:
+    """Of two alternative fields (``ALTERNATIVES``), one given on the command line replaces the recipe file's other:
+    ``--model.name_or_path=my-model`` over a random-init recipe means "train my-model", not "give both"."""
+    for section, a, b in ALTERNATIVES:
+        node = data.get(section)
+        for mine, other in ((a, b), (b, a)):
+            if (isinstance(node, dict) and f"{section}.{mine}" in given and f"{section}.{other}" not in given
+                    and node.get(mine) is not None and node.get(other) is not None):
+                del node[other]
+                _say_once(f"--{section}.{mine} replaces the recipe's {section}.{other} (a recipe gives one of the two)")
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A warning said by one process of a run (rank 0, or the launcher), once: ``hf-asyncpp train`` loads the
+    recipe twice (the command, then the trainer)."""
+    if os.environ.get("RANK", "0") == "0" and message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:

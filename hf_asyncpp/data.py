@@ -40,9 +40,11 @@ see :mod:`hf_asyncpp.datafiles`), empty files, empty or blank documents and
 non-string values (``skipped_empty``), documents with invalid UTF-8 (decoded
 with U+FFFD replacement characters, then skipped: ``skipped_invalid_utf8``) and
 documents with fewer than ``min_document_tokens`` tokens (``skipped_short``;
-default: ``seq_len``, so a document shorter than one block is dropped; 0 keeps
-and packs every document) are skipped, counted in ``BlockStream.stats`` and
-logged (logger ``hf_asyncpp.data``). A corpus with no usable document at all,
+the default 0 skips none: short documents are packed together, as transformers'
+``run_clm`` does, where a minimum of one block dropped 84% of a corpus of
+paragraphs at ``seq_len`` 128; null: ``seq_len``) are skipped, counted in
+``BlockStream.stats`` and logged (logger ``hf_asyncpp.data``; the short ones
+also as a count at the end of each epoch). A corpus with no usable document at all,
 or fewer tokens than one block, is a ``DataError`` (a ``ValueError``) naming its
 files, each skipped file's reason and the column.
 """
@@ -410,9 +412,9 @@ class BlockStream:
         c = self._epoch_counts
         log.info("epoch %d done on rank %d/%d: %d blocks of %d tokens; totals %s", self.epoch, self.rank,
                  self.world_size, self.blocks, self.cfg.seq_len, self.stats)
-        if c["skipped_short"] > c["documents"]:
+        if c["skipped_short"]:  # a minimum the recipe set: what it cost is said every epoch
             log.warning("%d of %d documents of epoch %d were shorter than data.min_document_tokens=%d and skipped; "
-                        "set data.min_document_tokens: 0 to pack short documents together instead",
+                        "data.min_document_tokens: 0 (the default) packs short documents together instead",
                         c["skipped_short"], c["skipped_short"] + c["documents"], self.epoch, self.min_tokens)
 
     def _empty_message(self) -> str:

@@ -4,7 +4,10 @@
 folder is handed over as a snapshot (hard links, so pruning or the next export cannot change it mid-upload) and
 removed once uploaded. The token comes from the environment (``HF_TOKEN``) or the cached login; it is never printed
 or logged (error texts are scrubbed of anything token-shaped). A failed upload is retried with backoff, then
-reported; the local folder is always kept. ``wait()`` at the end of a run returns the commits.
+reported; the local folder is always kept. ``wait()`` at the end of a run returns the commits, and
+``raise_failures()`` then ends the run with a :class:`HubError` if a push never landed. :func:`check_repo` is the
+Trainer's check at its start (token and repository), so that a bad token fails in the first seconds, not after the
+training.
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ _TOKEN = re.compile(r"\b(?:hf|api_org)_[A-Za-z0-9_]{16,}|(?<=Bearer )[^\s'\"]+")
 _TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN")
 
 
+class HubError(RuntimeError):
+    """The Hub refuses the run's token or repository, or a push failed for good; the message names the field."""
+
+
 def _scrub(text: str) -> str:
     """``text`` without tokens: the token-shaped strings, and the token values set in the environment (any form)."""
     for name in _TOKEN_ENV:
@@ -35,9 +42,34 @@ def _scrub(text: str) -> str:
     return _TOKEN.sub("***", text)
 
 
+def cause_of(e: BaseException) -> str:
+    """The first line of an error, without tokens."""
+    text = str(e).strip().splitlines()
+    return _scrub(f"{type(e).__name__}: {text[0] if text else ''}")
+
+
+def check_repo(cfg: HubConfig) -> None:
+    """As the Trainer does at its start (``init_hf_repo``): the token is accepted (``whoami``) and the repository
+    exists or can be created (``create_repo(exist_ok=True)``); a HubError naming the token or ``hub.hub_model_id``."""
+    import huggingface_hub  # looked up at call time: the network edge tests replace HfApi
+
+    api = huggingface_hub.HfApi()
+    try:
+        user = api.whoami().get("name", "?")
+    except Exception as e:  # noqa: BLE001 - no token, a refused token and no network all end here
+        raise HubError(f"hub.push_to_hub: the Hugging Face Hub does not accept the token ({cause_of(e)}); log in with "
+                       "`hf auth login` or set HF_TOKEN, check that the Hub is reachable, or set hub.push_to_hub=false") from None
+    try:
+        api.create_repo(cfg.hub_model_id, private=cfg.private, exist_ok=True, repo_type="model")
+    except Exception as e:  # noqa: BLE001 - a bad name, a namespace the token may not write to
+        raise HubError(f"hub.hub_model_id: {cfg.hub_model_id!r} cannot be created or used by {user} ({cause_of(e)}); "
+                       "choose a repository the token may write to") from None
+
+
 def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None = None, commit_message: str = "",
-                retries: int = 3, backoff_s: float = 2.0) -> str | None:
-    """create_repo + upload_folder with retries; returns the commit URL, or None after the last failure."""
+                retries: int = 3, backoff_s: float = 2.0, failures: list[str] | None = None) -> str | None:
+    """create_repo + upload_folder with retries; returns the commit URL, or None after the last failure (then
+    appended to ``failures``)."""
     import huggingface_hub  # looked up at call time: the network edge tests replace HfApi
 
     folder = Path(folder)
@@ -57,6 +89,8 @@ def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None 
             if attempt < retries:
                 time.sleep(backoff_s * attempt)
     log.error("giving up pushing %s to %s after %d attempts (%s); the local copy is kept", folder, cfg.hub_model_id, retries, last)
+    if failures is not None:
+        failures.append(f"{folder.name}: {last}")
     return None
 
 
@@ -75,12 +109,14 @@ class Pusher:
         self.cfg = cfg
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_asyncpp-hub")
         self.futures: list[Future] = []
+        self.failures: list[str] = []  # "folder: cause" of each push that never landed
 
     def push(self, folder: Path, *, path_in_repo: str | None = None, commit_message: str = "",
              remove_after: bool = False) -> Future:
         def job():
             try:
-                return push_folder(folder, self.cfg, path_in_repo=path_in_repo, commit_message=commit_message)
+                return push_folder(folder, self.cfg, path_in_repo=path_in_repo, commit_message=commit_message,
+                                   failures=self.failures)
             finally:
                 if remove_after:
                     shutil.rmtree(folder, ignore_errors=True)
@@ -94,3 +130,13 @@ class Pusher:
         results = [f.result() for f in self.futures]
         self.pool.shutdown(wait=True)
         return results
+
+    def raise_failures(self, out: Path) -> None:
+        """After ``wait()``, once every file of the run is written: a HubError if any push never landed, so that
+        the run does not end as a success with its model missing from the Hub."""
+        if self.failures:
+            export = out / "export"
+            folder = export if export.is_dir() else "FOLDER"
+            raise HubError(f"hub.hub_model_id: {len(self.failures)} push(es) to {self.cfg.hub_model_id!r} failed "
+                           f"({'; '.join(self.failures)}); the run's files are kept in {out}: upload them with "
+                           f"`hf upload {self.cfg.hub_model_id} {folder}` once the Hub is reachable")

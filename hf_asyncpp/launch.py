@@ -7,7 +7,8 @@ on a free local port, one worker per stage, a dead worker ends the others): on C
 least p GPUs with NCCL, and with fewer GPUs than stages with gloo and the stages sharing the GPUs (NCCL refuses two
 ranks on one GPU). A process started by a launcher (``WORLD_SIZE`` set: torchrun, ``accelerate launch`` with a
 multi-process config, MPI) is used as it is; ``HF_ASYNCPP_NO_SPAWN=1`` turns the hand-over off (the trainer then
-stops with the command to run).
+stops with the command to run). The processes started here report an error through ``failures.py``: the user sees
+one ``error:`` line, the first cause, in place of one per rank and torchrun's own failure report.
 
 SLURM's ``srun`` starts the tasks itself (one per GPU) but sets only ``SLURM_*`` variables, none of the ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` that ``torch.distributed`` reads: a task of an srun step with more than one task is
@@ -16,13 +17,16 @@ the process group is created (``trainer.train`` calls it first).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 import torch
@@ -30,6 +34,8 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .config import Recipe, RecipeError
+from .failures import DEBUG_ENV, ERROR_DIR, first_error
+from .preflight import CHECKED
 from .shipped import shipped_file
 
 log = logging.getLogger("hf_asyncpp")
@@ -250,8 +256,39 @@ def accelerate_config(n: int) -> Path | None:
     return path if path.is_file() else None
 
 
-def spawn(recipe: Recipe, argv: list[str]) -> int:
-    """Run ``hf_asyncpp.cli.train argv`` on ``processes_needed(recipe)`` local processes; their exit code."""
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ (which the started processes inherit) for the block, then as they were."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _torchrun_quiet(quiet: bool) -> Iterator[None]:
+    """Without --debug, torchrun's own reports of a failed worker (``failed (exitcode: 6)``, ``Sending process ...
+    closing signal``) are left out: the workers' error says it once (failures.first_error)."""
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")] if quiet else []
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
+    """Run ``hf_asyncpp.cli.train argv`` on ``processes_needed(recipe)`` local processes, whose recipe the caller
+    checked (preflight.py); their exit code, and a failure's one ``error:`` line."""
     n = processes_needed(recipe)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     how = "gloo on CPU"
@@ -263,11 +300,15 @@ def spawn(recipe: Recipe, argv: list[str]) -> int:
           f"({how}; set {NO_SPAWN}=1 to launch them yourself)", flush=True)
     args = torchrun.get_args_parser().parse_args(
         ["--standalone", f"--nproc_per_node={n}", "--module", "hf_asyncpp.cli.train", *argv])
-    try:
-        torchrun.run(args)
-    except ChildFailedError as e:  # the workers printed their own errors
-        codes = [f.exitcode for f in e.failures.values()]
-        return next((c for c in codes if c > 0), 1)
+    with tempfile.TemporaryDirectory(prefix="hf_asyncpp-errors-") as errors:
+        env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {})}
+        with _environment(env), _torchrun_quiet(not debug):
+            try:
+                torchrun.run(args)
+            except ChildFailedError as e:  # the workers left their errors in `errors`
+                line, code = first_error(e.failures, Path(errors))
+                print(line, file=sys.stderr, flush=True)
+                return code
     return 0
 
 

@@ -1,11 +1,13 @@
 """What a run tells its user while it trains: metrics.jsonl, the trackers, the progress bar, the loss curve.
 
-Only the main process writes. ``metrics.jsonl`` gets one record per step (``step, loss, lr, grad_norm, tokens,
-tokens_per_s, applied, elapsed_s, train_s``: seconds since this process started training, when the result
-arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
-time-to-loss comparison) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``); the trackers and the log
-get the mean over each ``training.logging_steps`` interval, as the HF Trainer does. Reporting never waits on the
-pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing in what is computed.
+Only the main process writes. ``metrics.jsonl`` gets one record per step (``step, loss, learning_rate, grad_norm,
+num_input_tokens_seen, tokens_per_s, applied, elapsed_s, train_s``: seconds since this process started training, when
+the result arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
+time-to-loss comparison) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``). Where a number is one the HF
+Trainer logs, it has the Trainer's name, so a script written for a Trainer's ``log_history`` reads ours. The trackers
+and the log get the mean over each ``training.logging_steps`` interval, as the HF Trainer does (:func:`interval_log`).
+Reporting never waits on the pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing
+in what is computed.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import accelerate.utils
 import torch
 from tqdm.auto import tqdm
-from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
 from .config import Recipe, RecipeError, recipe_to_dict
 from .storage import write_file, writing
@@ -27,13 +29,21 @@ log = logging.getLogger("hf_asyncpp")
 
 METRICS = "metrics.jsonl"
 PROJECT = "hf_asyncpp"
+PROJECT_ENV = {"wandb": "WANDB_PROJECT", "comet_ml": "COMET_PROJECT_NAME"}
+"""Each tracker's own variable for its project, read when ``training.project`` is unset (the Trainer's wandb users
+set WANDB_PROJECT)."""
+OLD_KEYS = {"lr": "learning_rate", "tokens": "num_input_tokens_seen"}
+"""metrics.jsonl keys written before the Trainer's names were used, and their names now."""
 # peak dense bf16 TFLOP/s of one device, for train/mfu (training.peak_tflops overrides; no entry: no MFU)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 
 
 def check_trackers(report_to: list[str]) -> list[str]:
     """The trackers to start: each must be one accelerate knows and have its package installed (accelerate would
-    drop it with a debug log; a run the user thinks is tracked must not silently be untracked)."""
+    drop it with a debug log; a run the user thinks is tracked must not silently be untracked). ``all`` is the
+    Trainer's value: every installed tracker (accelerate's own list of them)."""
+    if "all" in report_to:
+        return [str(t) for t in get_available_trackers()]
     names = [r for r in report_to if r != "none"]
     for name in names:
         if name not in LOGGER_TYPE_TO_CLASS:
@@ -43,6 +53,15 @@ def check_trackers(report_to: list[str]) -> list[str]:
             raise RecipeError(f"training.report_to: {name!r} needs the package {name}, which is not installed: "
                               f"pip install {name} (or hf_asyncpp[{name}]), or remove it from training.report_to")
     return names
+
+
+def tracker_project(project: str | None, trackers: list[str]) -> str:
+    """The trackers' project: ``training.project``; unset, a started tracker's own variable where it is set
+    (``PROJECT_ENV``: accelerate hands every tracker the project it is given, which would override it), else
+    ``hf_asyncpp``."""
+    if project:
+        return project
+    return next((os.environ[PROJECT_ENV[t]] for t in trackers if os.environ.get(PROJECT_ENV.get(t, ""))), PROJECT)
 
 
 def model_flops_per_token(config, seq_len: int) -> float:
@@ -81,14 +100,64 @@ def read_metrics(path: Path) -> list[dict]:
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             log.warning("%s line %d is not a whole record (a write cut short?); left out: %r", path, number, line[:80])
             continue
-        rows.append(rec)
+        rows.append(current_keys(rec))
     return rows
 
 
+def current_keys(rec: dict) -> dict:
+    """A record under today's key names: a metrics.jsonl written by an earlier version (``lr``, ``tokens``) reads
+    as one written now, so every reader names one key."""
+    return {(OLD_KEYS[k] if k in OLD_KEYS and OLD_KEYS[k] not in rec else k): v for k, v in rec.items()}
+
+
+def interval_log(rows: list[dict]) -> dict:
+    """The log entry of one ``logging_steps`` interval of step records, as the HF Trainer makes it (a
+    ``log_history`` entry): the mean loss and grad norm over its steps, the learning rate and the tokens seen at its
+    last step; and that step's tokens_per_s."""
+    def mean(key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    last = rows[-1]
+    entry = {"loss": mean("loss"), "grad_norm": mean("grad_norm"), "learning_rate": last["learning_rate"],
+             "num_input_tokens_seen": last["num_input_tokens_seen"], "tokens_per_s": last["tokens_per_s"],
+             "step": last["step"]}
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+def log_history(records: list[dict], logging_steps: int, max_steps: int, step: int) -> list[dict]:
+    """A run's log up to ``step`` as a Trainer's ``TrainerState.log_history``: an :func:`interval_log` entry per
+    logging interval completed (what the trackers got) and every other record (evaluations) as it was written."""
+    history, interval = [], []
+    for rec in records:
+        if rec["step"] > step:
+            continue
+        if "loss" not in rec:
+            history.append(rec)
+            continue
+        interval.append(rec)
+        if rec["step"] % logging_steps == 0 or rec["step"] == max_steps:
+            history.append(interval_log(interval))
+            interval = []
+    return history
+
+
+def plain_line(entry: dict, max_steps: int) -> str:
+    """One interval in words, for a log file (a SLURM batch log) where a progress bar would be carriage returns."""
+    parts = [f"loss {entry['loss']:.4f}", f"learning_rate {entry['learning_rate']:.3e}"]
+    if "grad_norm" in entry:
+        parts.append(f"grad_norm {entry['grad_norm']:.4f}")
+    parts.append(f"tokens/s {entry['tokens_per_s']:,.0f}")
+    return f"step {entry['step']}/{max_steps}: " + ", ".join(parts)
+
+
 class RunLog:
-    """Tracker keys as the HF Trainer's users expect: ``train/loss``, ``train/lr``, ``train/grad_norm``,
-    ``train/tokens_per_s``, ``train/mfu`` (where the device's peak is known), ``eval/loss``, ``eval/perplexity``.
-    The tracker run is named ``training.run_name`` and continues on resume (its id is the run's, in the checkpoint)."""
+    """Tracker keys are the HF Trainer's where the number is one it reports: ``train/loss``, ``train/learning_rate``,
+    ``train/grad_norm``, ``train/num_input_tokens_seen``, ``eval/loss``; ours besides: ``train/tokens_per_s``,
+    ``train/mfu`` (where the device's peak is known), ``eval/perplexity``, ``eval/tokens``. The tracker run is named
+    ``training.run_name`` in the project ``training.project`` and continues on resume (its id is the run's, in the
+    checkpoint). The progress bar is for a terminal; where stderr is none (a SLURM batch log) it is off and each
+    logging interval is one log line instead."""
 
     def __init__(self, out: Path, recipe: Recipe, accelerator, state, tokens_per_step: int,
                  flops_per_token: float | None = None):
@@ -102,12 +171,15 @@ class RunLog:
         self.bar = None
         if self.main:
             self._truncate(state.step)
-            run_name = recipe.training.run_name or out.resolve().name
-            accelerator.init_trackers(PROJECT, config=_flat(recipe), init_kwargs={
+            t = recipe.training
+            run_name = t.run_name or out.resolve().name
+            project = tracker_project(t.project, check_trackers(t.report_to))
+            accelerator.init_trackers(project, config=_flat(recipe), init_kwargs={
                 "wandb": {"name": run_name, "id": state.run_id, "resume": "allow"},
                 "mlflow": {"run_name": run_name}, "trackio": {"name": run_name}, "swanlab": {"experiment_name": run_name},
                 "comet_ml": {"experiment_key": state.run_id}, "aim": {"run_hash": state.run_id}})
-            self.bar = tqdm(total=recipe.training.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+                            disable=None)  # None: off where stderr is no terminal (tqdm's own test)
         self._start = time.perf_counter()
         self._train_s = 0.0  # training seconds up to the last step record (evaluations, checkpoints excluded)
         self.restart_clock()
@@ -140,8 +212,8 @@ class RunLog:
         now = time.perf_counter()
         rate = self._steps * self.tokens_per_step / max(now - self._t0, 1e-9)
         self._train_s = self._train_base + now - self._t0
-        rec = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-               "tokens": tokens, "tokens_per_s": rate, "applied": result.applied, "elapsed_s": round(now - self._start, 4),
+        rec = {"step": result.step + 1, "loss": result.loss, "learning_rate": result.lr, "grad_norm": result.grad_norm,
+               "num_input_tokens_seen": tokens, "tokens_per_s": rate, "applied": result.applied, "elapsed_s": round(now - self._start, 4),
                "train_s": round(self._train_s, 4)}
         if result.skipped_nonfinite:
             rec["skipped_nonfinite"] = True
@@ -154,16 +226,15 @@ class RunLog:
 
     def _flush_interval(self) -> None:
         rows, self.interval = self.interval, []
-        mean = lambda key: (sum(r[key] for r in rows if r[key] is not None) / max(1, sum(r[key] is not None for r in rows)))
-        step = rows[-1]["step"]
-        summary = {"train/loss": mean("loss"), "train/lr": rows[-1]["lr"], "train/tokens_per_s": rows[-1]["tokens_per_s"],
-                   "train/tokens": rows[-1]["tokens"]}
-        if any(r["grad_norm"] is not None for r in rows):
-            summary["train/grad_norm"] = mean("grad_norm")
+        entry = interval_log(rows)
+        summary = {f"train/{k}": v for k, v in entry.items() if k != "step"}  # as the Trainer's rewrite_logs names them
         if self.peak:
-            summary["train/mfu"] = rows[-1]["tokens_per_s"] * self.flops_per_token / self.peak
-        self.accelerator.log(summary, step=step)
-        self.bar.set_postfix(loss=f"{summary['train/loss']:.3f}", tok_s=f"{summary['train/tokens_per_s']:.0f}")
+            summary["train/mfu"] = entry["tokens_per_s"] * self.flops_per_token / self.peak
+        self.accelerator.log(summary, step=entry["step"])
+        if self.bar.disable:
+            log.info(plain_line(entry, self.recipe.training.max_steps))
+        else:
+            self.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:.0f}")
 
     def eval(self, step: int, nll: float, tokens: int, res: dict) -> dict:
         rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens}

@@ -12,7 +12,6 @@ import itertools
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,30 +26,25 @@ from . import checkpoint as ckpt
 from .checkpointer import (Checkpointer, RunState, check_fresh_run, check_model, choose_resume, rank_seed,
                            set_seed)
 from .config import Recipe, RecipeError, load_recipe, save_recipe
-from .data import BlockStream, DataError, eval_blocks, next_batch, resolve_data_files, train_hold_out
+from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, train_hold_out
 from .downstream import evaluate_tasks_during_training
-from .engine import Engine, LocalEngine, NonFiniteError
+from .engine import Engine, LocalEngine
 from .evaluation import perplexity_from_sums
 from .export import export_run
+from .failures import debug_requested, report, without_debug
 from .hub import Pusher
-from .launch import adopt_slurm, launch_command, processes_needed
+from .launch import adopt_slurm, launch_command, processes_needed, started_by_launcher
 from .modeling import build_model
 from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
-from .pipeline.p2p import PeerFailure
 from .pipeline.profile import write_report
+from .preflight import CHECKED, check_output_dir, check_recipe
 from .reporting import RunLog, check_trackers, model_flops_per_token
-from .storage import WriteError, writing
+from .storage import writing
 from .tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
 from .topology import Topology, local_device
 
 log = logging.getLogger("hf_asyncpp")
-
-EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troubleshooting.md lists them)
-    (RecipeError, 2), (NonFiniteError, 3), (PeerFailure, 3), (WriteError, 4), (ckpt.CheckpointError, 5),
-    (DataError, 6),
-)
-DEBUG_ENV = "HF_ASYNCPP_DEBUG"  # set to 1 (or pass --debug) for the traceback behind an `error:` line
 
 # ---------------------------------------------------------------------------- setup
 
@@ -73,18 +67,6 @@ def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE")
         raise RecipeError(
             f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
             f"{'was' if world_size == 1 else 'were'} started. Run:\n{launch_command(recipe, recipe_path)}")
-
-
-def check_output_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise RecipeError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
-    return out
 
 
 # ---------------------------------------------------------------------------- run
@@ -198,6 +180,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             pusher.wait()
         engine.close()
         accelerator.end_training()
+        if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
+            pusher.raise_failures(out)
         return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
     last_eval = evaluate(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
@@ -213,32 +197,43 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     accelerator.wait_for_everyone()
     engine.close()
     accelerator.end_training()
+    if pusher is not None:  # every file is written: now a push that never landed fails the run
+        pusher.raise_failures(out)
     return summary
 
 
-def exit_code(e: BaseException) -> int | None:
-    """The exit code of an error a user can meet (None: a bug, shown with its traceback)."""
-    return next((code for kind, code in EXIT_CODES if isinstance(e, kind)), None)
+def is_main_rank() -> bool:
+    """Rank 0, or a process no launcher started (before the process group exists; SLURM's before adopt_slurm)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train a recipe; the exit code (docs/troubleshooting.md). The user's errors become one line (failures.py),
+    anything else keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
+    debug = debug_requested(argv)
+    argv = without_debug(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: hf-asyncpp train RECIPE.yaml [--section.field=value ...] [--debug]")
         return 0 if argv else 2
-    try:
+    try:  # what every rank meets identically: printed by one process per node
         recipe = load_recipe(argv[0], argv[1:])
-        summary = train(recipe, argv[0])
-    except Exception as e:  # noqa: BLE001 - the user's errors become one line; anything else keeps its traceback
-        code = exit_code(e)
+        adopt_slurm()  # under srun: the ranks' variables, before the checks ask which rank this is
+        if not started_by_launcher():  # one process (HF_ASYNCPP_NO_SPAWN=1): first the command that starts them all
+            check_topology(recipe, 1, argv[0])
+        if not os.environ.get(CHECKED):  # not already checked by the process that started this one
+            check_recipe(recipe, hub=is_main_rank())
+    except Exception as e:  # noqa: BLE001
+        code = report(e, debug, same_everywhere=True)
         if code is None:
             raise
-        if debug:
-            traceback.print_exc()
-        kind = "" if isinstance(e, RecipeError) else f"{type(e).__name__}: "
-        print(f"error: {kind}{e}", file=sys.stderr)
+        return code
+    try:
+        summary = train(recipe, argv[0])
+    except Exception as e:  # noqa: BLE001
+        code = report(e, debug)
+        if code is None:
+            raise
         return code
     if not summary.get("is_main", True):
         return 0

@@ -184,7 +184,7 @@ def test_two_torchrun_nodes_equal_one(tmp_path):
         for rc, log in run_all(cmds, [env] * nodes):
             assert rc == 0, log[-3000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in rows if "loss" in r]
+        runs[name] = [(r["step"], r["loss"], r["grad_norm"], r["num_input_tokens_seen"]) for r in rows if "loss" in r]
     assert [r[0] for r in runs["one-node"]] == [1, 2, 3]
     assert runs["one-node"][0][3] == 2 * 2 * 32 * 2  # 2 microbatches x 2 sequences x 32 tokens x 2 replicas
     assert runs["two-nodes"] == runs["one-node"]

@@ -1,7 +1,10 @@
 """Recipe loading: every bad input names the dotted field and what is allowed."""
+import logging
+
 import pytest
 import yaml
 
+from hf_asyncpp import config
 from hf_asyncpp.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict, save_recipe
 
 BASE = {"model": {"config": {"model_type": "llama", "hidden_size": 32}}}
@@ -78,6 +81,38 @@ def test_overrides_and_roundtrip(tmp_path):
         load_recipe(path, ["--training.max_steps=x"])
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_a_command_line_field_replaces_its_alternative_from_the_recipe_file(tmp_path, caplog, monkeypatch):
+    """``--model.name_or_path`` over a random-init recipe trains that model (the command line wins, said in a log
+    line); a recipe that gives both, in its file or on the command line, is an error that names the fix."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "data": {"dataset": "org/corpus"}}))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(config, "_SAID", set())  # said once per process: this test's process may have said it
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        r = load_recipe(path, ["--model.name_or_path=byo/gpt2", "--data.train_files=[a.jsonl]"])
+    assert (r.model.name_or_path, r.model.config, r.data.train_files, r.data.dataset) == ("byo/gpt2", None, ["a.jsonl"], None)
+    assert "--model.name_or_path replaces the recipe's model.config" in caplog.text
+    assert "--data.train_files replaces the recipe's data.dataset" in caplog.text
+    caplog.clear()
+    load_recipe(path, ["--model.name_or_path=byo/gpt2"])  # `hf-asyncpp train` loads a recipe twice: said once
+    assert "replaces" not in caplog.text
+    pretrained = tmp_path / "p.yaml"
+    pretrained.write_text(yaml.safe_dump({"model": {"name_or_path": "byo/gpt2"}}))
+    monkeypatch.setenv("RANK", "1")  # one process says it, not every rank
+    caplog.clear()
+    r = load_recipe(pretrained, ["--model.config={model_type: llama}"])
+    assert (r.model.name_or_path, r.model.config) == (None, {"model_type": "llama"}) and "replaces" not in caplog.text
+    assert load_recipe(path, ["--model.config=null", "--model.name_or_path=byo/gpt2"]).model.config is None
+    both = r"model: give exactly one of model\.config \(random init\) or model\.name_or_path; both are set: remove one " \
+           r"\(--model\.config=null removes the recipe's\)"
+    with pytest.raises(RecipeError, match=both):
+        load_recipe(path, ["--model.name_or_path=byo/gpt2", "--model.config={model_type: llama}"])
+    with pytest.raises(RecipeError, match=both):
+        recipe_from_dict({"model": {**BASE["model"], "name_or_path": "byo/gpt2"}})
+    with pytest.raises(RecipeError, match=r"data\.dataset, not both: remove one \(--data\.dataset=null removes the recipe's\)"):
+        recipe_from_dict({**BASE, "data": {"dataset": "org/corpus", "train_files": ["a.jsonl"]}})
 
 
 def test_shipped_recipes_load():

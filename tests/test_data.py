@@ -104,6 +104,33 @@ def test_packing_keeps_every_token_and_joins_with_eos(tok, tmp_path):
     assert pieces[:-1] == docs[:len(pieces) - 1] and docs[len(pieces) - 1].startswith(pieces[-1])
 
 
+def test_short_documents_are_packed_by_default_and_a_minimum_reports_what_it_skips(tok, tmp_path, caplog):
+    """A .txt corpus is a document per paragraph, most shorter than a block: the default packs every one of them
+    (a minimum of one block once dropped 84% of such a corpus), in training and held-out data alike; a minimum the
+    recipe sets is reported with the number of documents it skipped."""
+    docs = [f"Paragraph {i}." + " And liberty." * (i % 3) for i in range(40)]
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(docs) + "\n")
+    T = 48
+    assert all(len(ids(tok, d)) < T for d in docs)
+    s = BlockStream(DataConfig(seq_len=T), tok, [str(path)], shuffle=False, repeat=False)
+    flat = torch.cat(list(s)).tolist()
+    expected = packed(tok, docs)
+    assert flat == expected[:len(expected) // T * T] and len(expected) - len(flat) < T  # all but the last partial block
+    assert (s.stats["documents"], s.stats["skipped_short"]) == (40, 0)
+    held = eval_blocks(DataConfig(seq_len=T), tok, [str(path)], 1000)  # the held-out stream: the same rule
+    assert held.flatten().tolist() == flat
+
+    short = [d for d in docs if len(ids(tok, d)) < 12]
+    assert 0 < len(short) < len(docs) / 2  # a minority: reported all the same
+    with caplog.at_level(logging.INFO, logger="hf_asyncpp.data"):
+        s = BlockStream(DataConfig(seq_len=T, min_document_tokens=12), tok, [str(path)], shuffle=False, repeat=False)
+        kept = torch.cat(list(s)).tolist()
+    assert kept == packed(tok, [d for d in docs if d not in short])[:len(kept)] and s.stats["skipped_short"] == len(short)
+    assert (f"{len(short)} of 40 documents of epoch 0 were shorter than data.min_document_tokens=12 and skipped"
+            in caplog.text)
+
+
 def test_file_formats_and_globs_give_the_same_blocks(tok, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -188,7 +215,7 @@ def test_bad_data_is_skipped_counted_and_logged(tok, tmp_path, caplog):
                             json.dumps({"text": good[1]}).encode(), b"\n"]))
     (tmp_path / "empty.jsonl").write_text("")
 
-    cfg = DataConfig(seq_len=16)  # min_document_tokens None: one block
+    cfg = DataConfig(seq_len=16, min_document_tokens=16)  # one block: the short document is skipped
     with caplog.at_level(logging.INFO, logger="hf_asyncpp.data"):
         s = BlockStream(cfg, tok, [str(a), str(tmp_path / "empty.jsonl")], repeat=False, shuffle=False)
         assert blocks_of(s) == cut(packed(tok, good[:2]), 16)
@@ -213,7 +240,7 @@ def test_bad_data_is_skipped_counted_and_logged(tok, tmp_path, caplog):
 def test_empty_corpus_is_a_clear_error(tok, tmp_path):
     blank = write_docs(tmp_path / "blank.jsonl", ["", "  ", "x"])
     with pytest.raises(ValueError, match=r"no usable document in .*blank\.jsonl.*min_document_tokens"):
-        next(BlockStream(DataConfig(seq_len=16), tok, [blank]))
+        next(BlockStream(DataConfig(seq_len=16, min_document_tokens=16), tok, [blank]))
     (tmp_path / "e1.jsonl").write_text(""), (tmp_path / "e2.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"no usable document in .*e1\.jsonl.*e2\.jsonl"):
         next(BlockStream(DataConfig(seq_len=16), tok, [str(tmp_path / "e1.jsonl"), str(tmp_path / "e2.jsonl")]))

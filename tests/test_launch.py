@@ -245,7 +245,7 @@ def test_logging_steps_change_nothing_computed(tmp_path, straight_24):
     rc, log = launch(write_recipe(tmp_path / "7.yaml", every_7, **{**STEPS_24, "logging_steps": 7}))
     assert rc == 0, log[-3000:]
     for every, out in ((1, straight_24), (7, every_7)):
-        rows[every] = [(r["step"], r["loss"], r["grad_norm"], r["lr"])
+        rows[every] = [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"])
                        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
         weights[every] = {s: load_file(str(out / "checkpoint-0000024" / f"stage-{s}.safetensors")) for s in ("00", "01")}
     assert [r[0] for r in rows[1]] == list(range(1, 25))  # one record per step, in order

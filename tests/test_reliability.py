@@ -149,8 +149,8 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-SINGLE_KINDS = ["model.safetensors", "optimizer.pt", "trainer_state.json", "rng-rank000.pt", "config.json", "recipe.yaml",
-                "tokenizer/tokenizer.json"]
+SINGLE_KINDS = ["model.safetensors", "optimizer.pt", "run_state.json", "trainer_state.json", "rng-rank000.pt", "config.json",
+                "recipe.yaml", "tokenizer/tokenizer.json"]
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +317,7 @@ def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, 
     assert skips, caplog.text
     for name, why in reasons.items():  # each reason is one "; "-separated part of the message
         assert any(str(data / name) in part and why in part for m in skips for part in m.split("; ")), (name, skips)
-    state = ckpt.load_json(out / ckpt.checkpoint_name(2) / ckpt.TRAINER_STATE)
+    state = ckpt.load_json(out / ckpt.checkpoint_name(2) / ckpt.RUN_STATE)
     assert state["data"][0]["stats"]["skipped_files"] == len(reasons)
 
     # the same in a text corpus: a binary file among text files

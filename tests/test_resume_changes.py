@@ -21,7 +21,7 @@ from test_trainer import tiny
 
 def _lrs(out) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r.get("learning_rate", r.get("lr")) for r in rows if "loss" in r}
+    return {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
 
 
 def _transformers_lr(peak: float, total: int, applied: int) -> float:

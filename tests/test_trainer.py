@@ -6,8 +6,10 @@ export the README promises.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
+import sys
 import typing
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.config import RecipeError, load_recipe, recipe_from_dict
+from hf_asyncpp.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 from hf_asyncpp.lr import build_scheduler, warmup_steps
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -76,7 +78,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     steps = [s for s, _ in ckpt.list_checkpoints(out)]
     assert steps == [6, 8]
     manifest = ckpt.load_json(out / ckpt.checkpoint_name(8) / "manifest.json")
-    assert "model.safetensors" in manifest["files"] and "trainer_state.json" in manifest["files"]
+    assert {"model.safetensors", "run_state.json", "trainer_state.json"} <= set(manifest["files"])
     # a half-written checkpoint (no manifest) is never resumed from
     broken = out / ckpt.checkpoint_name(10)
     broken.mkdir()
@@ -85,10 +87,102 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 9))
-    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"):
+    for key in ("step", "loss", "learning_rate", "grad_norm", "num_input_tokens_seen", "tokens_per_s"):  # Trainer's names
         assert key in train_rows[-1]
-    assert train_rows[-1]["tokens"] == 8 * 2 * 2 * 32
+    assert not {"lr", "tokens"} & set(train_rows[-1])
+    assert train_rows[-1]["num_input_tokens_seen"] == 8 * 2 * 2 * 32
     assert any("eval_ppl" in r for r in rows)
+
+
+def test_a_checkpoints_trainer_state_json_is_transformers_own(tmp_path):
+    """``trainer_state.json`` is a Trainer's: transformers.TrainerState reads it, with the step, the counters and the
+    log (an entry per logging interval with its mean loss, as the Trainer logs, and the evaluations)."""
+    from transformers import TrainerState
+
+    from hf_asyncpp.reporting import read_metrics
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__eval_steps=4)))  # 6 steps, logged every 2, checkpoints at 3 and 6
+    state = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(6) / ckpt.TRAINER_STATE))
+    assert (state.global_step, state.max_steps, state.logging_steps, state.save_steps, state.eval_steps) == (6, 6, 2, 3, 4)
+    assert state.num_input_tokens_seen == 6 * 2 * 2 * 32 and state.train_batch_size == 2
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    logs = [e for e in state.log_history if "loss" in e]
+    assert [e["step"] for e in logs] == [2, 4, 6]
+    assert [e["loss"] for e in logs] == pytest.approx([(rows[i]["loss"] + rows[i + 1]["loss"]) / 2 for i in (0, 2, 4)])
+    assert [e["learning_rate"] for e in logs] == [rows[i]["learning_rate"] for i in (1, 3, 5)]
+    assert [e["step"] for e in state.log_history if "eval_loss" in e] == [0, 4]
+    earlier = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(3) / ckpt.TRAINER_STATE))
+    assert earlier.global_step == 3 and [e["step"] for e in earlier.log_history] == [0, 2]
+
+
+def test_a_run_of_an_earlier_version_resumes(tmp_path, caplog):
+    """Before the Trainer's names, a checkpoint's run state was ``trainer_state.json`` and metrics.jsonl said ``lr``
+    and ``tokens``: such a run resumes, and its records read under today's names."""
+    from transformers import TrainerState
+
+    from hf_asyncpp.trainer import train
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(tiny(out, training__stop_after_steps=3)))
+    old = out / ckpt.checkpoint_name(3)
+    (old / ckpt.RUN_STATE).replace(old / ckpt.TRAINER_STATE)  # the layout before: our record under that name
+    manifest = ckpt.load_json(old / ckpt.MANIFEST)
+    del manifest["files"][ckpt.RUN_STATE]
+    manifest["files"][ckpt.TRAINER_STATE] = {"size": (old / ckpt.TRAINER_STATE).stat().st_size,
+                                             "sha256": ckpt.sha256_of(old / ckpt.TRAINER_STATE)}
+    ckpt.save_json(old / ckpt.MANIFEST, manifest)
+    renamed = {"learning_rate": "lr", "num_input_tokens_seen": "tokens"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (out / "metrics.jsonl").write_text("".join(json.dumps({renamed.get(k, k): v for k, v in r.items()}) + "\n" for r in rows))
+    caplog.set_level(logging.INFO)
+    train(recipe_from_dict(tiny(out, training__resume_from_checkpoint="latest")))
+    assert f"resumed from {old} at step 3" in caplog.text
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all("learning_rate" in r and "lr" not in r for r in rows)
+    state = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(6) / ckpt.TRAINER_STATE))
+    assert [(e["step"], e["learning_rate"]) for e in state.log_history if "loss" in e] == [
+        (s, rows[s - 1]["learning_rate"]) for s in (2, 4, 6)]
+
+
+def test_without_a_terminal_each_logging_interval_is_a_log_line(tmp_path, monkeypatch, caplog):
+    """A SLURM batch log is no terminal: no progress bar there (its carriage returns), a log line per logging interval
+    with the Trainer's numbers instead; a terminal keeps the bar and gets no lines."""
+    from types import SimpleNamespace
+
+    from hf_asyncpp import reporting
+    from hf_asyncpp.checkpointer import RunState
+    from hf_asyncpp.engine import StepResult
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    logged = []
+    acc = SimpleNamespace(is_main_process=True, num_processes=1, init_trackers=lambda *a, **k: None,
+                          log=lambda values, step: logged.append(values))
+    r = recipe_from_dict({"model": {"config": {"model_type": "llama"}},
+                          "training": {"max_steps": 4, "logging_steps": 2, "report_to": []}})
+    lines = {}
+    for stderr in (io.StringIO(), Terminal()):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        out = tmp_path / type(stderr).__name__
+        out.mkdir()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_asyncpp"):
+            run = reporting.RunLog(out, r, acc, RunState(), tokens_per_step=10)
+            for k in range(4):
+                run.step(StepResult(k, 2.0 + k, 0.5, 1e-3, True), 10 * (k + 1))
+            run.close()
+        lines[type(stderr).__name__] = ([m for m in caplog.messages if m.startswith("step ")], stderr.getvalue())
+    plain, bar = lines["StringIO"], lines["Terminal"]
+    assert len(plain[0]) == 2 and plain[1] == ""
+    assert plain[0][0].startswith("step 2/4: loss 2.5000, learning_rate 1.000e-03, grad_norm 0.5000, tokens/s ")
+    assert plain[0][1].startswith("step 4/4: loss 4.5000, ")
+    assert bar[0] == [] and "\r" in bar[1] and "4/4" in bar[1]
+    assert set(logged[0]) == {"train/loss", "train/learning_rate", "train/grad_norm", "train/num_input_tokens_seen",
+                              "train/tokens_per_s"}
 
 
 def test_export_and_perplexity_at_the_end(tmp_path):
@@ -182,21 +276,25 @@ def test_only_evaluations_checkpoints_and_the_end_drain_the_pipeline():
 
 
 def test_trackers_get_trainer_keys_and_a_resume_continues_the_run(tmp_path):
+    """The Trainer's tracker keys where the number is one it reports, in the project ``training.project`` (tensorboard:
+    its folder under logs/), one tracker run continued by a resume."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from hf_asyncpp.trainer import train
 
     out = tmp_path / "run"
-    common = dict(training__report_to=["tensorboard"], training__logging_steps=2, training__run_name="tiny-run")
+    common = dict(training__report_to=["tensorboard"], training__logging_steps=2, training__run_name="tiny-run",
+                  training__project="tiny-project")
     train(recipe_from_dict(tiny(out, training__stop_after_steps=4, **common)))
-    first = ckpt.load_json(out / ckpt.checkpoint_name(4) / "trainer_state.json")["run_id"]
+    first = ckpt.load_json(out / ckpt.checkpoint_name(4) / ckpt.RUN_STATE)["run_id"]
     train(recipe_from_dict(tiny(out, training__resume_from_checkpoint="latest", **common)))
-    assert ckpt.load_json(out / ckpt.checkpoint_name(6) / "trainer_state.json")["run_id"] == first
+    assert ckpt.load_json(out / ckpt.checkpoint_name(6) / ckpt.RUN_STATE)["run_id"] == first
     runs = {p.parent for p in (out / "logs").rglob("events.out.tfevents.*") if p.parent.parent.name == "logs"}
-    assert len(runs) == 1  # one tracker run (one directory), continued by the resume
+    assert runs == {out / "logs" / "tiny-project"}  # one tracker run (one directory), continued by the resume
     events = EventAccumulator(str(runs.pop())).Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss", "eval/perplexity"} <= tags
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/num_input_tokens_seen", "train/tokens_per_s",
+            "eval/loss", "eval/perplexity"} <= tags
     assert sorted(e.step for e in events.Scalars("train/loss")) == [2, 4, 6]
 
 
@@ -208,6 +306,31 @@ def test_a_tracker_that_cannot_run_is_an_error_naming_it():
         check_trackers(["clearml"])
     with pytest.raises(RecipeError, match=r"report_to: 'tensorbored' is not a tracker; choose from .*tensorboard"):
         check_trackers(["tensorbored"])
+
+
+def test_report_to_all_and_resume_from_checkpoint_true_are_the_trainers_values():
+    """``report_to: all`` is every installed tracker (accelerate's list); ``resume_from_checkpoint: true`` the newest
+    checkpoint, from a recipe or the command line."""
+    from accelerate.tracking import get_available_trackers
+
+    from hf_asyncpp.reporting import check_trackers
+
+    assert check_trackers(["all"]) == [str(t) for t in get_available_trackers()] and "tensorboard" in check_trackers(["all"])
+    assert recipe_from_dict(tiny(Path("/tmp/x"), training__resume_from_checkpoint=True)).training.resume_from_checkpoint == "latest"
+    assert recipe_from_dict(tiny(Path("/tmp/x"), training__resume_from_checkpoint=False)).training.resume_from_checkpoint is None
+    overrides = apply_overrides(tiny(Path("/tmp/x")), ["--training.resume_from_checkpoint=true"])
+    assert recipe_from_dict(overrides).training.resume_from_checkpoint == "latest"
+
+
+def test_an_unset_project_is_the_trackers_own_variable(monkeypatch):
+    from hf_asyncpp.reporting import tracker_project
+
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    assert tracker_project(None, ["tensorboard", "wandb"]) == "from-env"  # as the Trainer's wandb callback reads it
+    assert tracker_project("mine", ["wandb"]) == "mine"
+    assert tracker_project(None, ["tensorboard"]) == "hf_asyncpp"
+    monkeypatch.delenv("WANDB_PROJECT")
+    assert tracker_project(None, ["wandb"]) == "hf_asyncpp"
 
 
 def test_each_stage_and_replica_draws_its_own_random_stream():

@@ -3,7 +3,7 @@
     hf-asyncpp export runs/cpu-tiny/checkpoint-0000300 out/cpu-tiny
 
 The checkpoint holds model.safetensors or stage-XX.safetensors (original HF names), config.json,
-tokenizer/ and optionally recipe.yaml and trainer_state.json; the card takes the training setup from
+tokenizer/ and optionally recipe.yaml and run_state.json; the card takes the training setup from
 them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.export).
 """
 import argparse
