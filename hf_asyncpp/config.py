@@ -379,15 +379,15 @@ def _cross_checks(r: Recipe) -> None:
         if t.warmup_steps:
             raise RecipeError("training.warmup_ratio: deprecated and given together with training.warmup_steps; "
                               f"keep only warmup_steps: {t.warmup_ratio} (a number below 1 is a fraction of max_steps)")
-        log.warning("training.warmup_ratio is deprecated (as in transformers 5): write warmup_steps: %s (a number below "
-                    "1 is a fraction of max_steps)", t.warmup_ratio)
+        _say_once(f"training.warmup_ratio is deprecated (as in transformers 5): write warmup_steps: {t.warmup_ratio} "
+                  "(a number below 1 is a fraction of max_steps)")
     if t.lr_scheduler_type in ("cosine", "linear") and not t.lr_scheduler_kwargs:
-        log.warning("training.lr_scheduler_type: %s decays to 0, as in transformers (before, hf_asyncpp's %s decayed to "
-                    "min_lr_ratio of the peak): for a floor use lr_scheduler_type: cosine_with_min_lr with "
-                    "lr_scheduler_kwargs: {min_lr_rate: 0.1}", t.lr_scheduler_type, t.lr_scheduler_type)
+        _say_once(f"training.lr_scheduler_type: {t.lr_scheduler_type} decays to 0, as in transformers (before, "
+                  f"hf_asyncpp's {t.lr_scheduler_type} decayed to min_lr_ratio of the peak): for a floor use "
+                  "lr_scheduler_type: cosine_with_min_lr with lr_scheduler_kwargs: {min_lr_rate: 0.1}")
     if t.lr_scheduler_type == "constant" and (t.warmup_steps or t.warmup_ratio):
-        log.warning("training.lr_scheduler_type: constant has no warm-up (transformers' meaning); the warm-up is "
-                    "ignored. For a warm-up use lr_scheduler_type: constant_with_warmup")
+        _say_once("training.lr_scheduler_type: constant has no warm-up (transformers' meaning); the warm-up is "
+                  "ignored. For a warm-up use lr_scheduler_type: constant_with_warmup")
     if r.hub.push_to_hub and not r.hub.hub_model_id:
         raise RecipeError("hub.hub_model_id: required when hub.push_to_hub is true (e.g. 'user/my-model')")
     if r.data.train_files is not None and r.data.dataset is not None:
@@ -449,10 +449,14 @@ def _yield_to_command_line(data: dict, given: set[str]) -> None:
 _SAID: set[str] = set()
 
 
+CHECKED = "HF_ASYNCPP_CHECKED"
+"""Set for the ranks a process started after it checked the recipe (``launch.spawn``): what it said is said."""
+
+
 def _say_once(message: str) -> None:
-    """A warning said by one process of a run (rank 0, or the launcher), once: ``hf-asyncpp train`` loads the
-    recipe twice (the command, then the trainer)."""
-    if os.environ.get("RANK", "0") == "0" and message not in _SAID:
+    """A warning about the recipe said by one process of a run, once: the process that starts the ranks (it loads
+    the recipe twice: the command, then the checks), or rank 0 under an outside launcher."""
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(CHECKED) and message not in _SAID:
         _SAID.add(message)
         log.warning(message)
 

@@ -18,13 +18,12 @@ import datasets
 from transformers import AutoConfig, AutoTokenizer
 
 from .checkpointer import check_fresh_run
-from .config import DataConfig, ModelConfig, Recipe, RecipeError
+from .config import CHECKED, DataConfig, ModelConfig, Recipe, RecipeError
 from .data import nothing_usable
 from .datafiles import DataError, expand_files, screen_files
 from .hub import cause_of, check_repo
 from .reporting import check_trackers
 
-CHECKED = "HF_ASYNCPP_CHECKED"  # set by launch.spawn for the ranks it starts: the starting process checked the recipe
 
 
 def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:

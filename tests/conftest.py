@@ -63,3 +63,13 @@ def folders(tmp_path_factory):
         out[name] = str(export_hf_model(sd, cfg, root / name, tokenizer=tok))
     return out
 
+
+
+@pytest.fixture(autouse=True)
+def _recipe_warnings_said_afresh():
+    """A recipe warning is said once per process (the process that starts the ranks loads the recipe twice); each
+    test is a run of its own, so each starts with nothing said."""
+    from hf_asyncpp import config
+
+    config._SAID.clear()
+    yield
