@@ -9,7 +9,7 @@ setup(
     # recipes/accelerate/) and ship inside the package, so a wheel install can export and print launch commands
     packages=find_packages(include=["hf_asyncpp", "hf_asyncpp.*"]) + ["hf_asyncpp.model_cards", "hf_asyncpp.accelerate_configs"],
     package_dir={"hf_asyncpp.model_cards": "model_cards", "hf_asyncpp.accelerate_configs": "recipes/accelerate"},
-    package_data={"hf_asyncpp": ["metrics/*/*.py"], "hf_asyncpp.model_cards": ["*.md"],
+    package_data={"hf_asyncpp.eval": ["metrics/*/*.py"], "hf_asyncpp.model_cards": ["*.md"],
                   "hf_asyncpp.accelerate_configs": ["*.yaml"]},
     entry_points={"console_scripts": ["hf-asyncpp=hf_asyncpp.cli:main"]},
     install_requires=[

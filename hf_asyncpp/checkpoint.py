@@ -44,6 +44,14 @@ _VERSIONS = "-versions.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 RECIPE_FILE = "recipe.yaml"
+# the run folder's own outputs beside its checkpoints (reporting.py, the evaluator and pipeline/profile.py write them)
+METRICS = "metrics.jsonl"
+FINAL_EVAL = "final_eval.json"
+LOSS_CURVE = "loss_curve.png"
+PROFILE = "pipeline_profile.json"
+TIMELINE = "pipeline_timeline.png"
+EXPORT_DIR = "export"
+LOGS_DIR = "logs"
 _LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
 _written: dict[str, Written] = {}  # absolute path -> size and sha256 of what this process wrote, until commit
 
@@ -240,16 +248,10 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def resolve_resume(output_dir: str | Path, resume: str | None) -> Path | None:
-    """``latest`` (the newest complete checkpoint, None if there is none yet) or an explicit checkpoint directory.
-    Completeness only; :func:`resume_candidates` and :func:`verify` decide what is resumed."""
-    candidates = resume_candidates(output_dir, resume)
-    return candidates[0] if candidates else None
-
-
 def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
     """The checkpoints a resume may use, in the order to try them: for ``latest`` every complete one, newest
-    first (a damaged one falls back to the next); for an explicit path only that one.
+    first (a damaged one falls back to the next); for an explicit path only that one. Completeness only: the one
+    resolver, ``checkpointer.choose_resume``, verifies them in this order and picks.
 
     Raises:
         MissingCheckpoint: an explicit path without a manifest.
@@ -317,8 +319,7 @@ def checkpoint_size(path: Path) -> int:
 
 # what a finished or interrupted run leaves in its output_dir besides checkpoints (reporting.py, export.py and
 # profile.py write them); a fresh run must not mix its own with these
-RUN_OUTPUTS = ("metrics.jsonl", "final_eval.json", "export", "loss_curve.png", "pipeline_profile.json",
-               "pipeline_timeline.png", "logs", TOKENIZER_DIR, RECIPE_FILE)
+RUN_OUTPUTS = (METRICS, FINAL_EVAL, EXPORT_DIR, LOSS_CURVE, PROFILE, TIMELINE, LOGS_DIR, TOKENIZER_DIR, RECIPE_FILE)
 
 
 def previous_run(output_dir: str | Path) -> list[Path]:

@@ -35,7 +35,7 @@ from .config import Recipe, RecipeError, save_recipe
 from .engine import Engine
 from .export import export_engine
 from .hub import Pusher, snapshot
-from .model_card import card_from_recipe
+from .model_card import card_from_recipe, card_writer
 from .modeling import build_config
 from .reporting import METRICS, log_history, read_metrics
 from .resume_report import resume_report
@@ -207,7 +207,7 @@ class Checkpointer:
         if not hub.push_to_hub or hub.hub_strategy == "end":
             return
         staging = self.out / ".hub-staging"
-        card = card_from_recipe(self.recipe, state.step, state.tokens, read_metrics(self.out / METRICS)) \
+        card = card_writer(card_from_recipe(self.recipe, state.step, state.tokens, read_metrics(self.out / METRICS))) \
             if self.accelerator.is_main_process else None
         folder = export_engine(engine, staging / f"model-{state.step:07d}", tokenizer=self.tokenizer, card=card)
         if self.pusher is None:
@@ -218,14 +218,43 @@ class Checkpointer:
             self.pusher.push(snapshot(final, staging / final.name), path_in_repo=where, remove_after=True,
                              commit_message=f"hf_asyncpp: checkpoint at step {state.step}")
 
-    def resume(self, path: Path, engine: Engine, stream, data_files=None) -> RunState:
-        state = resume(path, engine, stream, self.topo, self.recipe.pipeline.schedule, data_files)
+    def resume(self, path: Path, engine: Engine, stream) -> RunState:
+        """Restore engine, data position and RNG. A pipelined checkpoint may resume on another number of stages
+        (weights, optimizer/EF state and weight versions are matched by parameter name); with another
+        data-parallel size the data order cannot be the uninterrupted one, which is logged. With other training
+        files the saved position means nothing: the stream starts at their beginning, which is logged."""
+        topo, schedule = self.topo, self.recipe.pipeline.schedule
+        meta = ckpt.load_json(ckpt.run_state_file(path))  # an older checkpoint's is trainer_state.json
+        written = meta.get("schedule", schedule)
+        if written != schedule:
+            raise RecipeError(f"pipeline.schedule: {path} was written by a {written!r} run; resume it with the same schedule "
+                              f"(this run uses {schedule!r}; their update semantics differ)")
+        same = meta["world_size"] == topo.world_size and meta["num_stages"] == topo.num_stages
+        engine.load(path)
+        old_dp = meta["world_size"] // meta["num_stages"]
+        saved_files, files = meta.get("data_files"), self.data_files
+        if saved_files is not None and files is not None and saved_files != files:
+            log.warning("data.train_files differ from the ones %s was trained on (%d files then, %d now): the data stream "
+                        "starts at the beginning of the new files", path.name, len(saved_files), len(files))
+        elif old_dp == topo.dp_size:
+            stream.load_state_dict(meta["data"][topo.dp_rank])
+        else:
+            states = meta["data"][:old_dp]
+            blocks = sum(s["blocks"] for s in states) // topo.dp_size
+            stream.load_state_dict({"epoch": max(s["epoch"] for s in states), "blocks": blocks})
+            log.warning("resumed with %d data-parallel ranks instead of %d: each rank skips %d blocks of its new shard; the data "
+                        "order differs from an uninterrupted run", topo.dp_size, old_dp, blocks)
+        rng = path / ckpt.rng_file(topo.rank)
+        set_rng_state(ckpt.load_state(rng if rng.exists() else path / ckpt.rng_file(0)))
+        if not same:
+            log.info("resumed a %d-process, %d-stage checkpoint on %d processes, %d stages", meta["world_size"],
+                     meta["num_stages"], topo.world_size, topo.num_stages)
         saved = path / ckpt.RECIPE_FILE
         if self.accelerator.is_main_process and saved.is_file():  # a changed recipe is run, and said
             for line in resume_report(yaml.safe_load(saved.read_text()) or {}, self.recipe,
                                       engine.scheduler.last_epoch, path.name):
                 log.warning("resume: %s", line)
-        return state
+        return RunState(step=meta["step"], tokens=meta["tokens"], **({"run_id": meta["run_id"]} if "run_id" in meta else {}))
 
 
 def _verify_shared(path: Path, topo: Topology) -> list[str]:
@@ -321,35 +350,3 @@ def check_model(path: Path, recipe: Recipe, tokenizer) -> None:
         raise RecipeError(f"{'; '.join(fields)} ({path.name} was trained with another model; resume with its recipe.yaml, "
                           "or start a new run in another training.output_dir)")
 
-
-def resume(path: Path, engine: Engine, stream, topo: Topology, schedule: str = "none", data_files=None) -> RunState:
-    """Restore engine, data position and RNG. A pipelined checkpoint may resume on another number of stages
-    (weights, optimizer/EF state and weight versions are matched by parameter name); with another
-    data-parallel size the data order cannot be the uninterrupted one, which is logged. With other training
-    files the saved position means nothing: the stream starts at their beginning, which is logged."""
-    meta = ckpt.load_json(ckpt.run_state_file(path))  # an older checkpoint's is trainer_state.json
-    written = meta.get("schedule", schedule)
-    if written != schedule:
-        raise RecipeError(f"pipeline.schedule: {path} was written by a {written!r} run; resume it with the same schedule "
-                          f"(this run uses {schedule!r}; their update semantics differ)")
-    same = meta["world_size"] == topo.world_size and meta["num_stages"] == topo.num_stages
-    engine.load(path)
-    old_dp = meta["world_size"] // meta["num_stages"]
-    saved_files, files = meta.get("data_files"), data_fingerprint(data_files)
-    if saved_files is not None and files is not None and saved_files != files:
-        log.warning("data.train_files differ from the ones %s was trained on (%d files then, %d now): the data stream "
-                    "starts at the beginning of the new files", path.name, len(saved_files), len(files))
-    elif old_dp == topo.dp_size:
-        stream.load_state_dict(meta["data"][topo.dp_rank])
-    else:
-        states = meta["data"][:old_dp]
-        blocks = sum(s["blocks"] for s in states) // topo.dp_size
-        stream.load_state_dict({"epoch": max(s["epoch"] for s in states), "blocks": blocks})
-        log.warning("resumed with %d data-parallel ranks instead of %d: each rank skips %d blocks of its new shard; the data "
-                    "order differs from an uninterrupted run", topo.dp_size, old_dp, blocks)
-    rng = path / ckpt.rng_file(topo.rank)
-    set_rng_state(ckpt.load_state(rng if rng.exists() else path / ckpt.rng_file(0)))
-    if not same:
-        log.info("resumed a %d-process, %d-stage checkpoint on %d processes, %d stages", meta["world_size"],
-                 meta["num_stages"], topo.world_size, topo.num_stages)
-    return RunState(step=meta["step"], tokens=meta["tokens"], **({"run_id": meta["run_id"]} if "run_id" in meta else {}))

@@ -20,7 +20,8 @@ import yaml
 
 from .config_names import RENAMED, TRAINER_EQUIVALENTS
 from .config_sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
-from .pipeline.schedules import SCHEDULES
+from .pipeline.schedules import NO_PIPELINE, SCHEDULES, get_simulated_delay, pipelined
+from .storage import write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -353,8 +354,9 @@ def _cross_checks(r: Recipe) -> None:
     if r.model.config is not None and "model_type" not in r.model.config:
         raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
     p = r.pipeline
-    if p.schedule == "none" and p.num_stages != 1 and r.optimizer.simulate_delay != "pipedream":
-        raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of 2bw, 1f1b, gpipe, pipedream")
+    delay = get_simulated_delay(r.optimizer.simulate_delay)
+    if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage:
+        raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of {', '.join(SCHEDULES)}")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
             SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)
@@ -362,10 +364,10 @@ def _cross_checks(r: Recipe) -> None:
             raise RecipeError(_knob(str(e))) from None
     if p.split is not None and len(p.split) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
-    if r.optimizer.simulate_delay != "0" and p.schedule != "none":
+    if delay.delayed and pipelined(p.schedule):
         raise RecipeError(
             f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "
-            f"use it with pipeline.schedule 'none' (the {p.schedule!r} schedule produces its delay for real)"
+            f"use it with pipeline.schedule {NO_PIPELINE!r} (the {p.schedule!r} schedule produces its delay for real)"
         )
     t = r.training
     if isinstance(t.resume_from_checkpoint, bool):  # the Trainer's boolean: true resumes the newest checkpoint
@@ -474,8 +476,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
 def save_recipe(r: Recipe, path: str | os.PathLike) -> None:
     """Write the resolved recipe (every default filled in) next to the run's outputs."""
-    with open(path, "w") as f:
-        yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
+    text = yaml.safe_dump(recipe_to_dict(r), sort_keys=False)
+    write_file(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def _knob(message: str) -> str:

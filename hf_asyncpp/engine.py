@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .config import Recipe
-from .evaluation import nll_per_block
 from .export import shard_file, write_shard
 from .lr import build_scheduler, continue_schedule
+from .nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .partition import partition_plan
+from .pipeline.schedules import get_simulated_delay
 from .topology import Topology, local_device
 
 
@@ -38,6 +39,23 @@ class StepResult:
 
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient under ``training.on_nonfinite: stop``."""
+
+
+def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | None = None) -> bool:
+    """The one non-finite rule, for ``LocalEngine`` and every pipeline stage's STEP: whether step ``step``'s update
+    is applied. Not when its gradient norm (or its loss, where this process has it) is not finite: skipped under
+    ``training.on_nonfinite: skip``, NonFiniteError under ``stop``. One function because a schedule is tested
+    against its single-process reference step for step: both must skip (or stop at) the same steps.
+    """
+    if math.isfinite(grad_norm) and (loss is None or math.isfinite(loss)):
+        return True
+    if on_nonfinite == "stop":
+        what = f"gradient norm {grad_norm}" if loss is None else f"loss {loss} or grad norm {grad_norm}"
+        raise NonFiniteError(
+            f"step {step}: non-finite {what}; stopping (training.on_nonfinite: stop). Checkpoints already written "
+            "are left as they are; if this is the first step after a resume, suspect the checkpoint, else lower "
+            "optimizer.learning_rate or set training.on_nonfinite: skip")
+    return False
 
 
 class Engine(Protocol):
@@ -82,7 +100,7 @@ def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Par
     ``(module, attribute)`` uses of a tied parameter on a later stage (the tied output head): the executor holds a
     copy of it there, at that stage's lag (0 on the last stage), not at the owner's, so the simulation must too."""
     p = recipe.pipeline.num_stages
-    if p == 1 or recipe.optimizer.simulate_delay != "pipedream":
+    if p == 1 or not get_simulated_delay(recipe.optimizer.simulate_delay).per_stage:
         return [list(model.parameters())], []
     plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
     by_name = dict(model.named_parameters())
@@ -148,16 +166,8 @@ class LocalEngine:
         # under every simulate_delay the gradient applied is the one just computed (at stale weights), so the
         # non-finite decision is taken on the gradient being applied, as the executor's STEP takes it
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        skipped = False
-        if not (math.isfinite(grad_norm) and math.isfinite(float(loss_mean))):
-            if cfg.training.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"step {step}: non-finite loss {float(loss_mean)} or grad norm {grad_norm}; stopping "
-                    "(training.on_nonfinite: stop). Checkpoints already written are left as they are; if this is "
-                    "the first step after a resume, suspect the checkpoint, else lower optimizer.learning_rate "
-                    "or set training.on_nonfinite: skip"
-                )
-            skipped = True
+        skipped = not finite_step(step, grad_norm, cfg.training.on_nonfinite, float(loss_mean))
+        if skipped:
             self.nonfinite_skipped += 1
         else:
             self.optimizer.step()
@@ -214,9 +224,9 @@ class LocalEngine:
     def save(self, tmp: Path) -> None:
         """Write this engine's part of a checkpoint (only dp rank 0 writes shared state)."""
         if self.topo.dp_rank == 0:
-            ckpt.save_tensors(tmp / "model.safetensors", _dedup_tied(self.model))
+            ckpt.save_tensors(tmp / ckpt.MODEL_FILE, _dedup_tied(self.model))
             ckpt.save_state(
-                tmp / "optimizer.pt",
+                tmp / ckpt.OPTIMIZER_FILE,
                 {
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
@@ -226,13 +236,13 @@ class LocalEngine:
             )
 
     def load(self, path: Path) -> None:
-        weights = ckpt.load_tensors(path / "model.safetensors")
+        weights = ckpt.load_tensors(path / ckpt.MODEL_FILE)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = set(_tied_names(self.model))
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path}: missing {missing[:5]} unexpected {unexpected[:5]}")
-        state = ckpt.load_state(path / "optimizer.pt")
+        state = ckpt.load_state(path / ckpt.OPTIMIZER_FILE)
         recipe_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])  # the moments; the hyperparameters stay the recipe's:
         for group, mine in zip(self.optimizer.param_groups, recipe_groups, strict=True):

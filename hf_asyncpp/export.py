@@ -8,17 +8,20 @@ are then computed by the model's own ``_init_weights``, exactly as ``from_pretra
 Everything is written to a temp dir next to ``out_dir`` and renamed into place at the end: an
 existing export is replaced only when the new one is complete.
 
-:func:`load_checkpoint_state` reads a checkpoint (layout in ``checkpoint.py``) into merged weights; the model card
-is built in ``model_card.py``.
+:func:`load_checkpoint_state` reads a checkpoint (layout in ``checkpoint.py``) into merged weights.
+
+This module writes folders and nothing else: the engines import it (``shard_file``, ``write_shard``), so it must not
+pull in evaluation, the model card or the Hub. The card comes from the caller as a :data:`CardWriter`
+(``model_card.card_writer``); evaluating and pushing an export is ``evaluator.py``'s.
 """
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,20 +29,18 @@ from safetensors.torch import save_file
 
 from . import checkpoint as ckpt
 from .checkpoint import replace_dir
-from .downstream import evaluate_models, results_table
-from .evaluation import evaluate_model_dir
-from .hub import Pusher
-from .model_card import CARD_FIELDS, add_eval_results, card_from_checkpoint, card_from_recipe, clean_card, render_model_card
-from .reporting import METRICS, read_metrics
 from .storage import writing
 
-__all__ = ["CARD_FIELDS", "StateDictMismatchError", "assemble_model", "card_from_checkpoint", "export_from_model",
-           "export_engine", "export_hf_model", "export_run", "load_checkpoint_state", "render_model_card", "write_shard"]
+__all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
+           "load_checkpoint_state", "shard_file", "tokenizer_for_export", "write_shard"]
+
+CardWriter = Callable[[Any, Path, Path], None]
+"""Writes README.md (and what it links, e.g. the loss-curve image) into a folder being built: called with the model
+(possibly on the meta device), the folder, and where the folder will end up. None: the folder gets no card."""
 
 LOADER_KWARGS = ("is_local", "local_files_only")
 """What a tokenizer's ``init_kwargs`` hold about how it was loaded, not what it is."""
 
-log = logging.getLogger(__name__)
 
 class StateDictMismatchError(KeyError):
     """The weights do not match the model the config builds; the message names the keys."""
@@ -169,7 +170,7 @@ def _check_out_dir(out: Path) -> None:
                          "folder); choose another output directory")
 
 
-def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tokenizer=None, card: dict | None = None,
+def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tokenizer=None, card: CardWriter | None = None,
                     max_shard_size: str | int = "2GB") -> Path:
     """Write a standard Hugging Face model folder from merged weights; returns its path.
 
@@ -178,10 +179,10 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
         config: the model's ``PretrainedConfig``.
         out_dir: the folder to write; an existing model folder there is replaced only on success.
         tokenizer: saved into the folder; its bos/eos/pad ids go to ``generation_config.json``.
-        card: model-card fields, see :data:`CARD_FIELDS` (all optional).
+        card: writes the model card (``model_card.card_writer(fields)``); None writes none.
         max_shard_size: safetensors shards above this size are split, with a ``model.safetensors.index.json``.
 
-    Writes config.json, generation_config.json, model*.safetensors, the tokenizer files and README.md.
+    Writes config.json, generation_config.json, model*.safetensors, the tokenizer files and the card's README.md.
     """
     out = Path(out_dir)
     _check_out_dir(out)
@@ -193,7 +194,6 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tokenizer, attr, None) is not None:
                 setattr(model.generation_config, attr, getattr(tokenizer, attr))
-    card = clean_card(card)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"  # mkdir, not mkdtemp: the user's umask, not 0700
     shutil.rmtree(tmp, ignore_errors=True)
@@ -206,11 +206,8 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
                 model.generation_config.save_pretrained(str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
-            curve = card.get("loss_curve")
-            if curve and Path(curve).is_file():
-                shutil.copy(curve, tmp / Path(curve).name)
-                card["loss_curve"] = Path(curve).name
-            render_model_card(card, model, load_path=str(out)).save(str(tmp / "README.md"))
+            if card is not None:
+                card(model, tmp, out)
             replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -237,7 +234,7 @@ def tokenizer_for_export(tokenizer, config):
     return tokenizer
 
 
-def export_from_model(model, out_dir, tokenizer=None, card: dict | None = None, max_shard_size: str | int = "2GB") -> Path:
+def export_from_model(model, out_dir, tokenizer=None, card: CardWriter | None = None, max_shard_size: str | int = "2GB") -> Path:
     """:func:`export_hf_model` of an in-memory model (its state dict and config; the model itself is untouched)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     return export_hf_model(model.state_dict(), model.config, out_dir, tokenizer=tokenizer, card=card,
@@ -275,7 +272,7 @@ def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict
     return {k: v.numel() * v.element_size() for k, v in sd.items()}
 
 
-def export_engine(engine, out_dir, *, tokenizer=None, card: dict | None = None) -> Path | None:
+def export_engine(engine, out_dir, *, tokenizer=None, card: CardWriter | None = None) -> Path | None:
     """Export the engine's newest weights as an HF folder without gathering them: every stage (data-parallel rank 0)
     writes its own shard, the main process gets only names and sizes and writes the index
     (``model.safetensors.index.json``), config, generation config, tokenizer and card. Collective: every rank calls
@@ -325,12 +322,8 @@ def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, 
                 setattr(generation, attr, getattr(tokenizer, attr))
         tokenizer.save_pretrained(str(tmp))
     generation.save_pretrained(str(tmp))
-    card = clean_card(card)
-    curve = card.get("loss_curve")
-    if curve and Path(curve).is_file():
-        shutil.copy(curve, tmp / Path(curve).name)
-        card["loss_curve"] = Path(curve).name
-    render_model_card(card, meta, load_path=str(out)).save(str(tmp / "README.md"))
+    if card is not None:
+        card(meta, tmp, out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -365,39 +358,5 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
                 raise ValueError(f"{path}: {k} differs between {owner[k]} and {f.name}")
             state[k], owner[k] = v, f.name
     config = AutoConfig.from_pretrained(str(path))
-    tok = AutoTokenizer.from_pretrained(str(path / "tokenizer")) if (path / "tokenizer").is_dir() else None
+    tok = AutoTokenizer.from_pretrained(str(path / ckpt.TOKENIZER_DIR)) if (path / ckpt.TOKENIZER_DIR).is_dir() else None
     return state, config, tok
-
-
-# ---------------------------------------------------------------------------------------------------
-# the end of a run
-
-
-def export_run(out: Path, engine, tokenizer, recipe, step: int, tokens: int, held_out: torch.Tensor,
-               loss_curve: Path | None, pusher: Pusher | None = None) -> dict:
-    """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), then on the
-    main process its perplexity after a ``from_pretrained`` reload, downstream tasks when the recipe asks, the Hub
-    push, and ``final_eval.json`` (other ranks return {})."""
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    metrics = read_metrics(out / METRICS) if main else []
-    card = card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None)
-    export_dir = export_engine(engine, out / "export", tokenizer=tokenizer, card=card)
-    if not main:
-        return {}
-    evals = [m for m in metrics if "eval_loss" in m]
-    reloaded = evaluate_model_dir(export_dir, held_out)  # on this process's training device (resolve_device)
-    result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"], "export_eval_ppl": reloaded["eval_ppl"],
-              "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
-    if recipe.eval.tasks:
-        res = evaluate_models([str(export_dir)], recipe.eval.tasks, task_files=recipe.eval.task_files,
-                              limit=recipe.eval.limit, perplexity_blocks=held_out, backend=recipe.eval.backend)[str(export_dir)]
-        add_eval_results(export_dir, res)
-        result["downstream"] = res
-        log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
-    if pusher is not None:  # the final model, after the pushes already queued; wait for all of them
-        pusher.push(export_dir, commit_message=f"hf_asyncpp export after {step} steps")
-        result["hub_commit"] = pusher.wait()[-1]
-    ckpt.save_json(out / "final_eval.json", result)
-    log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"],
-             result["untrained_eval_ppl"] or float("nan"))
-    return result

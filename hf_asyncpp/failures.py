@@ -29,7 +29,7 @@ from .data import DataError
 from .engine import NonFiniteError
 from .hub import HubError
 from .pipeline.p2p import PeerFailure
-from .storage import WriteError
+from .storage import WriteError, write_file
 
 EXIT_PEER = 3
 EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troubleshooting.md lists them)
@@ -103,8 +103,8 @@ def _tell_torchrun(line: str) -> None:
         return
     record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     try:
-        Path(path).write_text(json.dumps(record))
-    except OSError:
+        _write_json(Path(path), record)
+    except (OSError, WriteError):
         pass
 
 
@@ -112,10 +112,16 @@ def _leave(folder: Path, line: str, code: int, gone: bool) -> bool:
     """Leave the error for the starting process to print; False when it cannot be written (then print it here)."""
     record = {"line": line, "code": code, "peer_gone": gone, "time": time.time()}
     try:
-        (folder / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
-    except OSError:
+        _write_json(folder / f"rank-{os.environ.get('RANK', '0')}.json", record)
+    except (OSError, WriteError):
         return False
     return True
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """A failure record, through the run's one write path (not fsynced: it is read once the rank has exited)."""
+    text = json.dumps(record)
+    write_file(path, lambda f: f.write(text.encode("utf-8")), fsync=False)
 
 
 def first_error(failures: dict, folder: Path) -> tuple[str, int]:

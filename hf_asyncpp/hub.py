@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from .checkpoint import EXPORT_DIR
 from .config import HubConfig
 
 log = logging.getLogger("hf_asyncpp.hub")
@@ -135,7 +136,7 @@ class Pusher:
         """After ``wait()``, once every file of the run is written: a HubError if any push never landed, so that
         the run does not end as a success with its model missing from the Hub."""
         if self.failures:
-            export = out / "export"
+            export = out / EXPORT_DIR
             folder = export if export.is_dir() else "FOLDER"
             raise HubError(f"hub.hub_model_id: {len(self.failures)} push(es) to {self.cfg.hub_model_id!r} failed "
                            f"({'; '.join(self.failures)}); the run's files are kept in {out}: upload them with "

@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .config import Recipe, RecipeError
 from .failures import DEBUG_ENV, ERROR_DIR, first_error
+from .pipeline.schedules import processes_per_pipeline
 from .preflight import CHECKED
 from .shipped import shipped_file
 
@@ -47,7 +48,7 @@ _LAUNCHER_VARS = (*_TORCH_LAUNCHER_VARS, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 def processes_needed(recipe: Recipe) -> int:
     """Processes per pipeline (1 for ``schedule: none``, where num_stages only shapes a simulated delay)."""
-    return recipe.pipeline.num_stages if recipe.pipeline.schedule != "none" else 1
+    return processes_per_pipeline(recipe.pipeline.schedule, recipe.pipeline.num_stages)
 
 
 def started_by_launcher(env: Mapping[str, str] | None = None) -> bool:

@@ -1,7 +1,8 @@
 """The model card of an export or a checkpoint, built in one place.
 
 ``card_from_recipe`` turns a run's recipe, its progress and its metrics into card fields (:data:`CARD_FIELDS`);
-``render_model_card`` renders them with ``model_cards/template.md`` into a ``huggingface_hub.ModelCard``;
+``render_model_card`` renders them with ``model_cards/template.md`` into a ``huggingface_hub.ModelCard`` and
+``card_writer`` hands that rendering to ``export.py``, which knows the model and the folder but not the run;
 ``add_eval_results`` puts downstream scores into an existing card's model-index (replacing earlier ones of the same
 task, metric and split) and into a table in its text, each with what it was measured on and by which scorer.
 """
@@ -9,16 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
-from .checkpoint import library_versions, run_state_file
+from .checkpoint import EXPORT_DIR, RECIPE_FILE, library_versions, run_state_file
 from .config import Recipe, load_recipe
-from .downstream import SCORER, task_spec
-from .pipeline.schedules import SCHEDULES
+from .eval.tasks import SCORER, task_spec
+from .pipeline.schedules import SCHEDULES, get_simulated_delay
 from .reporting import METRICS, read_metrics
 from .shipped import shipped_file
 
-__all__ = ["CARD_FIELDS", "add_eval_results", "card_from_checkpoint", "card_from_recipe", "clean_card", "render_model_card"]
+__all__ = ["CARD_FIELDS", "add_eval_results", "card_from_checkpoint", "card_from_recipe", "card_writer", "clean_card",
+           "render_model_card"]
 
 log = logging.getLogger("hf_asyncpp.export")
 
@@ -51,7 +54,7 @@ CARD_FIELDS = {
     "library_versions": "{library: version} of the run (hf_asyncpp, transformers, torch, ...)",
     "loss_curve": "loss-curve image: an existing file is copied next to the card; otherwise used as a link relative to it",
 }
-"""The keys of the ``card`` dict taken by :func:`export_hf_model`; every one is optional (missing or None is omitted)."""
+"""The keys of the card fields taken by :func:`card_writer`; every one is optional (missing or None is omitted)."""
 
 _NO_PIPELINE = "no pipeline, one process"
 
@@ -102,7 +105,7 @@ def _training_rows(c: dict) -> list[tuple[str, str]]:
     if "delay_correction" in c:
         what = " (error-feedback correction of the delayed gradient)" if c["delay_correction"] == "error_feedback" else ""
         rows.append(("Delay correction", f"`{c['delay_correction']}`{what}"))
-    if "simulate_delay" in c and str(c["simulate_delay"]) != "0":
+    if "simulate_delay" in c and get_simulated_delay(c["simulate_delay"]).delayed:
         rows.append(("Simulated gradient delay (one process)", f"`{c['simulate_delay']}`"))
     if "steps" in c:
         rows.append(("Optimizer steps", _fmt(c["steps"])))
@@ -152,7 +155,7 @@ def model_name(folder: str | Path) -> str:
     """The name a card gives a local folder: its own name, or the run's for a run's ``export/`` (Trainer names a
     model by its output folder's base name; an absolute path says where it was made, not what it is)."""
     folder = Path(folder)
-    return folder.resolve().parent.name if folder.name == "export" else folder.name
+    return folder.resolve().parent.name if folder.name == EXPORT_DIR else folder.name
 
 
 def render_model_card(card: dict | None, model, load_path: str = "path/to/this/folder"):
@@ -189,6 +192,23 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
         data, template_path=str(TEMPLATE), model_id=name, model_description=description,
         load_path=str(c.get("model_id") or f"./{Path(load_path).name}"), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
         schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
+
+
+def card_writer(card: dict | None):
+    """The card an export writes (``export.CardWriter``): these fields rendered for the model being exported, into the
+    folder being built, with an existing ``loss_curve`` image copied next to the card and linked by its name. Unknown
+    fields are said now, once."""
+    fields = clean_card(card)
+
+    def write(model, folder: Path, final: Path) -> None:
+        c = dict(fields)
+        curve = c.get("loss_curve")
+        if curve and Path(curve).is_file():
+            shutil.copy(curve, folder / Path(curve).name)
+            c["loss_curve"] = Path(curve).name
+        render_model_card(c, model, load_path=str(final)).save(str(folder / "README.md"))
+
+    return write
 
 
 def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | None, metrics: list[dict],
@@ -232,7 +252,7 @@ def card_from_checkpoint(ckpt_dir) -> dict:
     if run_state_file(ckpt).exists():
         info = json.loads(run_state_file(ckpt).read_text())
         step, tokens = info.get("step"), info.get("tokens")
-    recipe = load_recipe(ckpt / "recipe.yaml") if (ckpt / "recipe.yaml").exists() else None
+    recipe = load_recipe(ckpt / RECIPE_FILE) if (ckpt / RECIPE_FILE).exists() else None
     return card_from_recipe(recipe, step, tokens, read_metrics(ckpt.parent / METRICS))
 
 

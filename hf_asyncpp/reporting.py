@@ -22,12 +22,12 @@ import torch
 from tqdm.auto import tqdm
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
+from .checkpoint import LOSS_CURVE, METRICS  # METRICS: the run folder's names are spelled in checkpoint.py
 from .config import Recipe, RecipeError, recipe_to_dict
 from .storage import write_file, writing
 
 log = logging.getLogger("hf_asyncpp")
 
-METRICS = "metrics.jsonl"
 PROJECT = "hf_asyncpp"
 PROJECT_ENV = {"wandb": "WANDB_PROJECT", "comet_ml": "COMET_PROJECT_NAME"}
 """Each tracker's own variable for its project, read when ``training.project`` is unset (the Trainer's wandb users
@@ -244,6 +244,12 @@ class RunLog:
                                   "eval/tokens": tokens}, step=step)
         return rec
 
+    def record(self, step: int, rec: dict) -> None:
+        """Other evaluation results of a step (e.g. ``eval/<task>/acc``): to ``metrics.jsonl`` and the trackers."""
+        if self.main:
+            self._write({"step": step, **rec})
+            self.accelerator.log(rec, step=step)
+
     def abort(self) -> None:
         """The run failed: close the progress bar (nothing else is flushed)."""
         if self.bar is not None:
@@ -276,7 +282,7 @@ class RunLog:
         ax.set_ylabel("loss")
         ax.legend()
         ax.grid(alpha=0.3)
-        path = self.path.parent / "loss_curve.png"
+        path = self.path.parent / LOSS_CURVE
         fig.tight_layout()
         with writing(path):
             fig.savefig(path, dpi=100)

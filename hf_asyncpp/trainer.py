@@ -3,7 +3,8 @@
 Read it top to bottom: set up (accelerate, threads, output dir, recipe), data and tokenizer, model, engine,
 resume; then the stream of steps, cut only where the numbers need a drained pipeline (an evaluation, a
 checkpoint, the end); then the run profile, export and a final perplexity. The engine (``LocalEngine`` or the
-pipeline's ``PipelineEngine``) does the steps, ``Checkpointer`` the checkpoints, ``RunLog`` the reporting;
+pipeline's ``PipelineEngine``) does the steps, ``Checkpointer`` the checkpoints, ``Evaluator`` the evaluations and
+the end of the run (export, its evaluation, the final push), ``RunLog`` the reporting;
 this file only wires them together.
 """
 from __future__ import annotations
@@ -27,10 +28,8 @@ from .checkpointer import (Checkpointer, RunState, check_fresh_run, check_model,
                            set_seed)
 from .config import Recipe, RecipeError, load_recipe, save_recipe
 from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, train_hold_out
-from .downstream import evaluate_tasks_during_training
 from .engine import Engine, LocalEngine
-from .evaluation import perplexity_from_sums
-from .export import export_run
+from .evaluator import Evaluator
 from .failures import debug_requested, report, without_debug
 from .hub import Pusher
 from .launch import adopt_slurm, launch_command, processes_needed, started_by_launcher
@@ -38,6 +37,7 @@ from .modeling import build_model
 from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
 from .pipeline.profile import write_report
+from .pipeline.schedules import pipelined
 from .preflight import CHECKED, check_output_dir, check_recipe
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .storage import writing
@@ -55,7 +55,7 @@ def make_accelerator(recipe: Recipe):
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         log_with=report_to or None,
-        project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / "logs")),
+        project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / ckpt.LOGS_DIR)),
         # the default group carries checkpoint and export gathers: a slow replica must not time it out
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.collective_timeout_s))],
     )
@@ -73,7 +73,7 @@ def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE")
 
 
 def build_engine(recipe: Recipe, model: torch.nn.Module, topo: Topology) -> Engine:
-    if recipe.pipeline.schedule == "none":
+    if not pipelined(recipe.pipeline.schedule):
         return LocalEngine(recipe, model, topo, log=log.info)
     return PipelineEngine(recipe, model, topo, log=log.info)
 
@@ -126,12 +126,12 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
             tokenizer = checkpoint_tokenizer(resume / ckpt.TOKENIZER_DIR, recipe.model)
             check_model(resume, recipe, tokenizer)  # before anything is written
             if accelerator.is_main_process:
-                adopt_tokenizer(resume / ckpt.TOKENIZER_DIR, out / "tokenizer")
+                adopt_tokenizer(resume / ckpt.TOKENIZER_DIR, out / ckpt.TOKENIZER_DIR)
         else:
-            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / "tokenizer")
+            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / ckpt.TOKENIZER_DIR)
         held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
-    if rp.layers_per_stage == "auto" and rp.schedule != "none":
+    if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
         rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
     set_seed(t.seed)  # the same initial weights on every rank
     engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
@@ -142,7 +142,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, train_files, pusher)
     state = RunState()
     if resume is not None:
-        state = checkpointer.resume(resume, engine, stream, train_files)
+        state = checkpointer.resume(resume, engine, stream)
         log.info("resumed from %s at step %d", resume, state.step)
     if accelerator.is_main_process:  # only now: a run that failed to start leaves the folder's recipe as it was
         with writing(out / ckpt.RECIPE_FILE):
@@ -150,12 +150,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
     runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
 
-    def evaluate(step: int) -> dict:
-        nll, n = engine.eval_nll(held_out, rp.microbatch_size)  # forward-only, through the stages
-        return runlog.eval(step, nll, n, perplexity_from_sums([nll], [n]))  # the shipped `evaluate` metric
-
+    evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher)
     if state.step == 0 and resume is None:
-        first_eval = evaluate(0)
+        first_eval = evaluator.perplexity(0)
         log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
 
     batches = (next_batch(stream, rp.num_microbatches, rp.microbatch_size) for _ in itertools.count())
@@ -166,8 +163,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
                 state.step, state.tokens = r.step + 1, state.tokens + tokens_per_step
                 runlog.step(r, state.tokens)
             if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
-                evaluate(state.step)
-                evaluate_tasks_during_training(engine, tokenizer, recipe, accelerator, out, state.step)  # eval.during_training
+                evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
             if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
                 checkpointer.save(state, engine, stream)
             runlog.restart_clock()
@@ -183,7 +179,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
             pusher.raise_failures(out)
         return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
-    last_eval = evaluate(state.step)
+    last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
                **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
     prof = engine.profile()  # collective under the pipeline; None in one process
@@ -191,7 +187,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         summary["pipeline_profile"] = write_report(out, prof, rp, t.max_grad_norm)
     if t.export:  # collective: every stage writes its own shard of the HF folder
         curve = runlog.plot_loss() if accelerator.is_main_process else None
-        summary.update(export_run(out, engine, tokenizer, recipe, state.step, state.tokens, held_out, curve, pusher))
+        summary.update(evaluator.finish(state.step, state.tokens, curve))
     elif pusher is not None:
         pusher.wait()
     accelerator.wait_for_everyone()

@@ -25,7 +25,7 @@ TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challen
 def folders(tmp_path_factory):
     """Three exported models: one trained on the fixtures' correct answers, one half-trained (step 60: its acc_norm
     picks differ from the old with-delimiter definition on arc_easy, arc_challenge and hellaswag), one untrained."""
-    from hf_asyncpp.downstream import load_items
+    from hf_asyncpp.eval.tasks import load_items
     from hf_asyncpp.export import export_hf_model
     from hf_asyncpp.tokenizer import train_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -10,10 +10,9 @@ import torch
 from hf_asyncpp.config import recipe_from_dict
 from hf_asyncpp.partition import MeasuredCosts, measure_costs
 from hf_asyncpp.pipeline.autosplit import auto_split
+from support import tiny_llama
 
-MODEL = {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8,
-                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
-         "vocab_size": 256}
+MODEL = {"config": tiny_llama(8), "vocab_size": 256}
 
 
 def _recipe(**opt):
@@ -65,16 +64,32 @@ def test_auto_split_balances_a_skewed_profile_and_hits_the_cache(tmp_path):
 
 
 def test_measure_costs_times_the_optimizer_step():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_asyncpp.optim import build_optimizer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    cfg = AutoConfig.for_model(**tiny_llama(3, vocab_size=256))
     r = _recipe()
-    c = measure_costs(AutoModelForCausalLM.from_config(cfg), 16, 2, repeats=1,
-                      optimizer=lambda st: build_optimizer(st, r.optimizer, log=lambda *_: None))
+    stepped = []  # per stage the run's optimizer was built for: (what it holds, how often it stepped)
+
+    def the_runs_optimizer(st):
+        opt = build_optimizer(st, r.optimizer, log=lambda *_: None)
+        held = {n.split(".")[2] if n.startswith("model.layers.") else n for n, _ in st.named_parameters()}
+        stepped.append([held, 0])
+        step = opt.step
+
+        def counted(*a, **k):
+            stepped[-1][1] += 1
+            return step(*a, **k)
+
+        opt.step = counted
+        return opt
+
+    c = measure_costs(AutoModelForCausalLM.from_config(cfg), 16, 2, repeats=1, optimizer=the_runs_optimizer)
+    # every one-layer stage's own optimizer (the ends with the embedding and the head) stepped: a warm-up + 1 timed
+    assert [h for h, _ in stepped] == [{"0", "model.embed_tokens.weight"}, {"1"}, {"2", "model.norm.weight", "lm_head.weight"}]
+    assert [n for _, n in stepped] == [2, 2, 2]
     assert len(c.layer_steps) == 3 and all(t > 0 for t in c.layer_steps)
     back = MeasuredCosts.from_dict(json.loads(json.dumps(c.to_dict())))
     assert back == c

@@ -115,15 +115,6 @@ def test_a_command_line_field_replaces_its_alternative_from_the_recipe_file(tmp_
         recipe_from_dict({**BASE, "data": {"dataset": "org/corpus", "train_files": ["a.jsonl"]}})
 
 
-def test_shipped_recipes_load():
-    import glob
-
-    paths = sorted(glob.glob("recipes/*.yaml"))
-    assert "recipes/cpu-tiny.yaml" in paths
-    for p in paths:
-        load_recipe(p)
-
-
 def test_version_is_a_command(capsys):
     from hf_asyncpp import __version__
     from hf_asyncpp.cli import main

@@ -328,7 +328,9 @@ def test_dataset_folder_with_and_without_eval_split(tok, tmp_path):
     """``data.dataset`` goes through load_dataset(name, config, split=...): here a local dataset folder."""
     root = tmp_path / "hub_like"
     root.mkdir()
-    train_docs = [f"Training address {i}. " * 10 for i in range(30)]
+    # 30 documents, one of them in the hashed hold-out (is_held_out keeps 1 in 50: the 30 alone hold none out)
+    held_doc = next(d for d in (f"Held-out address {i}. " * 10 for i in range(1000)) if is_held_out(d))
+    train_docs = [f"Training address {i}. " * 10 for i in range(29)] + [held_doc]
     test_docs = [f"Test address {i}. " * 10 for i in range(5)]
     write_docs(root / "train.jsonl", train_docs), write_docs(root / "test.jsonl", test_docs)
     cfg = DataConfig(dataset=str(root), seq_len=16, min_document_tokens=0, eval_split="test")
@@ -339,8 +341,8 @@ def test_dataset_folder_with_and_without_eval_split(tok, tmp_path):
     assert blocks_of(s) == cut(packed(tok, train_docs), 16)
     no_split = DataConfig(dataset=str(root), seq_len=16, min_document_tokens=0)
     held = [d for d in train_docs if is_held_out(d)]
-    if held:
-        assert torch.cat(list(eval_blocks(no_split, tok, None, 1))).tolist() == packed(tok, held)[:16]
+    assert held == [held_doc]
+    assert torch.cat(list(eval_blocks(no_split, tok, None, 1))).tolist() == packed(tok, held)[:16]
     kept = BlockStream(no_split, tok, None, hold_out="exclude", repeat=False)
     assert Counter(kept._documents(0)) == Counter(d for d in train_docs if not is_held_out(d))
 

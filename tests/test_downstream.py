@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.downstream import (Item, choice_logliks, evaluate_models, load_items, load_task, plot_results, predictions,
-                                   results_table, score_task)
+from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, plot_results, predictions, results_table,
+                                        score_task)
+from hf_asyncpp.eval.tasks import Item, load_items, load_task
 
 from conftest import TASK_FILES as FILES
 
@@ -90,18 +91,29 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
 
     from hf_asyncpp.config import recipe_from_dict
     from hf_asyncpp.trainer import train
-    from test_trainer import tiny
+    from support import tiny
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=2, training__eval_steps=1,
-                                eval__tasks=["arc_easy", "perplexity"], eval__task_files={"arc_easy": FILES["arc_easy"]},
-                                eval__during_training=True)))
+                                training__save_steps=1, eval__tasks=["arc_easy", "perplexity"],
+                                eval__task_files={"arc_easy": FILES["arc_easy"]}, eval__during_training=True)))
     final = json.loads((out / "final_eval.json").read_text())
     assert set(final["downstream"]) == {"arc_easy", "perplexity"} and final["downstream"]["arc_easy"]["n"] == 12
     # eval.during_training: the tasks on the newest weights at the evaluation point (step 1), in metrics.jsonl
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     during = [r for r in rows if "eval/arc_easy/acc_norm" in r]
-    assert [r["step"] for r in during] == [1] and 0 <= during[0]["eval/arc_easy/acc"] <= 1
+    assert [r["step"] for r in during] == [1]
+    # ... equal to scoring step 1's checkpointed weights directly
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_asyncpp import checkpoint as ckpt
+
+    model = AutoModelForCausalLM.from_pretrained(out / "export").eval()
+    missing, unexpected = model.load_state_dict(ckpt.load_tensors(out / ckpt.checkpoint_name(1) / "model.safetensors"),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    step1 = score_task(model, AutoTokenizer.from_pretrained(out / "export"), load_items("arc_easy", FILES["arc_easy"]))
+    assert (during[0]["eval/arc_easy/acc"], during[0]["eval/arc_easy/acc_norm"]) == (step1["acc"], step1["acc_norm"])
 
 
 def test_acc_norm_divides_by_the_choice_without_the_delimiter():
@@ -136,7 +148,7 @@ def _devices_seen(model, fn):
 def test_evaluation_runs_on_the_model_device(folders, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp.evaluation import evaluate_perplexity, resolve_device
+    from hf_asyncpp.eval.perplexity import evaluate_perplexity, resolve_device
 
     assert resolve_device(None) == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                     else torch.device("cpu"))

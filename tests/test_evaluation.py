@@ -7,9 +7,9 @@ import socket
 import pytest
 import torch
 
-from hf_asyncpp.evaluation import (block_nll, evaluate_model_dir, evaluate_perplexity, load_metric,
-                                   perplexity_from_sums)
-from test_partition import make_config, make_model
+from hf_asyncpp.eval.perplexity import (block_nll, evaluate_model_dir, evaluate_perplexity, load_metric,
+                                        perplexity_from_sums)
+from support import make_config, make_model
 
 
 def test_metric_loads_by_path_without_the_network(monkeypatch):

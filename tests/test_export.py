@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.export import (StateDictMismatchError, export_from_model, export_hf_model, load_checkpoint_state,
-                               render_model_card)
+from hf_asyncpp.export import StateDictMismatchError, export_from_model, export_hf_model, load_checkpoint_state
+from hf_asyncpp.model_card import card_writer, render_model_card
+from support import DIMS
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = [
@@ -22,8 +23,7 @@ SENTENCES = [
     "Congress shall pass the budget before the end of the year.",
     "Tonight I ask you to join me in building a stronger nation.",
 ] * 4
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64)
+SMALL = dict(**DIMS, num_hidden_layers=2)
 CONFIGS = {
     "llama": dict(model_type="llama", tie_word_embeddings=True, **SMALL),
     "llama_untied": dict(model_type="llama", tie_word_embeddings=False, **SMALL),
@@ -80,7 +80,7 @@ def test_round_trip_from_stage_pieces(arch, tmp_path, tok):
     model = tiny(arch)
     pieces = [s.state_dict() for s in partition_model(model, 2)]  # what pipeline stages hold, original HF names
     assert all(len(p) < len(model.state_dict()) for p in pieces)
-    out = export_hf_model(merge_state_dicts(pieces), model.config, tmp_path / "out", tokenizer=tok, card=FULL_CARD,
+    out = export_hf_model(merge_state_dicts(pieces), model.config, tmp_path / "out", tokenizer=tok, card=card_writer(FULL_CARD),
                           max_shard_size="40KB")
     for f in ("config.json", "generation_config.json", "README.md", "tokenizer.json", "model.safetensors.index.json"):
         assert (out / f).exists(), f
@@ -106,7 +106,7 @@ def test_card_records_the_training(tmp_path, tok):
     curve = tmp_path / "plots" / "loss.png"
     curve.parent.mkdir()
     curve.write_bytes(b"\x89PNG\r\n\x1a\n stand-in image bytes")
-    out = export_from_model(model, tmp_path / "out", tokenizer=tok, card={**FULL_CARD, "loss_curve": str(curve)})
+    out = export_from_model(model, tmp_path / "out", tokenizer=tok, card=card_writer({**FULL_CARD, "loss_curve": str(curve)}))
     card = ModelCard.load(out / "README.md")
     assert {"hf_asyncpp", "pipeline-parallel", "pretraining", "2bw", "muon"} <= set(card.data.tags)
     assert card.data.datasets == ["user/sotu"] and set(card.data.metrics) == {"loss", "perplexity"}
@@ -127,7 +127,7 @@ def test_card_leaves_out_missing_fields(tmp_path, caplog):
     text = render_model_card({}, model, load_path="some/dir").text
     assert "Not evaluated." in text and "Not recorded." in text and "None" not in text and "\"./dir\"" in text  # the folder by its relative name, no local path
     with caplog.at_level(logging.WARNING, logger="hf_asyncpp.export"):
-        out = export_from_model(model, tmp_path / "out", card={"perplexity": 12.5, "steps": None, "stpes": 3})
+        out = export_from_model(model, tmp_path / "out", card=card_writer({"perplexity": 12.5, "steps": None, "stpes": 3}))
     assert "stpes" in caplog.text
     card = ModelCard.load(out / "README.md")
     assert [(r.metric_type, r.metric_value) for r in card.data.eval_results] == [("perplexity", 12.5)]
@@ -198,7 +198,7 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
 
     from hf_asyncpp.config import DataConfig, recipe_from_dict, save_recipe
     from hf_asyncpp.data import eval_blocks
-    from hf_asyncpp.evaluation import evaluate_model_dir
+    from hf_asyncpp.eval.perplexity import evaluate_model_dir
     from hf_asyncpp.partition import partition_model
 
     model = tiny("llama_untied", vocab_size=len(tok))

@@ -19,7 +19,7 @@ def _rank_main(rank, world, port, die_after, err_path):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from hf_asyncpp.topology import Topology
     from hf_asyncpp.pipeline.executor import PipelineEngine
-    from test_runtime import LLAMA, build, make_batches, make_recipe
+    from support import LLAMA, build, make_batches, make_recipe
 
     recipe = make_recipe(LLAMA, "2bw", 2, 2, 2, "adamw")
     assert recipe.pipeline.p2p_timeout_s >= 300 and recipe.pipeline.collective_timeout_s >= 300  # the defaults

@@ -15,47 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from dist_utils import free_port
 from hf_asyncpp.launch import NO_SPAWN
-
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"
-
-
-def write_recipe(path: Path, out: Path, **training) -> Path:
-    recipe = {
-        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                             "tie_word_embeddings": True}, "vocab_size": 320},
-        "data": {"train_files": [str(FIXTURE)], "eval_files": [str(FIXTURE)], "seq_len": 32, "eval_blocks": 4},
-        "pipeline": {"schedule": "2bw", "num_stages": 2, "num_microbatches": 2, "microbatch_size": 2},
-        "optimizer": {"name": "muon", "learning_rate": 0.01, "delay_correction": "error_feedback"},
-        "training": {"output_dir": str(out), "max_steps": 8, "logging_steps": 2, "save_steps": 4, "report_to": [],
-                     "export": False, **training},
-    }
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def launch(recipe: Path, *overrides: str, wait=True, procs=2):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/cpu-{procs}proc.yaml"),
-           "--main_process_port", str(free_port()), str(ROOT / "scripts/pretrain.py"), str(recipe), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=600)
-    return proc.returncode, out
-
-
-def losses(out: Path) -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
+from support import ROOT, launch, losses, write_recipe
 
 # Newton-Schulz in float32 (auto's choice on a CPU, named so a GPU run is exact too): bfloat16 would amplify the
 # float noise of a new partition in test_resume_onto_another_topology

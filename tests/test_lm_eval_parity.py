@@ -1,7 +1,7 @@
 """Our scorer against lm-evaluation-harness itself, on the same model and the same documents.
 
 lm-eval reads the fixtures through task YAMLs that include its own official task definitions and only point the
-dataset at the local file (``lm_eval_backend.write_local_tasks``). For hellaswag, piqa, arc_easy, arc_challenge and
+dataset at the local file (``eval/lm_eval.py``'s ``write_local_tasks``). For hellaswag, piqa, arc_easy, arc_challenge and
 mmlu (overall and per subject): the rendered (context, continuation) pairs are lm-eval's, the per-document log-
 likelihoods agree, and acc / acc_norm are equal exactly, with and without a limit.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import TASK_FILES
-from hf_asyncpp.downstream import choice_logliks, evaluate_models, load_task, predictions
-from hf_asyncpp.lm_eval_backend import LOCAL_PREFIX, evaluate_with_lm_eval
+from hf_asyncpp.eval.downstream import choice_logliks, evaluate_models, predictions
+from hf_asyncpp.eval.lm_eval import LOCAL_PREFIX, evaluate_with_lm_eval
+from hf_asyncpp.eval.tasks import load_task
 
 TASKS = ["hellaswag", "piqa", "arc_easy", "arc_challenge", "mmlu"]
 MODELS = ["half"]  # half-trained: where acc_norm with and without the delimiter pick differently (docs/evaluation.md)

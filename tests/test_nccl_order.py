@@ -69,7 +69,7 @@ def _pipeline_worker(rank, world, scenarios, one_communicator=False):
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.pipeline.p2p import PeerFailure
     from hf_asyncpp.topology import Topology
-    from test_runtime import build
+    from support import build
 
     if one_communicator:
         p2p.channel = lambda src, dst: ("act", min(src, dst))
@@ -108,10 +108,10 @@ SPECS = {  # world size -> (arch, schedule, stages, microbatches, microbatch siz
 def test_runs_under_the_rule_are_bit_identical_to_plain_gloo(world):
     """Every schedule at p = 2 and p = 4 (tied embeddings, MoE) and 2 stages x 2 replicas: the same losses, norms and
     weights bit for bit whichever transport (the rule changes when transfers complete, never what they carry)."""
-    import test_runtime
+    import support
 
     specs = SPECS[world]
-    scenarios = [test_runtime._scenario(getattr(test_runtime, s[0]), *s[1:7], dp=s[7], seed=7 + i)
+    scenarios = [support.scenario(getattr(support, s[0]), *s[1:7], dp=s[7], seed=7 + i)
                  for i, s in enumerate(specs)]
     results = run_distributed(_pipeline_worker, world, [(s[0], s[1]) for s in scenarios])
     for spec, (plain, ordered) in zip(specs, results[0]):
@@ -124,9 +124,9 @@ def test_one_communicator_for_both_directions_hangs_under_the_rule():
     """The executor's post order with activations and gradients on one group (as before per-direction channels):
     stage 0's prefetched gradient receive stands in front of its next activation send and stage 1's prefetched
     activation receive in front of its next gradient send; under the rule both wait until the timeout."""
-    from test_runtime import LLAMA, _scenario
+    from support import LLAMA, scenario
 
-    rec, replica, _, _ = _scenario(LLAMA, "2bw", 2, 2, 2, "muon", False)
+    rec, replica, _, _ = scenario(LLAMA, "2bw", 2, 2, 2, "muon", False)
     rec.pipeline.p2p_timeout_s = 4.0
     msgs = run_distributed(_pipeline_worker, 2, [(rec, replica)], True)
     # both stages stop with PeerFailure; the first to time out names the rule, its peer may see the closed connection

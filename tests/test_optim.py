@@ -10,6 +10,7 @@ import torch
 from hf_asyncpp.config import OptimizerConfig
 from hf_asyncpp.optim import (Muon, apply_delay_correction, auto_lambda, build_optimizer, classify_parameters, install_error_feedback,
                               zeropower_via_newtonschulz)
+from support import DIMS
 
 
 def _grads(shape, n, seed=0, dtype=torch.float32):
@@ -171,8 +172,7 @@ def test_muon_rejects_bad_groups():
 def _tiny(arch, **over):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=128, max_position_embeddings=64)
+    base = dict(**DIMS, num_hidden_layers=2, vocab_size=128)
     extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
              "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128, bos_token_id=0, eos_token_id=0),
              "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),

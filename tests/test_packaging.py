@@ -13,8 +13,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"
+from support import FIXTURE, ROOT, tiny_llama
 
 
 def _env(**extra) -> dict:
@@ -52,9 +51,7 @@ def test_wheel_install_trains_exports_and_evaluates_outside_the_checkout(tmp_pat
 
     recipe = work / "r.yaml"
     recipe.write_text(json.dumps({
-        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
-                  "vocab_size": 320},
+        "model": {"config": tiny_llama(2), "vocab_size": 320},
         "data": {"train_files": [str(FIXTURE)], "eval_files": [str(FIXTURE)], "seq_len": 32, "eval_blocks": 4},
         "pipeline": {"schedule": "none", "num_stages": 1, "num_microbatches": 2, "microbatch_size": 2},
         "optimizer": {"name": "adamw", "learning_rate": 0.01},

@@ -9,56 +9,7 @@ import torch
 
 from hf_asyncpp.partition import (VERIFIED_MODEL_TYPES, PartitionError, merge_state_dicts, partition_model, partition_plan,
                                   run_stages, tied_parameters)
-
-BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=128, max_position_embeddings=64)
-MOE_AUX = dict(output_router_logits=True, router_aux_loss_coef=0.05)
-ARCHS = {
-    "llama": dict(tie_word_embeddings=True),
-    "llama_untied": dict(tie_word_embeddings=False),
-    "mistral": dict(sliding_window=8),
-    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
-    "qwen3": dict(head_dim=8, tie_word_embeddings=True),
-    "gemma2": dict(head_dim=8, sliding_window=8, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    "gemma3_text": dict(head_dim=8, sliding_window=8, sliding_window_pattern=2),
-    "phi3": dict(pad_token_id=0, eos_token_id=1, bos_token_id=1),
-    "gpt2": dict(n_embd=32, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                 embd_pdrop=0.0, attn_pdrop=0.0),
-    "olmo2": dict(pad_token_id=0, eos_token_id=1, bos_token_id=1),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, **MOE_AUX),
-    "mixtral_tied": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True, **MOE_AUX),
-    # layer 0 dense: a first stage with no router still sends (zero) router statistics
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                      mlp_only_layers=[0], **MOE_AUX),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8, **MOE_AUX),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, **MOE_AUX),
-    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                        v_head_dim=8, n_group=1, topk_group=1, output_router_logits=True),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, head_dim=8, rope_scaling=None, **MOE_AUX),
-    # beyond the list: non-trivial embedding / logit multipliers, an embedding dropout from the pp plan
-    "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
-    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, logits_scaling=4.0, **MOE_AUX),
-    "cohere": dict(logit_scale=0.5, pad_token_id=0, bos_token_id=0, eos_token_id=0),
-    "gpt_neox": dict(pad_token_id=0, bos_token_id=0, eos_token_id=0),
-}
-MODEL_TYPE = {"llama_untied": "llama", "mixtral_tied": "mixtral"}
-
-
-def make_config(arch: str, **overrides):
-    from transformers import AutoConfig
-
-    kw = {**BASE, **ARCHS[arch], **overrides}
-    if arch == "gpt2":
-        kw = {k: v for k, v in kw.items() if k in ARCHS["gpt2"] or k == "vocab_size"}
-    return AutoConfig.for_model(MODEL_TYPE.get(arch, arch), **kw)
-
-
-def make_model(arch: str, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(make_config(arch, **overrides)).float()
+from support import ARCHS, BASE, MODEL_TYPE, MOE_AUX, make_config, make_model
 
 
 def chain(stages, ids, labels=None):
@@ -371,8 +322,7 @@ def test_measured_costs_balance_by_time():
     from hf_asyncpp.partition import PartitionError, measure_costs
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=64)
+    cfg = LlamaConfig(**{**BASE, "vocab_size": 32000})
     c = measure_costs(AutoModelForCausalLM.from_config(cfg), seq_len=32, microbatch_size=4, repeats=2)
     assert len(c.layers) == 4 and all(t > 0 for t in c.layers)
     assert c.last > 3 * max(c.layers)  # 32000 x 32 logits and their softmax dwarf a 32-wide layer

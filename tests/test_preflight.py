@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from hf_asyncpp.launch import NO_SPAWN
-from test_launch import launch, write_recipe
-from test_trainer import tiny
+from support import launch, tiny, write_recipe
 
 STARTED = "starting 2 local processes"
 

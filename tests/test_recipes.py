@@ -10,6 +10,7 @@ import torch
 from hf_asyncpp.config import load_recipe
 from hf_asyncpp.partition import partition_plan
 from hf_asyncpp.pipeline.planner import StageMemory, meta_model, plan_memory
+from support import GEMMA3N, ZAMBA
 
 RECIPES = sorted(Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"))
 
@@ -66,9 +67,7 @@ def test_planner_counts_shared_copies_and_received_side_inputs():
     from hf_asyncpp.config import recipe_from_dict
     from hf_asyncpp.pipeline.planner import received_values_per_token
 
-    zamba = {"model_type": "zamba", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "mamba_d_state": 8,
-             "layers_block_type": ["linear_attention", "hybrid"] * 2}  # tied: the block too (untied, transformers unties it)
+    zamba = {k: v for k, v in ZAMBA.items() if k != "max_position_embeddings"}  # tied: the block too (untied, transformers unties it)
     r = recipe_from_dict({"model": {"config": zamba}, "data": {"seq_len": 16},
                           "pipeline": {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 2}})
     plan, mem, _ = plan_memory(r)
@@ -81,11 +80,7 @@ def test_planner_counts_shared_copies_and_received_side_inputs():
     assert [m.params for m in mem] == [own[0], own[1] + block + embed]
     assert "+10 shared copies" in plan.format()
 
-    gemma = {"model_type": "gemma3n_text", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
-             "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0,
-             "max_position_embeddings": 64, "sliding_window": 8}
-    plan = partition_plan(meta_model(recipe_from_dict({"model": {"config": gemma}})), 2)
+    plan = partition_plan(meta_model(recipe_from_dict({"model": {"config": GEMMA3N}})), 2)
     start = plan.stages[1].layers.start
     assert received_values_per_token(plan.anatomy, plan.stages[0].layers, 0) == 0
     assert received_values_per_token(plan.anatomy, plan.stages[1].layers, 1) == 8 * (4 - start)  # one 8-wide input per layer

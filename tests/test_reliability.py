@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.checkpointer import choose_resume
 from hf_asyncpp import storage
 from hf_asyncpp.config import RecipeError, recipe_from_dict
 from hf_asyncpp.reporting import read_metrics
-from test_trainer import FIXTURES, tiny
-
-FIXTURE = FIXTURES / "sotu_slice.jsonl"
+from hf_asyncpp.topology import Topology
+from support import FIXTURE, assert_each_damage_is_named, flip, tiny, truncate
 
 
 def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
@@ -109,7 +109,7 @@ def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resum
     [line] = error_lines(err)
     assert f"{name}: no space left on device (0 B free" in line, line
     assert "checkpoint-0000003 stays the latest" in line or name != "optimizer.pt"
-    assert ckpt.resolve_resume(out, "latest") == out / ckpt.checkpoint_name(latest)
+    assert choose_resume(out, "latest", Topology()) == out / ckpt.checkpoint_name(latest)
     assert ckpt.verify(out / ckpt.checkpoint_name(latest)) == []
     if name == "metrics.jsonl":  # the fault left half a line behind
         assert not (out / "metrics.jsonl").read_text().endswith("\n")
@@ -134,21 +134,6 @@ def test_too_little_space_stops_before_writing_a_checkpoint(tmp_path, monkeypatc
 # ---------------------------------------------------------------------------- damaged checkpoints
 
 
-def flip(path: Path) -> None:
-    """Copy 64 bytes from one place of the file to another: the size stays, the structure mostly too."""
-    data = bytearray(path.read_bytes())
-    n = len(data)
-    src, dst = n // 4, n // 2
-    width = min(64, n // 4) or 1
-    chunk = bytes(data[src:src + width]) if data[src:src + width] != data[dst:dst + width] else bytes(b ^ 0xFF for b in data[dst:dst + width])
-    data[dst:dst + width] = chunk
-    path.write_bytes(bytes(data))
-
-
-def truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
 SINGLE_KINDS = ["model.safetensors", "optimizer.pt", "run_state.json", "trainer_state.json", "rng-rank000.pt", "config.json",
                 "recipe.yaml", "tokenizer/tokenizer.json"]
 
@@ -160,19 +145,6 @@ def two_checkpoints(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpts") / "run"
     train(recipe_from_dict(tiny(out, training__max_steps=6, training__save_steps=3)))
     return out
-
-
-def assert_each_damage_is_named(good, kinds, tmp_path) -> None:
-    """A byte flip and a truncation of each file kind in a copy of ``good``: verification reports exactly that file
-    (and says "truncated" only for the truncation)."""
-    for kind in kinds:
-        for damage in (flip, truncate):
-            copy = tmp_path / f"{damage.__name__}-{kind.replace('/', '-')}"
-            shutil.copytree(good, copy)
-            damage(copy / kind)
-            problems = ckpt.verify(copy)
-            assert len(problems) == 1 and problems[0].startswith(str(copy / kind)), (kind, damage, problems)
-            assert ("truncated" in problems[0]) == (damage is truncate)
 
 
 def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from hf_asyncpp import checkpoint as ckpt
-from test_launch import launch, losses, write_recipe
-from test_reliability import assert_each_damage_is_named, truncate
+from support import assert_each_damage_is_named, launch, losses, truncate, write_recipe
 
 
 def _ppid_and_state(pid: int) -> tuple[int, str] | None:

@@ -16,7 +16,7 @@ from hf_asyncpp.modeling import build_model
 from hf_asyncpp.resume_report import changed_fields
 from hf_asyncpp.topology import Topology
 from hf_asyncpp.trainer import train
-from test_trainer import tiny
+from support import FIXTURE, tiny
 
 
 def _lrs(out) -> dict[int, float]:
@@ -73,3 +73,66 @@ def test_only_fields_that_change_numbers_are_reported():
     now = {"training": {"max_steps": 6, "logging_steps": 5, "output_dir": "b", "new_field": 1},
            "optimizer": {"momentum": 0.95}, "hub": {"push_to_hub": True}}
     assert changed_fields(saved, now) == [("optimizer", "momentum", 0.9, 0.95)]
+
+
+class _StubEngine:
+    """What :func:`hf_asyncpp.checkpointer.resume` needs of an engine: ``load`` and the scheduler's position."""
+
+    def __init__(self):
+        self.loaded, self.scheduler = [], type("Scheduler", (), {"last_epoch": 0})()
+
+    def load(self, path):
+        self.loaded.append(path)
+
+
+def test_a_data_parallel_resize_continues_after_the_blocks_the_replicas_read(tmp_path):
+    """The data position across a change of the data-parallel size: 2 replicas that read 5 blocks each resume as one
+    stream that skips the 10 blocks read (its next block is block 10 of a fresh single stream), and one stream that
+    read 10 resumes as 2 replicas that each skip 5 of their own shard. The references are fresh
+    ``BlockStream(rank, world_size)``s (tests/test_data.py checks those shard the stream)."""
+    from hf_asyncpp import checkpoint as ckpt
+    from hf_asyncpp.checkpointer import Checkpointer, rng_state
+    from hf_asyncpp.config import DataConfig, ModelConfig
+    from hf_asyncpp.data import BlockStream
+    from hf_asyncpp.tokenizer import load_or_train_tokenizer
+
+    tok = load_or_train_tokenizer(ModelConfig(config={"model_type": "llama"}, vocab_size=400), [str(FIXTURE)], "text",
+                                  tmp_path / "tokenizer")
+    cfg, files = DataConfig(seq_len=32, shuffle_buffer=8, min_document_tokens=0), [str(FIXTURE)]
+    recipe = recipe_from_dict(tiny(tmp_path / "run"))
+
+    def resume(path, engine, stream, topo):
+        main = type("Accelerator", (), {"is_main_process": topo.rank == 0})()
+        return Checkpointer(tmp_path / "run", recipe, topo, main, tok).resume(path, engine, stream)
+
+    def stream(rank=0, world=1):
+        return BlockStream(cfg, tok, files, rank=rank, world_size=world, seed=3)
+
+    def checkpoint(name, states):
+        path = tmp_path / name
+        path.mkdir()
+        ckpt.save_json(path / ckpt.RUN_STATE, {"step": 5, "tokens": 0, "run_id": "k4", "data": states, "data_files": None,
+                                               "world_size": len(states), "num_stages": 1,
+                                               "schedule": recipe.pipeline.schedule})
+        ckpt.save_state(path / ckpt.rng_file(0), rng_state())
+        return path
+
+    def read(s, n):
+        for _ in range(n):
+            next(s)
+        return s.state_dict()
+
+    single = [next(s) for s in [stream()] for _ in range(12)]
+    shards = [[next(s) for _ in range(7)] for s in (stream(0, 2), stream(1, 2))]
+
+    two = checkpoint("from-2", [read(stream(0, 2), 5), read(stream(1, 2), 5)])
+    engine, one = _StubEngine(), stream()
+    state = resume(two, engine, one, Topology(rank=0, world_size=1, num_stages=1))
+    assert engine.loaded == [two] and state.step == 5
+    assert one.blocks == 10 and torch.equal(next(one), single[10]) and torch.equal(next(one), single[11])
+
+    one_saved = checkpoint("from-1", [read(stream(), 10)])
+    for rank in (0, 1):
+        replica = stream(rank, 2)
+        resume(one_saved, _StubEngine(), replica, Topology(rank=rank, world_size=2, num_stages=1))
+        assert replica.blocks == 5 and torch.equal(next(replica), shards[rank][5]), rank

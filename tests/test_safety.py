@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.checkpointer import Checkpointer, choose_resume
 from hf_asyncpp.config import RecipeError, recipe_from_dict
 from hf_asyncpp.hub import push_folder
-from test_trainer import tiny
+from hf_asyncpp.topology import Topology
+from support import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +110,7 @@ def test_non_finite_steps(tmp_path, policy):
     if policy == "stop":
         with pytest.raises(NonFiniteError, match=r"non-finite .*training.on_nonfinite: stop"):
             train(rec)
-        good = ckpt.resolve_resume(out, "latest")
+        good = choose_resume(out, "latest", Topology())
         assert good is not None and torch.isfinite(ckpt.load_tensors(good / "model.safetensors")["model.norm.weight"]).all()
     else:
         train(rec)
@@ -154,7 +156,7 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        latest = ckpt.resolve_resume(out, "latest")
+        latest = choose_resume(out, "latest", Topology())
         step = ckpt.load_json(latest / "trainer_state.json")["step"]
         w = ckpt.load_tensors(latest / "model.safetensors")["w"]
         assert torch.equal(w, torch.full((2_000_000,), float(step)))
@@ -218,12 +220,9 @@ def test_bad_data_files(tmp_path):
 
 
 def test_resume_with_another_schedule_is_refused_clearly(tmp_path):
-    from hf_asyncpp.topology import Topology
-    from hf_asyncpp.checkpointer import resume as _load
-
     out = tmp_path / "c"
     out.mkdir()
     ckpt.save_json(out / "trainer_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": [],
                                                 "schedule": "2bw"})
     with pytest.raises(RecipeError, match=r"pipeline.schedule: .* was written by a '2bw' run; resume it with the same schedule"):
-        _load(out, None, None, Topology(), "none")
+        Checkpointer(out, recipe_from_dict(tiny(tmp_path / "run")), Topology(), None, None).resume(out, None, None)

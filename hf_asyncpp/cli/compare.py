@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hf_asyncpp.config import RecipeError, load_recipe
 from hf_asyncpp.reporting import METRICS, read_metrics
+from hf_asyncpp.storage import write_file
 
 ARMS = {
     "sync": ("synchronous 1F1B + Muon", ["--pipeline.schedule=1f1b", "--optimizer.name=muon",
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     res = compare(runs["sync"], runs["2bw"])
     budget = f"{args.steps} steps" if async_steps == args.steps else f"sync {args.steps} / 2BW {async_steps} steps"
     plot(res, out / "time_to_loss.png", f"{Path(args.recipe).stem}: {budget} on {p} stages, same seed and data")
-    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    text = json.dumps(res, indent=1)
+    write_file(out / "compare.json", lambda f: f.write(text.encode("utf-8")))
     print(summary(res) + f"\nplot: {out / 'time_to_loss.png'}")
     return 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hf_asyncpp.config import DataConfig
 from hf_asyncpp.data import eval_blocks, expand_files
-from hf_asyncpp.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
+from hf_asyncpp.eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
 from hf_asyncpp.model_card import add_eval_results
 from hf_asyncpp.storage import write_file
 

@@ -4,13 +4,14 @@
 
 The checkpoint holds model.safetensors or stage-XX.safetensors (original HF names), config.json,
 tokenizer/ and optionally recipe.yaml and run_state.json; the card takes the training setup from
-them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.export).
+them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.model_card).
 """
 import argparse
 import sys
 
 from hf_asyncpp.checkpoint import CheckpointError
-from hf_asyncpp.export import card_from_checkpoint, export_hf_model, load_checkpoint_state
+from hf_asyncpp.export import export_hf_model, load_checkpoint_state
+from hf_asyncpp.model_card import card_from_checkpoint, card_writer
 from hf_asyncpp.storage import WriteError
 
 
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         card = card_from_checkpoint(args.checkpoint)
         if args.model_id:
             card["model_id"] = args.model_id
-        out = export_hf_model(state, config, args.out, tokenizer=tok, card=card, max_shard_size=args.max_shard_size)
+        out = export_hf_model(state, config, args.out, tokenizer=tok, card=card_writer(card),
+                              max_shard_size=args.max_shard_size)
     except (FileNotFoundError, ValueError, KeyError, CheckpointError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

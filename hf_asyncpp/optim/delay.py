@@ -46,9 +46,11 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from ..pipeline.schedules import SIMULATED_DELAYS, get_simulated_delay
+
 __all__ = ["MODES", "DelaySimulator"]
 
-MODES = ("0", "1", "pipedream")
+MODES = tuple(SIMULATED_DELAYS)  # the names; what each means is its record in pipeline.schedules
 
 
 @torch.no_grad()
@@ -74,13 +76,11 @@ class DelaySimulator:
     """
 
     def __init__(self, mode: str, params_per_stage, lag0_uses=()):
-        mode = str(mode)
-        if mode not in MODES:
-            raise ValueError(f"optimizer.simulate_delay: {mode!r} is not one of {', '.join(map(repr, MODES))}")
+        delay = get_simulated_delay(mode)
         stages = list(params_per_stage)
         if stages and isinstance(stages[0], Tensor):
             stages = [stages]
-        self.mode = mode
+        self.mode = delay.name
         self.stages: list[list[Tensor]] = [list(s) for s in stages]
         seen: set[int] = set()
         for s, params in enumerate(self.stages):
@@ -90,9 +90,9 @@ class DelaySimulator:
                                      f"stage {s}); tied weights must be owned by one stage")
                 seen.add(id(p))
         n = len(self.stages)
-        self.lags = {"pipedream": [n - 1 - s for s in range(n)], "1": [1] * n}.get(mode, [0] * n)
+        self.lags = delay.lags(n)
         lag_of = {id(p): lag for params, lag in zip(self.stages, self.lags) for p in params}
-        self.lag0_uses = [(m, a) for m, a in lag0_uses if mode == "pipedream" and lag_of.get(id(getattr(m, a)), 0) > 0]
+        self.lag0_uses = [(m, a) for m, a in lag0_uses if delay.per_stage and lag_of.get(id(getattr(m, a)), 0) > 0]
         self._owners: list[torch.nn.Parameter] = []  # while lag0_uses run on copies: their own parameters
         self.history: list[deque[list[Tensor]]] = [deque() for _ in range(n)]  # old versions, oldest first
         self._current: list[list[Tensor] | None] = [None] * n  # the current weights while stale ones are in
@@ -174,7 +174,7 @@ class DelaySimulator:
             raise RuntimeError("DelaySimulator.load_state_dict() in the middle of a step; load between steps")
         if sd["mode"] != self.mode:
             raise ValueError(f"checkpoint was written with simulate_delay {sd['mode']!r}, this run uses {self.mode!r}")
-        if self.mode == "1" and "kept" in sd:
+        if "kept" in sd:  # only the old one-step reference wrote it
             raise ValueError("checkpoint was written by the old simulate_delay '1' reference, which kept the last "
                              "gradient unapplied (one update behind); it cannot continue exactly under the current one "
                              "(which stashes the previous weights). Restart the run, or finish it with the version "

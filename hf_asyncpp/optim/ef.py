@@ -155,8 +155,10 @@ def ef_state_by_name(optimizer_state: dict, names: list[str]) -> dict[str, Tenso
     return {names[int(i)]: t for i, t in ((optimizer_state.get(KEY) or {}).get("prev") or {}).items()}
 
 
-def ef_state_from_names(by_name: dict[str, Tensor], names: list[str], lam: float) -> dict | None:
-    """The state-dict entry ``install_error_feedback``'s hooks load, from name-keyed buffers (None if none)."""
+def ef_state_from_names(by_name: dict[str, Tensor], names: list[str]) -> dict | None:
+    """The state-dict entry ``install_error_feedback``'s hooks load, from name-keyed buffers (None if none). It
+    holds the buffers only: the lambda is the one the optimizer was installed with (the recipe's), never a
+    checkpoint's."""
     if not by_name:
         return None
-    return {"lam": lam, "prev": {i: by_name[n] for i, n in enumerate(names) if n in by_name}}
+    return {"prev": {i: by_name[n] for i, n in enumerate(names) if n in by_name}}

@@ -10,7 +10,22 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+
+DATA_DEPENDENT = {torch.Tensor.__bool__: False, torch.Tensor.item: 0, torch.Tensor.__int__: 0,
+                  torch.Tensor.__float__: 0.0, torch.Tensor.tolist: []}
+"""What a meta tensor answers when the model asks for its values: the branch for "no padding, no packing"."""
+
+
+class MetaValues(TorchFunctionMode):
+    """Answers the model's data-dependent checks on meta tensors (padding / packing probes) with "none"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return DATA_DEPENDENT[func]
+        return func(*args, **(kwargs or {}))
 
 
 def hollow(module: nn.Module) -> nn.Module:
@@ -90,8 +105,6 @@ def absent(module: nn.Module, device_of=lambda: None) -> nn.Module:
         key = _shape_key(args, kwargs)
         out = shapes.get(key) if key is not None else None
         if out is None:
-            from .trace import MetaValues
-
             with torch.no_grad(), MetaValues():
                 out = cls.forward(shell, *tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
             if key is not None:

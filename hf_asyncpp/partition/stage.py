@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from .aux import AuxLoss, _aux_loss, _capture, _router_modules
-from .hollow import absent, alias, hollow
+from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
-from .trace import MetaValues
 
 # Model types whose stages the test suite compares with the whole model (loss, logits, every gradient) in
 # tests/test_partition.py; tests/test_partition_sweep.py covers every decoder-only type transformers ships.

@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .hollow import hollow
+from .hollow import DATA_DEPENDENT, hollow
 
 
 class PartitionError(ValueError):
@@ -101,8 +101,8 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            return _DATA_DEPENDENT[func]  # a meta model has no values: take the branch for "no padding, no packing"
+        if func in DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return DATA_DEPENDENT[func]  # a meta model has no values: take the branch for "no padding, no packing"
         if getattr(func, "__name__", "") == "__get__" or func in _METADATA:
             return func(*args, **kwargs)  # reading a weight's dtype or shape is not using it
         late = self.clock["phase"] == "post"
@@ -119,17 +119,6 @@ class _Watch(TorchFunctionMode):
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.get_device,
              torch.Tensor.is_floating_point, torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.__len__}
-_DATA_DEPENDENT = {torch.Tensor.__bool__: False, torch.Tensor.item: 0, torch.Tensor.__int__: 0,
-                   torch.Tensor.__float__: 0.0, torch.Tensor.tolist: []}
-
-
-class MetaValues(TorchFunctionMode):
-    """Answers the model's data-dependent checks on meta tensors (padding / packing probes) with "none"."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            return _DATA_DEPENDENT[func]
-        return func(*args, **(kwargs or {}))
 
 
 def _phase(clock, L):

@@ -30,6 +30,7 @@ from ..config import Recipe, recipe_to_dict
 from ..engine import autocast
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import MeasuredCosts, measure_costs
+from ..storage import write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -80,7 +81,8 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
         costs = measure(build(), recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str))
+    text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)
+    write_file(tmp, lambda f: f.write(text.encode("utf-8")))
     os.replace(tmp, path)
     return costs, path, False
 

@@ -18,7 +18,6 @@ shape are posted one ahead (see ``P2P.post``).
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,10 +30,10 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..config import Recipe
-from ..engine import NonFiniteError, StepResult, autocast
-from ..evaluation import nll_per_block
+from ..engine import StepResult, autocast, finite_step
 from ..export import shard_file, write_shard
 from ..lr import build_scheduler
+from ..nll import nll_per_block
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import ef_buffers
 from ..partition import merge_state_dicts, partition_model, shared_tensors
@@ -45,7 +44,7 @@ from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule
-from .versions import Versions
+from .versions import Hold, Versions
 
 __all__ = ["PipelineEngine"]
 
@@ -57,6 +56,7 @@ class _Micro:
     """What a forwarded microbatch keeps until its backward."""
 
     version: int
+    hold: Hold | None = None  # the version's in-flight hold, taken at the forward, released at the backward
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -163,6 +163,7 @@ class PipelineEngine:
             if pending:
                 yield from self.reports.ready()
         self.p2p.drain()
+        self.versions.check_released()
         if on_gpu:
             self.gpu_timer.collect(secs)
         yield from self.reports.drain()
@@ -196,7 +197,7 @@ class PipelineEngine:
             del w.data[k]  # the step's last forward: its batch is no longer needed here
         ids = batch[i].to(self.device, non_blocking=True) if self.first or self.last else None
         out = self._forward(mb, ids)
-        self.versions.inflight[a.version] = self.versions.inflight.get(a.version, 0) + 1
+        mb.hold = self.versions.hold(a.version)
         if self.track_memory:
             self.mem["activations"] += mb.saved_bytes
             self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
@@ -221,7 +222,7 @@ class PipelineEngine:
             self.reducer.after_backward()
         else:
             w.backwards[a.step] = done + 1
-        self.versions.inflight[mb.version] -= 1
+        mb.hold.release()
         if self.track_memory:
             self.mem["activations"] -= mb.saved_bytes
             self.mem["accumulating"] = 1
@@ -264,12 +265,7 @@ class PipelineEngine:
         grads, norm = self.reducer.result(k)
         cfg = self.recipe.training
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = math.isfinite(norm)
-        if not finite and cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"step {k}: non-finite gradient norm {norm}; stopping (training.on_nonfinite: stop). "
-                                 "Checkpoints already written are left as they are; if this is the first step after "
-                                 "a resume, suspect the checkpoint, else lower optimizer.learning_rate or set "
-                                 "training.on_nonfinite: skip")
+        finite = finite_step(k, norm, cfg.on_nonfinite)
         self.versions.prepare_update()
         if finite:
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
@@ -426,6 +422,5 @@ class PipelineEngine:
 
     def load(self, path: Path) -> None:
         """Restore this stage from a checkpoint of any number of stages (matched by parameter name)."""
-        meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
-                                      self.recipe.optimizer.ef_lambda)
+        meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions)
         self.nonfinite_skipped = meta["nonfinite_skipped"]

@@ -46,8 +46,8 @@ def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad
                    reduce_scope=sched.reduce_scope(max_grad_norm))
     report = {"schedule": sched.name, "stages": stages, "simulated_bubble": sim.bubble,
               "simulated_steady_bubble": sim.steady_bubble}
-    ckpt.save_json(out / "pipeline_profile.json", report)
-    plot_timeline(sim, str(out / "pipeline_timeline.png"),
+    ckpt.save_json(out / ckpt.PROFILE, report)
+    plot_timeline(sim, str(out / ckpt.TIMELINE),
                   f"{sched.name} on {pipeline.num_stages} stages: measured per-action means ({steps} steps)")
     log.info("pipeline: %s; simulated steady-state bubble %.1f%% (pipeline_timeline.png)", ", ".join(
         f"stage {s['stage']} busy {s['busy_share']:.0%} (F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms), "

@@ -5,7 +5,10 @@ schedule: the weight version each step uses, how many older versions a stage kee
 constraints, and ``actions(num_stages, num_microbatches, num_steps, first_step)`` returning ``lists[s]``, the
 actions stage ``s`` executes in order (data parallelism is the executor's business: every replica of stage ``s``
 runs ``lists[s]``). ``simulator.simulate`` runs the lists without processes. No module outside this one switches
-on a schedule's name: the executor, simulator, planner, run profile and recipe checks ask the record.
+on a schedule's name: the executor, simulator, planner, run profile and recipe checks ask the record. The two
+single-process names are here too: ``NO_PIPELINE`` (``pipeline.schedule: none``; ``pipelined``,
+``processes_per_pipeline``) and ``SimulatedDelay`` (``optimizer.simulate_delay``: the delays of a record,
+reproduced in one process; ``SIMULATED_DELAYS`` by name).
 
 Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`` = step, ``i`` = microbatch in the step):
 
@@ -65,7 +68,8 @@ from typing import Callable, Iterator, Optional
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "TWO_BW", "PIPEDREAM", "get_schedule", "ActionType", "Action",
-    "schedule_actions", "version_of", "version_lag", "format_actions", "parse_actions",
+    "schedule_actions", "version_of", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
+    "processes_per_pipeline", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
 ]
 
 
@@ -389,3 +393,53 @@ def version_of(schedule: str, step: int, stage: int, num_stages: int) -> int:
 
 def version_lag(schedule: str, stage: int, num_stages: int) -> int:
     return get_schedule(schedule).lag(stage, num_stages)
+
+
+# ---------------------------------------------------------------------------- one process: no schedule, or its delays
+
+NO_PIPELINE = "none"
+"""``pipeline.schedule`` for the whole model in each process (``engine.LocalEngine``): no record, no action lists."""
+
+
+def pipelined(schedule: str) -> bool:
+    """Whether ``pipeline.schedule`` names a record (its stages are processes), not ``none``."""
+    return schedule != NO_PIPELINE
+
+
+def processes_per_pipeline(schedule: str, num_stages: int) -> int:
+    """Processes one copy of the model takes: its stages when pipelined; 1 for ``none``, where ``num_stages`` only
+    shapes a simulated delay."""
+    return num_stages if pipelined(schedule) else 1
+
+
+@dataclass(frozen=True)
+class SimulatedDelay:
+    """An ``optimizer.simulate_delay`` value: one process applying each gradient as late as ``schedule`` does
+    (stage s's parameters get gradients ``schedule.lag(s, p)`` versions old; ``optim.delay.DelaySimulator``)."""
+
+    name: str
+    schedule: Schedule
+    per_stage: bool
+    """The lag differs between stages, so the model's split into stages matters (and a tied head on the last stage
+    runs on current weights)."""
+
+    @property
+    def delayed(self) -> bool:
+        return not self.schedule.synchronous
+
+    def lags(self, num_stages: int) -> list[int]:
+        return [self.schedule.lag(s, num_stages) for s in range(num_stages)]
+
+
+SIMULATED_DELAYS: dict[str, SimulatedDelay] = {d.name: d for d in (
+    SimulatedDelay("0", ONE_F_ONE_B, per_stage=False), SimulatedDelay("1", TWO_BW, per_stage=False),
+    SimulatedDelay("pipedream", PIPEDREAM, per_stage=True))}
+
+
+def get_simulated_delay(name: "str | int | SimulatedDelay") -> SimulatedDelay:
+    """The record of an ``optimizer.simulate_delay`` value (YAML may read ``1`` as an int)."""
+    if isinstance(name, SimulatedDelay):
+        return name
+    if str(name) not in SIMULATED_DELAYS:
+        raise ValueError(f"optimizer.simulate_delay: {name!r} is not one of {', '.join(map(repr, SIMULATED_DELAYS))}")
+    return SIMULATED_DELAYS[str(name)]

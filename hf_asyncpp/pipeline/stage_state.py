@@ -35,8 +35,9 @@ def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, s
     })
 
 
-def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, versions: Versions, ef_lambda: float) -> dict:
-    """Restore this stage from a checkpoint of any number of stages; returns the saved extra fields."""
+def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, versions: Versions) -> dict:
+    """Restore this stage from a checkpoint of any number of stages; returns the saved extra fields. The
+    optimizer's hyperparameters and Error-Feedback lambda stay the recipe's (the optimizer was built from it)."""
     weights, older, by_name, ef_by_name = {}, {}, {}, {}
     files = ckpt.stage_weight_files(path)
     if not files:
@@ -62,7 +63,7 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     sd = optimizer.state_dict()
     names = param_names(stage, optimizer)
     sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-    ef = ef_state_from_names(ef_by_name, names, ef_lambda)
+    ef = ef_state_from_names(ef_by_name, names)
     if ef is not None:
         sd[EF_KEY] = ef
     optimizer.load_state_dict(sd)  # the fresh groups: the recipe's hyperparameters; the state by parameter name

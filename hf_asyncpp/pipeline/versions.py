@@ -6,10 +6,31 @@ and the executor runs the stage on them with ``functional_call``, so an update n
 in-flight microbatch saved for its backward. A buffer is reused as soon as its version has no microbatch in
 flight and no future forward needs it (``lag`` = the schedule record's ``lag``): 1 buffer for GPipe/1F1B (updates
 in place), 2 for 2BW (the version in use and the one the next STEP writes), up to p at stage 0 for PipeDream.
+
+The in-flight counts are only changed through a :class:`Hold`: a microbatch's forward takes one (``hold(v)``),
+it travels with the microbatch's saved state, and its backward releases it exactly once. A second release raises
+(it would free a buffer an in-flight backward still reads), and :meth:`Versions.check_released` at a drain point
+names a hold never released (its buffer would never be freed).
 """
 from __future__ import annotations
 
 import torch
+
+
+class Hold:
+    """One microbatch's use of one weight version, from its forward to its backward; released exactly once."""
+
+    __slots__ = ("_versions", "version", "_released")
+
+    def __init__(self, versions: "Versions", version: int):
+        self._versions, self.version, self._released = versions, version, False
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError(f"weight version {self.version}: a microbatch's hold was released twice (its buffer "
+                               "could be overwritten while another backward still uses it)")
+        self._released = True
+        self._versions.inflight[self.version] -= 1
 
 
 class Versions:
@@ -22,6 +43,18 @@ class Versions:
         self.inflight: dict[int, int] = {0: 0}
         self.latest = 0
         self.peak = 1
+
+    def hold(self, v: int) -> Hold:
+        """Version ``v`` is in use by one more microbatch until the returned hold is released (at its backward)."""
+        self.inflight[v] = self.inflight.get(v, 0) + 1
+        return Hold(self, v)
+
+    def check_released(self) -> None:
+        """At a drain point every hold must be released: raise naming the versions still held."""
+        held = {v: n for v, n in self.inflight.items() if n}
+        if held:
+            raise RuntimeError(f"weight versions still held by microbatches at a drain point (version: count): {held}; "
+                               "a forward's hold was never released by its backward")
 
     def leaves_for(self, v: int) -> dict[str, torch.Tensor]:
         if v not in self.buffers:

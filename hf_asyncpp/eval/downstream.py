@@ -7,166 +7,23 @@ context whitespace moved into the continuation, the tokenizer's own special toke
 model's length), the same metrics (``acc``: argmax of the summed log-likelihood; ``acc_norm``: divided by the
 choice's length in characters *without* the delimiter; MMLU reports ``acc`` only, micro-averaged over subjects)
 and the same ``limit`` (per task, i.e. per MMLU subject). ``tests/test_lm_eval_parity.py`` checks all of it
-against lm-eval itself; ``lm_eval_backend.py`` runs lm-eval instead of this scorer.
+against lm-eval itself; ``lm_eval.py`` runs lm-eval instead of this scorer.
 
 Why keep a scorer of our own: it needs no network, reads local files, and scores an in-memory model (during
 training, on the training device). Task data comes through ``datasets``: the Hub id, or local json/jsonl/parquet
 files in the Hub record format (or the normalized ``{"context", "choices", "label"}``, choices as scored, with
-their leading space). Metrics go through the ``evaluate`` modules the package ships.
+their leading space; the registry is ``tasks.py``). Metrics go through the ``evaluate`` modules the package ships.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 from accelerate.utils import find_executable_batch_size
 
-from . import __version__
-from .evaluation import evaluate_perplexity, load_metric, resolve_device
-from .reporting import METRICS
-from .storage import write_file
-
-TARGET_DELIMITER = " "
-"""lm-eval's default ``target_delimiter``, the same for all five tasks: continuation = delimiter + choice."""
-SCORER = f"hf_asyncpp {__version__}"
-MMLU_DESCRIPTION = "The following are multiple choice questions (with answers) about {}.\n\n"
-
-
-class Item(NamedTuple):
-    context: str
-    choices: list[str]
-    """Continuations as scored: the target delimiter + the choice."""
-    label: int
-
-
-@dataclass(frozen=True)
-class Task:
-    hub_id: str
-    hub_config: str | None
-    split: str
-    convert: Callable[[dict], Item]
-    fields: tuple[str, ...]  # keys a record of this task must have
-    lm_eval_task: str  # the lm-eval task (or group) with the same definition
-    metrics: tuple[str, ...] = ("acc", "acc_norm")
-
-
-def _hellaswag_text(t: str) -> str:
-    t = t.strip().replace(" [title]", ". ")
-    t = re.sub(r"\[.*?\]", "", t)
-    return t.replace("  ", " ")
-
-
-def _delimited(choices) -> list[str]:
-    return [TARGET_DELIMITER + str(c) for c in choices]
-
-
-def _hellaswag(r):
-    ctx = r["ctx_a"] + " " + r["ctx_b"].capitalize()
-    return Item(_hellaswag_text(r["activity_label"] + ": " + ctx), _delimited(_hellaswag_text(e) for e in r["endings"]),
-                int(r["label"]))
-
-
-def _piqa(r):
-    return Item(f"Question: {r['goal']}\nAnswer:", _delimited([r["sol1"], r["sol2"]]), int(r["label"]))
-
-
-def _arc(r):
-    labels = list(r["choices"]["label"])
-    return Item(f"Question: {r['question']}\nAnswer:", _delimited(r["choices"]["text"]), labels.index(r["answerKey"]))
-
-
-def _mmlu(r):
-    # lm-eval's doc_to_text names four options whatever the row holds; cais/mmlu rows always have four
-    body = "\n".join(f"{letter}. {r['choices'][i]}" for i, letter in enumerate("ABCD"))
-    description = MMLU_DESCRIPTION.format(r["subject"].replace("_", " "))
-    return Item(f"{description}{r['question'].strip()}\n{body}\nAnswer:", _delimited("ABCD"), int(r["answer"]))
-
-
-_MMLU_FIELDS = ("question", "subject", "choices", "answer")
-TASKS = {
-    "hellaswag": Task("Rowan/hellaswag", None, "validation", _hellaswag, ("ctx_a", "ctx_b", "activity_label", "endings", "label"),
-                      "hellaswag"),
-    "piqa": Task("baber/piqa", None, "validation", _piqa, ("goal", "sol1", "sol2", "label"), "piqa"),
-    "arc_easy": Task("allenai/ai2_arc", "ARC-Easy", "test", _arc, ("question", "choices", "answerKey"), "arc_easy"),
-    "arc_challenge": Task("allenai/ai2_arc", "ARC-Challenge", "test", _arc, ("question", "choices", "answerKey"), "arc_challenge"),
-    "mmlu": Task("cais/mmlu", "all", "test", _mmlu, _MMLU_FIELDS, "mmlu", ("acc",)),
-}
-NORMALIZED = ("context", "choices", "label")
-
-
-def task_spec(task: str) -> Task:
-    """The spec of a task name: one of :data:`TASKS` or ``mmlu_<subject>`` (one MMLU subject, as lm-eval names it)."""
-    if task in TASKS:
-        return TASKS[task]
-    if task.startswith("mmlu_"):
-        subject = task.removeprefix("mmlu_")
-        return Task("cais/mmlu", subject, "test", _mmlu, _MMLU_FIELDS, task, ("acc",))
-    raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(known_tasks())}, mmlu_<subject>")
-
-
-def known_tasks() -> list[str]:
-    return sorted(TASKS) + ["perplexity"]
-
-
-def _subject(task: str, record: dict) -> str | None:
-    return record.get("subject") if task.startswith("mmlu") else None
-
-
-def load_task(task: str, path: str | None = None, limit: int | None = None) -> tuple[list[Item], list[str | None]]:
-    """(items, MMLU subject of each item or None) of a task, from a local file or the Hub (streamed).
-
-    ``limit`` is applied as lm-eval applies it: the first ``limit`` documents of each task, and for MMLU each
-    subject is a task (``mmlu`` with ``limit: 100`` scores 100 items of every subject, not the first subjects of
-    the subject-sorted ``all`` split). ``mmlu_<subject>`` reads only that subject's rows of a local MMLU file.
-    """
-    import datasets
-
-    spec = task_spec(task)
-    if path:
-        kind = "parquet" if str(path).endswith(".parquet") else "json"
-        ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
-    else:
-        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.split, streaming=True)
-    only = task.removeprefix("mmlu_") if task.startswith("mmlu_") else None
-    items, subjects, per_subject = [], [], {}
-    for i, r in enumerate(ds):
-        subject = _subject(task, r)
-        if only is not None and subject is not None and subject != only:
-            continue
-        if limit is not None and per_subject.get(subject, 0) >= limit:
-            if subject is None:
-                break  # one task, no subjects: the first `limit` documents
-            continue
-        try:
-            if all(r.get(k) is not None for k in NORMALIZED):
-                item = Item(str(r["context"]), [str(c) for c in r["choices"]], int(r["label"]))
-            else:
-                missing = [k for k in spec.fields if r.get(k) is None]  # json fills absent columns with null
-                if missing:
-                    raise KeyError(f"missing {missing}")
-                item = spec.convert(r)
-            if not 0 <= item.label < len(item.choices):
-                raise ValueError(f"label {item.label} outside the {len(item.choices)} choices")
-        except (KeyError, ValueError, TypeError, IndexError) as e:
-            raise ValueError(f"{path or spec.hub_id}: record {i} is not a {task} record ({e}); expected the fields "
-                             f"{', '.join(spec.fields)} or {', '.join(NORMALIZED)}: {json.dumps(r)[:200]}") from None
-        per_subject[subject] = per_subject.get(subject, 0) + 1
-        items.append(item)
-        subjects.append(subject)
-    if not items:
-        raise ValueError(f"{path or spec.hub_id}: no {task} records")
-    return items, subjects
-
-
-def load_items(task: str, path: str | None = None, limit: int | None = None) -> list[Item]:
-    """(context, choices, label) items of a task; see :func:`load_task`."""
-    return load_task(task, path, limit)[0]
+from .perplexity import evaluate_perplexity, load_metric, resolve_device
+from .tasks import SCORER, TARGET_DELIMITER, load_task, task_spec
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,7 +195,7 @@ def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict
         check_model_dir(d)
         if backend == "lm_eval":
             try:
-                from .lm_eval_backend import evaluate_with_lm_eval  # optional dependency (the `eval` extra)
+                from .lm_eval import evaluate_with_lm_eval  # optional dependency (the `eval` extra)
             except ImportError as e:
                 raise ImportError(f"backend lm_eval needs lm-evaluation-harness ({e}); pip install hf_asyncpp[eval]") from e
 
@@ -353,41 +210,6 @@ def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict
             res["perplexity"] = evaluate_perplexity(model, blocks, batch_size)
         results[str(d)] = res
     return results
-
-
-# ---------------------------------------------------------------------------------------------------
-# during training
-
-
-@lru_cache(maxsize=None)
-def _cached_task(task: str, path: str | None, limit: int | None):
-    return load_task(task, path, limit)  # read once per run, scored at every evaluation
-
-
-def evaluate_tasks_during_training(engine, tokenizer, recipe, accelerator, out: Path, step: int) -> dict | None:
-    """``eval.tasks`` on the newest weights at an evaluation point, when ``eval.during_training`` is set.
-
-    The weights are gathered (``engine.full_state_dict``: collective, every rank calls this) into a model on the
-    main process, on its training device, and scored there with this module's scorer; the pipeline stays as it
-    is. Logged as ``eval/<task>/<metric>`` to ``metrics.jsonl`` and the trackers. Returns the results on the main
-    process, None elsewhere or when there is nothing to do.
-    """
-    tasks = [t for t in recipe.eval.tasks if t != "perplexity"]
-    if not (recipe.eval.during_training and tasks):
-        return None
-    weights = engine.full_state_dict()  # collective under the pipeline: merged on the main process only
-    if not accelerator.is_main_process:
-        return None
-    from .export import assemble_model  # export imports this module
-
-    model = assemble_model(weights, engine.config).to(accelerator.device)  # shares the weights where they already are
-    task_items = {t: _cached_task(t, (recipe.eval.task_files or {}).get(t), recipe.eval.limit) for t in tasks}
-    res = score_tasks(model, tokenizer, task_items, limit=recipe.eval.limit)
-    rec = {f"eval/{t}/{m}": r[m] for t, r in res.items() for m in ("acc", "acc_norm") if m in r}
-    line = (json.dumps({"step": step, **rec}) + "\n").encode()
-    write_file(Path(out) / METRICS, lambda f: f.write(line), append=True, fsync=False)  # a full disk names the file
-    accelerator.log(rec, step=step)
-    return res
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Perplexity of a model, an exported folder, or pipeline stages, through the shipped ``evaluate`` metric.
 
 Hub metric scripts cannot be fetched here, so the package ships its metrics under
-``hf_asyncpp/metrics/<name>/<name>.py`` and loads them by path. A pipeline runtime computes per-block
-NLL sums on its last stage and hands them to :func:`perplexity_from_sums`; a plain model goes
-through :func:`evaluate_perplexity`. Both end in the same metric.
+``hf_asyncpp/eval/metrics/<name>/<name>.py`` and loads them by path. A pipeline runtime computes per-block
+NLL sums on its last stage (``nll.py``, the one definition) and hands them to :func:`perplexity_from_sums`; a plain
+model goes through :func:`evaluate_perplexity`. Both end in the same metric.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
-__all__ = ["METRICS_DIR", "nll_per_block", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
+from ..nll import nll_per_block
+
+__all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
            "perplexity_from_sums", "resolve_device"]
 
 METRICS_DIR = Path(__file__).parent / "metrics"
@@ -53,13 +55,6 @@ def perplexity_from_sums(nll_sums, token_counts) -> dict:
         raise ValueError(f"{len(nll_sums)} NLL sums but {len(token_counts)} token counts; give one of each per block")
     res = load_metric("perplexity").compute(nll_sum=nll_sums, num_tokens=token_counts)
     return {"eval_loss": res["eval_loss"], "eval_ppl": res["perplexity"], "num_tokens": res["num_tokens"]}
-
-
-def nll_per_block(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Summed next-token NLL of each block, float64 ``(B,)``: the one definition every evaluation path uses
-    (a model, the single-process engine, the pipeline's last stage). logits ``(B, T, V)``, ids ``(B, T)``."""
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-    return nll.double().sum(dim=1)
 
 
 @torch.no_grad()

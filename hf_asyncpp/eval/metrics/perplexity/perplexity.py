@@ -3,7 +3,7 @@
 Shipped with hf_asyncpp because Hub metric scripts cannot be fetched offline. Feed it per-block
 (or per-batch) NLL sums and token counts, from a plain model or from the last pipeline stage:
 
-    metric = evaluate.load("/abs/path/to/hf_asyncpp/metrics/perplexity")
+    metric = evaluate.load("/abs/path/to/hf_asyncpp/eval/metrics/perplexity")
     metric.add_batch(nll_sum=[41.2, 39.8], num_tokens=[127, 127])   # as many batches as needed
     metric.compute()  # {"eval_loss": ..., "perplexity": ..., "num_tokens": 254}
 """

@@ -22,8 +22,9 @@ import yaml
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from .downstream import task_spec
-from .evaluation import resolve_device
+from ..storage import write_file
+from .perplexity import resolve_device
+from .tasks import task_spec
 
 __all__ = ["LOCAL_PREFIX", "evaluate_with_lm_eval", "lm_eval_version", "write_local_tasks"]
 
@@ -33,6 +34,11 @@ LOCAL_PREFIX = "hf_asyncpp_"
 
 def lm_eval_version() -> str:
     return version("lm_eval")
+
+
+def _write(path: Path, text: str) -> None:
+    """A task file for lm-eval, through the package's one write path (a full disk names the file)."""
+    write_file(path, lambda f: f.write(text.encode()), fsync=False)
 
 
 def _read_jsonl(path) -> list[dict]:
@@ -61,7 +67,7 @@ def _upstream_index() -> dict:
 
 
 def write_local_tasks(task_files: dict[str, str], out_dir) -> dict[str, str]:
-    """Task YAMLs in ``out_dir`` over local files (``{task: file}``, tasks as in ``downstream.TASKS`` or
+    """Task YAMLs in ``out_dir`` over local files (``{task: file}``, tasks as in ``tasks.TASKS`` or
     ``mmlu_<subject>``); returns ``{task: the lm-eval task or group name to request}``.
 
     Each YAML includes lm-eval's own YAML of the task and overrides only the dataset (path, and the split the
@@ -77,7 +83,7 @@ def write_local_tasks(task_files: dict[str, str], out_dir) -> dict[str, str]:
         if not task.startswith("mmlu"):
             entry = index[spec.lm_eval_task]
             name = LOCAL_PREFIX + task
-            (out / f"{name}.yaml").write_text(yaml.safe_dump(_task_yaml(entry.yaml_path, name, spec.split, Path(path).resolve())))
+            _write(out / f"{name}.yaml", yaml.safe_dump(_task_yaml(entry.yaml_path, name, spec.split, Path(path).resolve())))
             names[task] = name
             continue
         by_subject = defaultdict(list)
@@ -91,15 +97,15 @@ def write_local_tasks(task_files: dict[str, str], out_dir) -> dict[str, str]:
                 raise ValueError(f"{path}: {subject!r} is not an MMLU subject lm-eval knows (no task mmlu_{subject})")
             name = f"{LOCAL_PREFIX}{'' if task == 'mmlu' else 'only_'}mmlu_{subject}"  # `mmlu` and `mmlu_x` may come together
             data = out / f"{name}.jsonl"
-            data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (out / f"{name}.yaml").write_text(yaml.safe_dump(_task_yaml(index[f"mmlu_{subject}"].yaml_path, name, "test", data)))
+            _write(data, "".join(json.dumps(r) + "\n" for r in rows))
+            _write(out / f"{name}.yaml", yaml.safe_dump(_task_yaml(index[f"mmlu_{subject}"].yaml_path, name, "test", data)))
             subtasks.append(name)
         if not subtasks:
             raise ValueError(f"{path}: no rows of {task}")
         if task == "mmlu":
             group = {"group": LOCAL_PREFIX + "mmlu", "task": subtasks,
                      "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}], "metadata": {"version": 2}}
-            (out / f"{LOCAL_PREFIX}mmlu.yaml").write_text(yaml.safe_dump(group))
+            _write(out / f"{LOCAL_PREFIX}mmlu.yaml", yaml.safe_dump(group))
             names[task] = LOCAL_PREFIX + "mmlu"
         else:
             names[task] = subtasks[0]

@@ -1,0 +1,248 @@
+"""The package's written promises, each checked where it can break (the review's "traps"): file names spelled in
+one home, every write through ``storage``, no schedule vocabulary outside ``pipeline/``, weight versions held and
+released by construction, the recipe's Error-Feedback lambda on resume, one non-finite rule and one resume resolver.
+
+The source checks walk the package's AST; each detector is first shown a snippet that breaks its promise, so a
+check that silently stopped finding anything fails too. Allow-lists name each exception and why it is one.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp import checkpointer
+from hf_asyncpp.engine import NonFiniteError, finite_step
+from hf_asyncpp.optim import install_error_feedback
+from hf_asyncpp.pipeline import stage_state
+from hf_asyncpp.pipeline.schedules import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS
+from hf_asyncpp.pipeline.versions import Versions
+
+PACKAGE = Path(ckpt.__file__).resolve().parent
+
+
+def _sources() -> dict[str, ast.Module]:
+    """Every module of the package by its path inside it (``pipeline/executor.py``)."""
+    return {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings or bare string statements (prose, not code)."""
+    return {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+
+
+# ---------------------------------------------------------------------------- 1. file names in one home
+
+HOMES = {v: "checkpoint.py" for v in (ckpt.MANIFEST, ckpt.RUN_STATE, ckpt.TRAINER_STATE, ckpt.MODEL_FILE,
+                                        ckpt.OPTIMIZER_FILE, ckpt.RECIPE_FILE, ckpt.METRICS, ckpt.FINAL_EVAL,
+                                        ckpt.LOSS_CURVE, ckpt.PROFILE, ckpt.TIMELINE)}
+"""The names of a checkpoint's files and of the run folder's outputs live in checkpoint.py (``reporting.METRICS`` is
+the same constant). Not here: ``config.json`` and ``tokenizer.json`` (transformers' and tokenizers' own names, also
+in exported folders), and folder names."""
+NAME_EXCEPTIONS = {
+    ("export.py", ckpt.MODEL_FILE): "an exported HF folder's weights: transformers' SAFE_WEIGHTS_NAME, which "
+                                    "checkpoint.MODEL_FILE happens to equal",
+}
+
+
+def _name_literals(sources: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    found = set()
+    for path, tree in sources.items():
+        prose = _docstrings(tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose and n.value in HOMES \
+                    and HOMES[n.value] != path:
+                found.add((path, n.value))
+    return found
+
+
+def test_file_names_are_spelled_only_in_their_home():
+    bad = _name_literals({"engine.py": ast.parse('ckpt.save_tensors(tmp / "model.safetensors", sd)')})
+    assert bad == {("engine.py", "model.safetensors")}  # the detector sees a stray name
+    found = _name_literals(_sources())
+    stray = {(p, v) for p, v in found if (Path(p).name, v) not in NAME_EXCEPTIONS}
+    assert not stray, f"spell these through their home's constant ({HOMES}): {sorted(stray)}"
+    unused = set(NAME_EXCEPTIONS) - {(Path(p).name, v) for p, v in found}
+    assert not unused, f"allowed exceptions no longer needed; remove them from NAME_EXCEPTIONS: {sorted(unused)}"
+
+
+# ---------------------------------------------------------------------------- 2. every write through storage
+
+WRITE_EXCEPTIONS = {
+    ("storage.py", "open"): "the edge itself: open_for_write, which write_file writes through (and tests fake)",
+    ("preflight.py", "write_text"): "a probe of whether training.output_dir is writable: its failure is the answer, "
+                                    "turned into a RecipeError naming the field",
+    ("cli/compare.py", "open"): "a log file handed to a child process as its stdout: the child writes the bytes",
+}
+
+
+def _writes(sources: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    """(module, kind) of each write that bypasses storage: open() in a write/append mode, Path.write_text/bytes,
+    json/yaml dumped into a file object."""
+    found = set()
+    for path, tree in sources.items():
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call):
+                continue
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in ("write_text", "write_bytes"):
+                found.add((path, name))
+            elif name == "open" and not (isinstance(f, ast.Attribute) and ast.unparse(f.value) == "os"):
+                # open(path, mode) / io.open(path, mode); Path.open(mode)
+                pos = 0 if isinstance(f, ast.Attribute) and ast.unparse(f.value) not in ("io", "builtins") else 1
+                mode = [k.value for k in n.keywords if k.arg == "mode"] or n.args[pos:pos + 1]
+                if mode and (not isinstance(mode[0], ast.Constant) or set(str(mode[0].value)) & set("wax+")):
+                    found.add((path, "open"))
+            elif name == "open":  # os.open(path, flags)
+                if any(w in ast.unparse(n) for w in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND")):
+                    found.add((path, "os.open"))
+            elif name in ("dump", "safe_dump") and isinstance(f, ast.Attribute) and ast.unparse(f.value) in ("json", "yaml") \
+                    and (len(n.args) > 1 or any(k.arg == "stream" for k in n.keywords)):
+                found.add((path, f"{ast.unparse(f.value)}.{name}"))
+    return found
+
+
+def test_every_write_goes_through_storage():
+    snippet = ast.parse('with open(p, "w") as f:\n    json.dump(x, f)\nPath(p).write_text("x")\nopen(p, "rb")\n'
+                        'yaml.safe_dump(d, f)\nyaml.safe_dump(d)\nos.open(p, os.O_RDONLY)\nPath(p).open("a")')
+    assert _writes({"x.py": snippet}) == {("x.py", k) for k in ("open", "json.dump", "write_text", "yaml.safe_dump")}
+    found = _writes(_sources())
+    bypass = found - set(WRITE_EXCEPTIONS)
+    assert not bypass, f"write these through storage.write_file (a full disk must name the file): {sorted(bypass)}"
+    unused = set(WRITE_EXCEPTIONS) - found
+    assert not unused, f"allowed exceptions no longer needed; remove them from WRITE_EXCEPTIONS: {sorted(unused)}"
+
+
+# ---------------------------------------------------------------------------- 3. schedule vocabulary in pipeline/
+
+VOCABULARY = set(SCHEDULES) | {NO_PIPELINE} | set(SIMULATED_DELAYS)
+SUBJECTS = re.compile(r"schedule|simulate_delay|\bmode\b")  # not delay_correction, whose "none" is its own
+VOCABULARY_EXCEPTIONS = {
+}
+
+
+def _strings(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*map(_strings, node.elts)) if node.elts else set()
+    return set()
+
+
+def _vocabulary_switches(sources: dict[str, ast.Module]) -> set[tuple[str, int, str]]:
+    """Comparisons of a schedule / simulated-delay value with one of their names, and tables keyed by those names,
+    outside pipeline/ (the records' home)."""
+    found = set()
+    for path, tree in sources.items():
+        if path.startswith("pipeline/"):
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Compare):
+                sides = [n.left, *n.comparators]
+                names = set().union(*map(_strings, sides)) & VOCABULARY
+                subject = " ".join(ast.unparse(s) for s in sides if not _strings(s))
+                if names and SUBJECTS.search(subject):
+                    found.add((path, n.lineno, ast.unparse(n)))
+            elif isinstance(n, ast.Dict):
+                keys = set().union(*(_strings(k) for k in n.keys if k is not None)) if n.keys else set()
+                if len(keys & (VOCABULARY - {"0", "1"})) >= 1 and len(keys & VOCABULARY) >= 2:
+                    found.add((path, n.lineno, ast.unparse(n)[:60]))
+    return found
+
+
+def test_no_module_outside_pipeline_switches_on_a_schedule_or_delay_name():
+    snippet = ast.parse('if recipe.pipeline.schedule == "none": pass\nif cfg.simulate_delay != "pipedream": pass\n'
+                        'lags = {"pipedream": a, "1": b}.get(mode)\nif env.get("RANK") == "0": pass')
+    assert len(_vocabulary_switches({"x.py": snippet})) == 3
+    found = [f for f in _vocabulary_switches(_sources()) if Path(f[0]).name not in VOCABULARY_EXCEPTIONS]
+    assert not found, ("ask the records in pipeline/schedules.py (pipelined, processes_per_pipeline, "
+                       f"get_simulated_delay) instead of comparing names: {sorted(found)}")
+
+
+def test_simulated_delays_are_the_schedules_lags():
+    assert [SIMULATED_DELAYS[n].lags(4) for n in ("0", "1", "pipedream")] == [[0] * 4, [1] * 4, [3, 2, 1, 0]]
+    assert [SIMULATED_DELAYS[n].delayed for n in ("0", "1", "pipedream")] == [False, True, True]
+
+
+# ---------------------------------------------------------------------------- 4. versions held by construction
+
+def test_a_version_hold_is_released_exactly_once():
+    w = torch.nn.Parameter(torch.zeros(2))
+    versions = Versions({"w": w}, lag=0)
+    hold = versions.hold(0)
+    assert versions.inflight[0] == 1
+    with pytest.raises(RuntimeError, match="never released"):
+        versions.check_released()  # a drain point with a forward whose backward never released it
+    hold.release()
+    versions.check_released()
+    with pytest.raises(RuntimeError, match="released twice"):
+        hold.release()
+    assert versions.inflight[0] == 0  # the second release changed nothing
+
+
+def test_only_versions_changes_the_inflight_counts():
+    found = []
+    for path, tree in _sources().items():
+        for n in ast.walk(tree):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+            for t in targets:
+                text = ast.unparse(t)  # the simulator's own per-stage inflight counts are not Versions'
+                if "inflight[" in text and path != "pipeline/versions.py" and ("versions" in text or "executor" in path):
+                    found.append((path, n.lineno, ast.unparse(n)))
+    assert not found, f"take a Versions.hold(v) and release it instead: {found}"
+
+
+# ---------------------------------------------------------------------------- 5. the recipe's EF lambda on resume
+
+def test_a_resumed_stage_uses_the_recipes_ef_lambda(tmp_path):
+    torch.manual_seed(0)
+    stage = torch.nn.Linear(3, 2)
+
+    def parts(module, lam):
+        opt = install_error_feedback(torch.optim.SGD(module.parameters(), lr=0.1), lam)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), Versions(dict(module.named_parameters()), 0)
+
+    opt, sched, versions = parts(stage, 0.5)
+    for _ in range(2):
+        stage(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stage_state.save_stage(tmp_path, 0, stage, opt, sched, versions, {})
+    resumed = copy.deepcopy(stage)
+    opt2, sched2, versions2 = parts(resumed, 0.25)  # the recipe changed optimizer.ef_lambda
+    stage_state.load_stage(tmp_path, resumed, opt2, sched2, versions2)
+    assert opt2.error_feedback["lam"] == 0.25
+    saved = {id(p): t for p, t in opt.error_feedback["prev"].items()}
+    assert all(torch.equal(opt2.error_feedback["prev"][p2], saved[id(p)])
+               for p, p2 in zip(stage.parameters(), resumed.parameters()))
+    # the single-process path: the optimizer's own state dict, which carries the writer's lambda
+    opt3, _, _ = parts(copy.deepcopy(stage), 0.25)
+    opt3.load_state_dict(opt.state_dict())
+    assert opt3.error_feedback["lam"] == 0.25
+
+
+# ---------------------------------------------------------------------------- 6. one rule, one resolver
+
+def test_one_non_finite_rule():
+    assert finite_step(3, 1.0, "stop", loss=2.0)
+    assert not finite_step(3, float("nan"), "skip")
+    assert not finite_step(3, 1.0, "skip", loss=float("inf"))
+    with pytest.raises(NonFiniteError, match=r"step 3: non-finite .*training.on_nonfinite: stop"):
+        finite_step(3, float("inf"), "stop")
+    found = [(p, n.lineno) for p, tree in _sources().items() for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and n.attr == "isfinite"]
+    assert {p for p, _ in found} == {"engine.py"}, f"decide a step's finiteness with engine.finite_step: {found}"
+
+
+def test_one_resume_resolver():
+    assert not hasattr(ckpt, "resolve_resume")  # checkpointer.choose_resume verifies and picks
+    assert not hasattr(checkpointer, "resume")  # Checkpointer.resume restores
+    defined = [n.name for tree in _sources().values() for n in ast.walk(tree)
+               if isinstance(n, ast.FunctionDef) and n.name in ("choose_resume", "resolve_resume", "resume")]
+    assert sorted(defined) == ["choose_resume", "resume"], defined
