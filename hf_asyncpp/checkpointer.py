@@ -164,12 +164,15 @@ class Checkpointer:
             ckpt.save_state(tmp / ckpt.rng_file(topo.rank), rng_state())
         except WriteError as e:
             raise WriteError(f"{e}; {self._latest()}") from None
-        mine = {"data": stream.state_dict(), "written": ckpt.take_written(tmp)}
+        # a middle stage has no stream (None), but takes part in the gather: every rank joins every collective
+        mine = {"data": stream.state_dict() if stream is not None else None, "written": ckpt.take_written(tmp)}
         parts = [None] * topo.world_size
         if topo.world_size > 1:
             dist.all_gather_object(parts, mine)
         else:
             parts = [mine]
+        if acc.is_main_process:
+            check_same_position([p["data"] for p in parts], topo)
         acc.wait_for_everyone()
         final = self.out / ckpt.checkpoint_name(state.step)
         if acc.is_main_process:
@@ -236,8 +239,10 @@ class Checkpointer:
         if saved_files is not None and files is not None and saved_files != files:
             log.warning("data.train_files differ from the ones %s was trained on (%d files then, %d now): the data stream "
                         "starts at the beginning of the new files", path.name, len(saved_files), len(files))
+        elif stream is None:  # a middle stage: no data position to restore
+            pass
         elif old_dp == topo.dp_size:
-            stream.load_state_dict(meta["data"][topo.dp_rank])
+            stream.load_state_dict(meta["data"][topo.dp_rank])  # the first stage's (ranks 0..dp-1) position
         else:
             states = meta["data"][:old_dp]
             blocks = sum(s["blocks"] for s in states) // topo.dp_size
@@ -255,6 +260,22 @@ class Checkpointer:
                                       engine.scheduler.last_epoch, path.name):
                 log.warning("resume: %s", line)
         return RunState(step=meta["step"], tokens=meta["tokens"], **({"run_id": meta["run_id"]} if "run_id" in meta else {}))
+
+
+def check_same_position(states: list, topo: Topology) -> None:
+    """The first and the last stage of a replica read the same stream (the ids and their labels): their positions
+    must agree, or the checkpoint would record one and resume the other out of step. The saved list keeps the first
+    stage's positions first (ranks 0..dp-1), which is what a resume reads."""
+    dp, last = topo.dp_size, topo.num_stages - 1
+    for r in range(dp):
+        first, end = states[r], states[last * dp + r]
+        if first != end:
+            raise RuntimeError(f"data position of replica {r}: stage 0 is at {_where(first)}, stage {last} at "
+                               f"{_where(end)}; they read the same stream and must agree")
+
+
+def _where(state: dict | None) -> str:
+    return "nowhere" if state is None else f"epoch {state.get('epoch')} block {state.get('blocks')}"
 
 
 def _verify_shared(path: Path, topo: Topology) -> list[str]:

@@ -148,6 +148,9 @@ class TrainingConfig:
     seed: int = 42
     bf16: bool = False
     """bf16 autocast for forward and backward (weights and optimizer stay fp32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in the backward (the model's own ``GradientCheckpointingLayer``, non-reentrant):
+    an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""
     logging_steps: int = field(default=10, metadata=_range(lo=1))
     eval_steps: int = field(default=0, metadata=_range(lo=0))
     """Evaluate every N steps (0: only at the end)."""

@@ -62,6 +62,9 @@ class DataConfig:
     """Tokens per packed training block."""
     shuffle_buffer: int = field(default=1000, metadata=bounds(lo=0))
     """Documents in the streaming shuffle buffer (0: no shuffle)."""
+    prefetch_batches: int = field(default=2, metadata=bounds(lo=0))
+    """Training batches tokenized and packed ahead by a background thread, so a step never waits for text (0: packed
+    inline, on the training thread)."""
     eval_blocks: int = field(default=32, metadata=bounds(lo=1))
     """Packed blocks of the held-out stream used for each evaluation."""
     min_document_tokens: Optional[int] = field(default=0, metadata=bounds(lo=0))

@@ -30,7 +30,9 @@ Resume: ``state_dict()`` holds the position of the next block as (epoch, index
 of the document in the epoch's shuffled stream, token offset in it). A resumed
 stream re-reads the epoch's documents up to that index *without tokenizing
 them* (the cost of reading the raw stream, ~0.1 s per epoch of the default
-corpus) and yields exactly the blocks an uninterrupted stream would have. A
+corpus) and yields exactly the blocks an uninterrupted stream would have; a
+streamed ``data.dataset`` does not re-read: its state also holds datasets' own
+``IterableDataset.state_dict()`` and the shuffle buffer (:mod:`hf_asyncpp.resumable`). A
 state with only ``{"epoch", "blocks"}`` (e.g. after changing the data-parallel
 size) is also accepted: the epoch is then re-tokenized and that many blocks skipped.
 
@@ -60,6 +62,7 @@ import torch
 from .config import DataConfig
 from .corpus import prepare_default_corpus, sotu_speeches_dir
 from .datafiles import DataError, builder as _builder, expand_files, screen_files
+from .resumable import ShuffledDocuments
 
 __all__ = [
     "BlockStream",
@@ -245,6 +248,8 @@ class BlockStream:
         self._it = None
         self._base = None
         self._logged: set[str] = set()
+        self._docs: ShuffledDocuments | None = None  # a streamed dataset's epoch, resumable without re-reading
+        self._resume_docs: dict | None = None  # its saved position, for the epoch being resumed
         self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}  # of the epoch being read
 
     # ------------------------------------------------------------------ state
@@ -255,6 +260,10 @@ class BlockStream:
               "world_size": self.world_size, "seed": self.seed, "stats": dict(self.stats)}
         if self._pos is not None:
             sd["document"], sd["offset"] = self._pos
+            if self._docs is not None and self._docs.epoch == self.epoch:  # where a streamed dataset continues (datasets' state + the shuffle buffer)
+                sd["stream"] = self._docs.state_at(self._pos[0])
+            elif self._resume_docs is not None:  # loaded, not read since
+                sd["stream"] = self._resume_docs
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -269,7 +278,8 @@ class BlockStream:
         self._pos = (int(sd["document"]), int(sd["offset"])) if "document" in sd else None
         self._skip_blocks = 0 if self._pos is not None else self.blocks
         self.stats.update(sd.get("stats", {}))
-        self._it = None
+        self._it, self._docs = None, None
+        self._resume_docs = sd.get("stream") if self.files is None and self._pos is not None else None
 
     # ------------------------------------------------------------------ iteration
 
@@ -326,8 +336,24 @@ class BlockStream:
             self._base = ds
         return self._base
 
-    def _documents(self, epoch: int) -> Iterator[object]:
-        """The raw documents (text, or whatever the column holds) of ``epoch``, in stream order, after the hold-out."""
+    def _documents(self, epoch: int, start: int = 0) -> Iterator[object]:
+        """The raw documents (text, or whatever the column holds) of ``epoch`` from the ``start``-th, in stream order,
+        after the hold-out. A streamed dataset resumes at a saved position without reading what it passed."""
+        if self.files is None:
+            saved, self._resume_docs = self._resume_docs, None
+            if saved is not None and (saved["epoch"], saved["document"]) != (epoch, start):
+                saved = None
+            keep = None if not self.hold_out else (
+                lambda t: not isinstance(t, str) or is_held_out(t) == (self.hold_out == "only"))
+            self._docs = ShuffledDocuments(self._dataset(), self._column(), seed=self.seed, epoch=epoch,
+                                           buffer_size=self.cfg.shuffle_buffer if self.shuffle else 0, keep=keep,
+                                           state=saved, where=self.source)
+            docs = iter(self._docs)
+            return docs if saved is not None or not start else itertools.islice(docs, start, None)
+        docs = self._file_documents(epoch)
+        return itertools.islice(docs, start, None) if start else docs
+
+    def _file_documents(self, epoch: int) -> Iterator[object]:
         ds = self._dataset()
         if self.shuffle:
             ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.cfg.shuffle_buffer)
@@ -351,7 +377,7 @@ class BlockStream:
         self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}
         buf: list[int] = []
         start = made = 0
-        docs = itertools.islice(self._documents(epoch), doc, None) if doc else self._documents(epoch)
+        docs = self._documents(epoch, doc)
         index = doc
         while chunk := list(itertools.islice(docs, _TOKENIZE_BATCH)):
             usable = [t for t in chunk if _skip_reason(t) is None]

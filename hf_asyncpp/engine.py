@@ -20,6 +20,7 @@ from . import checkpoint as ckpt
 from .config import Recipe
 from .export import shard_file, write_shard
 from .lr import build_scheduler, continue_schedule
+from .modeling import enable_activation_checkpointing
 from .nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .partition import partition_plan
@@ -67,9 +68,10 @@ class Engine(Protocol):
     scheduler: torch.optim.lr_scheduler.LambdaLR
     """This process's lr schedule; its ``last_epoch`` counts the updates applied (the same on every stage)."""
 
-    def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
-        """Steps [first_step, first_step + num_steps), one batch pulled per step; each step's result yielded in order
-        as soon as it is known. Exhausting the iterator leaves the engine drained (ready to save or evaluate)."""
+    def run(self, batches: Iterable[torch.Tensor] | None, first_step: int, num_steps: int) -> Iterator[StepResult]:
+        """Steps [first_step, first_step + num_steps), one batch pulled per step (None: a middle pipeline stage, which
+        uses no ids); each step's result yielded in order as soon as it is known. Exhausting the iterator leaves the
+        engine drained (ready to save or evaluate)."""
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]: ...
 
@@ -122,6 +124,8 @@ class LocalEngine:
 
     def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
         self.recipe, self.topo, self.device = recipe, topo, local_device()
+        if recipe.training.gradient_checkpointing:
+            enable_activation_checkpointing(model)
         self.model = model.to(self.device)
         self.config = model.config
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -62,3 +62,18 @@ def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.d
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters", config.model_type, n_params / 1e6)
     return model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Turn on the model's own activation checkpointing: each decoder layer (a ``GradientCheckpointingLayer``)
+    recomputes its activations in the backward, so a microbatch in flight keeps only the layers' inputs.
+
+    Non-reentrant ``torch.utils.checkpoint``: it accepts keyword tensor arguments (position embeddings, masks),
+    restores autocast and the RNG state (dropout) for the recomputation, and lets the pipeline send activations
+    that require grad. Call it before partitioning: a stage's layers copy the flags when they are built.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the older name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -9,7 +9,6 @@ this file only wires them together.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -27,7 +26,7 @@ from . import checkpoint as ckpt
 from .checkpointer import (Checkpointer, RunState, check_fresh_run, check_model, choose_resume, rank_seed,
                            set_seed)
 from .config import Recipe, RecipeError, load_recipe, save_recipe
-from .data import BlockStream, eval_blocks, next_batch, resolve_data_files, train_hold_out
+from .data import BlockStream, eval_blocks, resolve_data_files, train_hold_out
 from .engine import Engine, LocalEngine
 from .evaluator import Evaluator
 from .failures import debug_requested, report, without_debug
@@ -38,6 +37,7 @@ from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
 from .pipeline.profile import write_report
 from .pipeline.schedules import pipelined
+from .prefetch import Prefetcher
 from .preflight import CHECKED, check_output_dir, check_recipe
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .storage import writing
@@ -136,8 +136,12 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     set_seed(t.seed)  # the same initial weights on every rank
     engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
-    stream = BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
-                         hold_out=train_hold_out(recipe.data, eval_files))
+    stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
+    if topo.first or topo.last:  # the last stage reads the same stream as the first (same replica, seed): its labels
+        stream = Prefetcher(BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size,
+                                        seed=t.seed, hold_out=train_hold_out(recipe.data, eval_files)),
+                            rp.num_microbatches, rp.microbatch_size, recipe.data.prefetch_batches,
+                            pin=torch.cuda.is_available())
     pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None
     checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, train_files, pusher)
     state = RunState()
@@ -155,7 +159,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         first_eval = evaluator.perplexity(0)
         log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
 
-    batches = (next_batch(stream, rp.num_microbatches, rp.microbatch_size) for _ in itertools.count())
+    batches = stream  # None on a middle stage
     runlog.restart_clock()
     try:
         for end in drain_points(state.step, recipe):
@@ -170,6 +174,9 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     except BaseException:
         runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
         raise
+    finally:
+        if stream is not None:
+            stream.close()  # the worker stops reading ahead: nothing after this point trains
     runlog.close()
     if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
         if pusher is not None:

@@ -28,11 +28,13 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ..config import Recipe
 from ..engine import StepResult, autocast, finite_step
 from ..export import shard_file, write_shard
 from ..lr import build_scheduler
+from ..modeling import enable_activation_checkpointing
 from ..nll import nll_per_block
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import ef_buffers
@@ -71,7 +73,7 @@ class _Window:
 
     first_step: int
     m: int
-    batches: Iterator[torch.Tensor]
+    batches: Iterator[torch.Tensor] | None  # None: a middle stage, which reads no data
     shape: tuple
     data: dict = field(default_factory=dict)  # step -> its batch, from the step's first forward to its last
     micro: dict = field(default_factory=dict)  # (step, microbatch) -> _Micro
@@ -98,6 +100,8 @@ class PipelineEngine:
         self.recipe, self.topo, self.config, self.device = recipe, topo, model.config, local_device()
         rc, p = recipe.pipeline, recipe.pipeline.num_stages
         self.schedule = get_schedule(rc.schedule)
+        if recipe.training.gradient_checkpointing:
+            enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
         shared = shared_tensors(stages)  # tensors held on several stages: gradients summed across them
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
@@ -135,14 +139,22 @@ class PipelineEngine:
                           T.RECV_GRAD: self._do_recv_grad, T.REDUCE: self._do_reduce, T.STEP: self._do_step}
 
     # ------------------------------------------------------------------ the stream
-    def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
+    def run(self, batches: Iterable[torch.Tensor] | None, first_step: int, num_steps: int) -> Iterator[StepResult]:
         """Run steps [first_step, first_step + num_steps), pulling one ``(m, microbatch_size, seq_len)`` batch per
         step from ``batches``; yields each step's result, in order, once every stage has applied it. The pipeline
-        is drained when the generator is exhausted."""
-        batches = iter(batches)
-        head = next(batches)
-        w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
-                    end_step=first_step + num_steps)
+        is drained when the generator is exhausted. A middle stage uses no ids, so it may pass None: the recipe
+        gives the number of microbatches, and it then reads no data at all."""
+        if batches is None:
+            if self.first or self.last:
+                raise ValueError("pipeline: the first and the last stage need batches (input ids, labels)")
+            rp = self.recipe.pipeline
+            w = _Window(first_step, rp.num_microbatches, None, (rp.num_microbatches, rp.microbatch_size,
+                                                                self.recipe.data.seq_len), end_step=first_step + num_steps)
+        else:
+            batches = iter(batches)
+            head = next(batches)
+            w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
+                        end_step=first_step + num_steps)
         actions = self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
                                               first_step, self.recipe.pipeline.extra_warmup)
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
@@ -172,12 +184,14 @@ class PipelineEngine:
         """``run`` over a list, collected (drained at the end)."""
         return list(self.run(batches, first_step, len(batches)))
 
-    def _batch(self, w: _Window, k: int) -> torch.Tensor:
+    def _batch(self, w: _Window, k: int) -> torch.Tensor | None:
+        if w.batches is None:  # a middle stage: no data
+            return None
         b = w.data.get(k)
         if b is None:
             b = next(w.batches)
-            if self.device.type == "cuda":  # a copy from pageable memory would make the host wait for the stream
-                b = b.pin_memory()
+            if self.device.type == "cuda" and not b.is_pinned():  # a copy from pageable memory would make the host
+                b = b.pin_memory()  # wait for the stream (the trainer's prefetcher pins off the critical path)
             w.data[k] = b
             if tuple(b.shape) != w.shape:
                 raise ValueError(f"pipeline: every step's batch must have one shape between drain points "
@@ -194,7 +208,7 @@ class PipelineEngine:
         w.step_version.setdefault(k, a.version)
         batch = self._batch(w, k)
         if i == w.m - 1:
-            del w.data[k]  # the step's last forward: its batch is no longer needed here
+            w.data.pop(k, None)  # the step's last forward: its batch is no longer needed here
         ids = batch[i].to(self.device, non_blocking=True) if self.first or self.last else None
         out = self._forward(mb, ids)
         mb.hold = self.versions.hold(a.version)
@@ -310,6 +324,15 @@ class PipelineEngine:
             return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
 
     def _backward(self, micro: _Micro, m: int) -> None:
+        if self.recipe.training.gradient_checkpointing:
+            # the layers recompute their forward inside this backward, from the stage's parameters as they are
+            # then: the microbatch's own version's leaves, as in its forward (the Parameters may hold a newer
+            # version by now: 2BW, PipeDream)
+            with _reparametrize_module(self.stage, self.versions.leaves_for(micro.version), tie_weights=True):
+                return self._backward_pass(micro, m)
+        self._backward_pass(micro, m)
+
+    def _backward_pass(self, micro: _Micro, m: int) -> None:
         if self.last:
             (micro.loss / m).backward()
         else:

@@ -10,7 +10,9 @@ Memory per stage (bytes):
                  top-k x expert width for MoE) and the last stage keeps one vocab-sized value per token for the loss
                  (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``);
                  a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
-                 carried layer outputs: ``received_values_per_token``).
+                 carried layer outputs: ``received_values_per_token``). With ``training.gradient_checkpointing``
+                 a layer keeps only its input (h values per token), plus one layer's full set, once, while the
+                 backward recomputes it.
 A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
 Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
 
@@ -61,7 +63,8 @@ def meta_model(recipe: Recipe):
         return AutoModelForCausalLM.from_config(config)
 
 
-def activation_values_per_token(config, layer_ids: list[int], last: bool) -> float:
+def _layer_values_per_token(config) -> list[float]:
+    """Values per token each decoder layer keeps for its backward (see the module doc)."""
     h = getattr(config, "hidden_size", None) or config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -71,13 +74,27 @@ def activation_values_per_token(config, layer_ids: list[int], last: bool) -> flo
     moe_i = getattr(config, "moe_intermediate_size", None) or dense_i
     k = getattr(config, "num_experts_per_tok", 1) or 1
     first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    total = 0.0
-    for i in layer_ids:
-        width = dense_i if (not experts or i < first_dense) else k * moe_i + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        total += 10 * h + 2 * kv + 4 * width + (experts or 0)
+    n = getattr(config, "num_hidden_layers", None) or config.n_layer
+    widths = [dense_i if (not experts or i < first_dense) else k * moe_i + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+              for i in range(n)]
+    return [10 * h + 2 * kv + 4 * w + (experts or 0) for w in widths]
+
+
+def activation_values_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False) -> float:
+    """Values per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
+    its input (the hidden state, h values); the head and loss are not checkpointed."""
+    h = getattr(config, "hidden_size", None) or config.n_embd
+    per_layer = _layer_values_per_token(config)
+    total = float(sum(h if checkpointed else per_layer[i] for i in layer_ids))
     if last:
         total += config.vocab_size + 2 * h
     return total
+
+
+def recompute_values_per_token(config, layer_ids: list[int]) -> float:
+    """With activation checkpointing: the one layer whose activations the backward holds at a time (recomputed)."""
+    per_layer = _layer_values_per_token(config)
+    return float(max((per_layer[i] for i in layer_ids), default=0))
 
 
 def received_values_per_token(anatomy, layers: range, stage: int) -> float:
@@ -130,8 +147,11 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         else:
             opt_bytes = 4 * n_params
         inflight = sim.peak_inflight[s]
-        act = inflight * tokens_mb * act_bytes * (activation_values_per_token(model.config, list(st.layers), s == p - 1)
+        ckpt = recipe.training.gradient_checkpointing
+        act = inflight * tokens_mb * act_bytes * (activation_values_per_token(model.config, list(st.layers), s == p - 1, ckpt)
                                                   + received_values_per_token(plan.anatomy, st.layers, s))
+        if ckpt:  # plus the layer being recomputed, once: backwards run one at a time
+            act += tokens_mb * act_bytes * recompute_values_per_token(model.config, list(st.layers))
         out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
                                4.0 * n_params * sched.grad_sets, float(opt_bytes),
                                4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0, act, inflight))
