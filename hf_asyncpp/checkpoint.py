@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save as safetensors_bytes
 
 from .storage import Written, write_file
@@ -54,6 +55,7 @@ EXPORT_DIR = "export"
 LOGS_DIR = "logs"
 _LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
 _written: dict[str, Written] = {}  # absolute path -> size and sha256 of what this process wrote, until commit
+_read = {"bytes": 0}  # what this process read through the loaders below: what a resume costs each rank
 
 
 class CheckpointError(RuntimeError):
@@ -145,18 +147,58 @@ def _unreadable(path: Path, e: Exception) -> CheckpointError:
                            "incomplete")
 
 
+def bytes_read(reset: bool = False) -> int:
+    """Bytes this process has read through :func:`load_tensors`, :func:`load_state` and :class:`TensorFile` (the
+    checkpoint read edge), so a test or a bench can check that a rank reads only its own stage; ``reset`` zeroes it."""
+    n = _read["bytes"]
+    if reset:
+        _read["bytes"] = 0
+    return n
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path))
+        out = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: both mean this file cannot be used
         raise _unreadable(path, e) from e
+    _read["bytes"] += os.path.getsize(path)
+    return out
+
+
+class TensorFile:
+    """A safetensors file read by name: opening reads its header only (the names), :meth:`get` only the tensors
+    asked for. A rank resuming on another split takes the few tensors it needs from a file without loading the
+    rest; header and tensors read count as :func:`bytes_read` (all of them add up to the file's size)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                header = 8 + int.from_bytes(f.read(8), "little")
+            self._file = safe_open(str(self.path), framework="pt")
+            self.names = list(self._file.keys())
+        except Exception as e:  # noqa: BLE001 - as in load_tensors
+            raise _unreadable(self.path, e) from e
+        _read["bytes"] += header
+
+    def get(self, names) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            try:
+                out[name] = t = self._file.get_tensor(name)
+            except Exception as e:  # noqa: BLE001 - a truncated file fails here, not at the header
+                raise _unreadable(self.path, e) from e
+            _read["bytes"] += t.numel() * t.element_size()
+        return out
 
 
 def load_state(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        out = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated zip, a bad pickle opcode, a missing file
         raise _unreadable(path, e) from e
+    _read["bytes"] += os.path.getsize(path)
+    return out
 
 
 def load_json(path: Path):

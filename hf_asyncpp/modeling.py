@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from . import checkpoint as ckpt
 from .config import ModelConfig, RecipeError
 
 log = logging.getLogger("hf_asyncpp.modeling")
@@ -62,6 +63,58 @@ def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.d
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters", config.model_type, n_params / 1e6)
     return model
+
+
+def meta_model(model_cfg: ModelConfig, tokenizer=None):
+    """The recipe's model on the meta device: modules, names and shapes without storage, built by transformers'
+    own ``from_config`` under ``torch.device("meta")``. A rank partitions it and materialises only its stage
+    (:func:`load_stage_pretrained`), so the fp32 weights of the other stages never sit in its memory."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_cfg, tokenizer)
+    kw = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+    if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
+        # resize_token_embeddings initialises the new rows from the loaded ones: it needs the whole embedding
+        raise RecipeError(f"model.name_or_path: its {model.get_input_embeddings().num_embeddings} embeddings are fewer "
+                          f"than the tokenizer's {len(tokenizer)}: a stage-local load cannot resize them")
+    return model
+
+
+def load_stage_pretrained(stage: torch.nn.Module, name_or_path: str, device: str | torch.device = "cpu") -> None:
+    """Materialise a stage partitioned from :func:`meta_model` with its own tensors of a local safetensors
+    checkpoint (``save_pretrained``'s single file or its sharded index), read by name: each file's header says
+    what it holds and only this stage's tensors are read. A tied head the checkpoint leaves out (saved once, as
+    the embedding) is read under its partner's name (the stage's ``tied_pairs``)."""
+    import json
+    from pathlib import Path
+
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    folder, opened = Path(name_or_path), {}
+    if (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        where = {n: folder / f for n, f in json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text())["weight_map"].items()}
+    else:
+        opened[folder / SAFE_WEIGHTS_NAME] = single = ckpt.TensorFile(folder / SAFE_WEIGHTS_NAME)
+        where = {n: single.path for n in single.names}
+    partner = {}
+    for a, b in getattr(stage, "tied_pairs", ()):
+        partner.update({a: b, b: a})
+    wanted = {}  # stage name -> name in the checkpoint
+    for name in stage.state_dict():
+        source = name if name in where else partner.get(name)
+        if source not in where:
+            raise KeyError(f"{folder}: no tensor {name!r} for this stage; was it saved for another model?")
+        wanted[name] = source
+    by_file: dict[Path, list[str]] = {}
+    for source in dict.fromkeys(wanted.values()):
+        by_file.setdefault(where[source], []).append(source)
+    read = {}
+    for f, names in by_file.items():
+        read.update((opened.get(f) or ckpt.TensorFile(f)).get(names))
+    stage.to_empty(device=device)  # and the non-persistent buffers (rotary frequencies) recomputed
+    stage.load_state_dict({n: read[s].float() for n, s in wanted.items()}, strict=True)
 
 
 def enable_activation_checkpointing(model) -> None:

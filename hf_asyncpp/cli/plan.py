@@ -59,31 +59,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbs", type=float, default=25.0,
                     help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
     ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)  # argparse reads `--training.x=1` as an unknown option: an override
+    unknown = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
 
     recipe = load_recipe(args.recipe, args.overrides)
     p = args.num_stages or recipe.pipeline.num_stages
-    plan, mem, _ = plan_memory(recipe, p)
+    dp = max(1, (args.gpus or p) // p)
+    plan, mem, _ = plan_memory(recipe, p, dp=dp)
     cap = parse_bytes(args.gpu_memory)
     total_params = sum(m.params for m in mem)
     print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
           f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
           f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
     print(plan.format() + "\n")
-    print(f"{'stage':>5} {'layers':>7} {'weights':>8} {'grads':>7} {'optim':>7} {'EF':>6} {'activ.':>7} {'in-flight':>9} {'total GB':>9}  fits {args.gpu_memory}?")
+    heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "steady", "EF@STEP", "buckets")
+    print(f"GB per stage and term (pipeline/planner.py explains each; steady = between steps, peak = + EF's clone at "
+          f"STEP + the reducer's buckets with {dp} data-parallel replica(s)):")
+    print(f"{'stage':>5} {'layers':>7} {'in-flight':>9} " + " ".join(f"{x:>7}" for x in heads) + f" {'peak':>7}  fits 90% of {args.gpu_memory}?")
     worst = max(mem, key=lambda m: m.total)
     for m in mem:
         ok = "yes" if m.total <= cap * 0.9 else "NO"
-        print(f"{m.stage:>5} {m.layers:>7} {gb(m.weights):>8} {gb(m.grads):>7} {gb(m.optimizer):>7} {gb(m.ef):>6} "
-              f"{gb(m.activations):>7} {m.inflight:>9} {gb(m.total):>9}  {ok}")
+        vals = (m.weights, m.grads, m.optimizer, m.ef, m.casts, m.activations, m.recompute, m.transfers, m.steady,
+                m.ef_copy, m.reducer)
+        print(f"{m.stage:>5} {m.layers:>7} {m.inflight:>9} " + " ".join(f"{gb(v):>7}" for v in vals)
+              + f" {gb(m.total):>7}  {ok} ({(cap - m.total) / cap:+.0%} margin)")
     if worst.total > cap * 0.9:
-        act_share = worst.activations / worst.total
+        act_share = (worst.activations + worst.casts + worst.recompute) / worst.total
         hint = ("lower pipeline.microbatch_size (activations dominate)" if act_share > 0.4 else
                 f"use more stages (--num-stages {p * 2}) or data parallelism with fewer weights per stage")
         print(f"\nstage {worst.stage} needs {gb(worst.total)} GB > 90% of {args.gpu_memory}: {hint}; "
-              "optimizer.delay_correction: none saves the EF buffer; training.bf16 halves activations")
+              "optimizer.delay_correction: none saves the EF buffer and its clone; training.gradient_checkpointing keeps "
+              "only the layers' inputs")
     else:
-        print(f"\nfits: the largest stage needs {gb(worst.total)} GB of {args.gpu_memory} (90% budget)")
+        print(f"\nfits: the largest stage (stage {worst.stage}) needs {gb(worst.total)} GB at its peak of "
+              f"{args.gpu_memory} ({(cap - worst.total) / cap:.0%} margin; 90% budget)")
     sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12)
     steps = 8
     print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per step:")

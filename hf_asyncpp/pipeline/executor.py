@@ -42,6 +42,7 @@ from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
+from .memtrack import checkpoint_input_hooks, is_weight_cast, storage_key, transfer_bytes
 from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
@@ -65,6 +66,7 @@ class _Micro:
     grad_to_prev: list | None = None  # input gradients, sent back to the previous stage
     grad_from_next: list | None = None  # output gradients, received from the next stage
     saved_bytes: int = 0
+    cast_bytes: int = 0  # of saved_bytes: autocast's bf16 copies of the weights (track_memory)
 
 
 @dataclass
@@ -130,7 +132,8 @@ class PipelineEngine:
         self.nonfinite_skipped = 0
         self.peak_inflight = 0
         self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
-        self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1}
+        self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1,
+                    "casts": 0, "peak_casts": 0, "peak_transfers": 0, "ef_copy": 0}
         # measured time and count per action kind (ActionType is a str enum: "F" finds ActionType.F)
         self.action_seconds: dict[ActionType, float] = defaultdict(float)
         self.action_counts: dict[ActionType, int] = defaultdict(int)
@@ -170,6 +173,9 @@ class PipelineEngine:
                 handlers[a.type](a, w)
                 secs[a.type] += clock() - t0
             counts[a.type] += 1
+            if self.track_memory:
+                m = self.mem
+                m["peak_transfers"] = max(m["peak_transfers"], transfer_bytes(w.micro.values(), w.prefetch.values()))
             if reducing:  # issue a reduction's next phase once the previous one has completed
                 reducer.poll()
             if pending:
@@ -213,8 +219,10 @@ class PipelineEngine:
         out = self._forward(mb, ids)
         mb.hold = self.versions.hold(a.version)
         if self.track_memory:
-            self.mem["activations"] += mb.saved_bytes
+            self.mem["activations"] += mb.saved_bytes - mb.cast_bytes
+            self.mem["casts"] += mb.cast_bytes
             self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
+            self.mem["peak_casts"] = max(self.mem["peak_casts"], self.mem["casts"])
             self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
         if self.last:
             mb.loss = out
@@ -238,7 +246,8 @@ class PipelineEngine:
             w.backwards[a.step] = done + 1
         mb.hold.release()
         if self.track_memory:
-            self.mem["activations"] -= mb.saved_bytes
+            self.mem["activations"] -= mb.saved_bytes - mb.cast_bytes
+            self.mem["casts"] -= mb.cast_bytes
             self.mem["accumulating"] = 1
             self._count_grad_sets()
         if self.first:
@@ -281,6 +290,9 @@ class PipelineEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         finite = finite_step(k, norm, cfg.on_nonfinite)
         self.versions.prepare_update()
+        if self.track_memory and hasattr(self.optimizer, "error_feedback"):
+            # the correction clones every parameter with a gradient for the step (optim/ef.py: ``transient``)
+            self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
             for n, prm in self.params.items():
@@ -314,14 +326,22 @@ class PipelineEngine:
         seen: set = set()
 
         def pack(t):  # count the activation bytes autograd keeps for this microbatch's backward
-            key = (t.untyped_storage().data_ptr(), t.dtype)
+            key = storage_key(t)
             if key[0] not in weights and key not in seen:
                 seen.add(key)
                 micro.saved_bytes += t.untyped_storage().nbytes()
+                if is_weight_cast(t):
+                    micro.cast_bytes += t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
-            return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+        # activation checkpointing keeps each layer's inputs outside the saved tensors: counted by pre-hooks
+        hooks = checkpoint_input_hooks(self.stage, pack) if self.recipe.training.gradient_checkpointing else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
+                return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+        finally:
+            for h in hooks:
+                h.remove()
 
     def _backward(self, micro: _Micro, m: int) -> None:
         if self.recipe.training.gradient_checkpointing:
@@ -365,15 +385,19 @@ class PipelineEngine:
         self.mem["peak_grad_sets"] = max(self.mem["peak_grad_sets"], self.mem["accumulating"] + self.mem["pending_grads"])
 
     def memory_report(self) -> dict[str, float]:
-        """Bytes this stage really held at its peak (with ``track_memory``): weight versions, gradients, optimizer
-        state, EF buffer, activations."""
+        """Bytes this stage really held at its peak (with ``track_memory``), per term as the planner plans them
+        (``pipeline/planner.py``): weight versions, gradients, optimizer state, EF buffer, autocast's weight casts,
+        activations, transfer buffers; ``steady`` their sum, ``total`` with the EF clone at STEP."""
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         param_bytes = nbytes(self.params.values())
         opt_state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-        rep = {"weights": param_bytes * self.versions.peak, "grads": param_bytes * self.mem["peak_grad_sets"],
+        m = self.mem
+        rep = {"weights": param_bytes * self.versions.peak, "grads": param_bytes * m["peak_grad_sets"],
                "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(self.optimizer)),
-               "activations": self.mem["peak_activations"]}
-        rep["total"] = sum(rep.values())
+               "casts": m["peak_casts"], "activations": m["peak_activations"], "transfers": m["peak_transfers"]}
+        rep["steady"] = sum(rep.values())
+        rep["ef_copy"] = m["ef_copy"]  # at STEP only (pipeline/planner.py: steady vs peak)
+        rep["total"] = rep["steady"] + rep["ef_copy"]
         return rep
 
     def profile(self) -> list[dict] | None:
@@ -444,6 +468,8 @@ class PipelineEngine:
                                    {"nonfinite_skipped": self.nonfinite_skipped})
 
     def load(self, path: Path) -> None:
-        """Restore this stage from a checkpoint of any number of stages (matched by parameter name)."""
-        meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions)
+        """Restore this stage from a checkpoint of any number of stages (matched by parameter name); on an unchanged
+        split this rank reads only its own stage's files."""
+        meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
+                                       stage_index=self.topo.stage)
         self.nonfinite_skipped = meta["nonfinite_skipped"]

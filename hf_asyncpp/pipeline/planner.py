@@ -1,18 +1,32 @@
 """Will it fit, and how fast: per-stage memory and simulated step time of a recipe, without allocating it.
 
-Memory per stage (bytes):
+Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` measures them (``bench/memory.py``):
   weights      = params x 4 x versions     (fp32 masters; 2 for 2BW, p - s at stage s for PipeDream, else 1)
   gradients    = params x 4 x (2 for 2BW: one step accumulating while the previous waits for its update)
   optimizer    = AdamW 8 B/param; Muon 4 B/param (momentum) on its matrices, AdamW on the rest
   EF buffer    = params x 4 when optimizer.delay_correction is error_feedback
-  activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes, where a
-                 decoder layer keeps about (10 h + 2 kv + 4 I_active) values per token (I_active: the MLP width,
-                 top-k x expert width for MoE) and the last stage keeps one vocab-sized value per token for the loss
-                 (both calibrated against the executor's saved-tensor accounting, ``PipelineEngine.memory_report``);
+  casts        = with training.bf16: 2 B x the stage's linear weights x in-flight microbatches: autocast's cast cache
+                 lives for one autocast region (one microbatch's forward) and the linear's backward keeps the bf16
+                 weight, so each microbatch in flight holds its own copy (with checkpointing only the head's; the
+                 recomputation holds one layer's, once). Mixture-of-experts weights (3-D) stay fp32: not cast.
+  activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes. fp32: a decoder
+                 layer keeps about (10 h + 2 kv + 4 I) values per token (I: the MLP width; a MoE layer 7 k I + E,
+                 k experts per token of width I, E experts). bf16 (autocast): the residual stream and the norms stay
+                 fp32, the matmuls' inputs are bf16: a dense layer keeps 4 h fp32 + (7 h + 2 kv + 4 I) bf16 values, a
+                 MoE layer (8 h + 5 k I + E) fp32 + (4 h + 3 kv + 2 k I) bf16 (its experts run in fp32). The last
+                 stage keeps (vocab + 2 h) fp32 values per token for the loss (the logits are upcast) and h bf16
+                 (calibrated against the executor's saved-tensor accounting, transformers 5.23, CPU autocast);
                  a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
                  carried layer outputs: ``received_values_per_token``). With ``training.gradient_checkpointing``
-                 a layer keeps only its input (h values per token), plus one layer's full set, once, while the
-                 backward recomputes it.
+                 a layer keeps only its input (h fp32 values per token: the residual stream), the rotary tables once,
+                 plus one layer's full set and casts (``recompute``), once, while the backward recomputes it.
+  transfers    = fp32 boundary tensors (h values per token; the residual stream is fp32 under autocast): the outputs
+                 each in-flight microbatch keeps for its send and backward, the received output gradient, one
+                 prefetched receive of each kind (``executor._receive``), the input gradient on its way back.
+  at STEP      = + EF's clone of every parameter with a gradient (``optim/ef.py``: ``transient``); with data
+                 parallelism + the reducer's concatenated buckets (``reducer.py``: the flat buckets hold a copy of
+                 every gradient from REDUCE until the all-reduce completes, 25 MB each). ``steady`` is without
+                 them, ``total`` (the peak) with them.
 A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
 Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
 
@@ -26,6 +40,7 @@ head's stage gets 1) and a 2BW bubble of 31%; on 8 stages x 2 replicas every sta
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +64,24 @@ class StageMemory:
     ef: float
     activations: float
     inflight: int
+    casts: float = 0.0
+    transfers: float = 0.0
+    recompute: float = 0.0
+    ef_copy: float = 0.0
+    reducer: float = 0.0
+
+    TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "recompute", "transfers", "ef_copy", "reducer")
+
+    @property
+    def steady(self) -> float:
+        """Between steps: what every action of the step holds at the schedule's peak of in-flight microbatches."""
+        return (self.weights + self.grads + self.optimizer + self.ef + self.casts + self.activations + self.recompute
+                + self.transfers)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.ef + self.activations
+        """The peak: the steady state plus what STEP (EF's clone) and REDUCE (the concatenated buckets) add."""
+        return self.steady + self.ef_copy + self.reducer
 
 
 def meta_model(recipe: Recipe):
@@ -63,8 +92,8 @@ def meta_model(recipe: Recipe):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _layer_values_per_token(config) -> list[float]:
-    """Values per token each decoder layer keeps for its backward (see the module doc)."""
+def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, float]]:
+    """(fp32, bf16) values per token each decoder layer keeps for its backward (see the module doc)."""
     h = getattr(config, "hidden_size", None) or config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -75,26 +104,62 @@ def _layer_values_per_token(config) -> list[float]:
     k = getattr(config, "num_experts_per_tok", 1) or 1
     first_dense = getattr(config, "first_k_dense_replace", 0) or 0
     n = getattr(config, "num_hidden_layers", None) or config.n_layer
-    widths = [dense_i if (not experts or i < first_dense) else k * moe_i + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
-              for i in range(n)]
-    return [10 * h + 2 * kv + 4 * w + (experts or 0) for w in widths]
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
+    moe = [bool(experts) and i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(n)]
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    out = []
+    for i in range(n):
+        if not moe[i]:
+            out.append((4 * h, 7 * h + 2 * kv + 4 * dense_i) if bf16 else (10 * h + 2 * kv + 4 * dense_i, 0))
+        elif bf16:
+            out.append((8 * h + 5 * k * moe_i + experts, 4 * h + 3 * kv + 2 * k * moe_i + 4 * shared))
+        else:
+            out.append((10 * h + 2 * kv + 7 * k * moe_i + 4 * shared + experts, 0))
+    return out
 
 
-def activation_values_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False) -> float:
-    """Values per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
-    its input (the hidden state, h values); the head and loss are not checkpointed."""
+def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False,
+                               bf16: bool = False) -> float:
+    """Bytes per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
+    its input (the fp32 hidden state, h values) and the stage the rotary tables once; the head and loss are not
+    checkpointed."""
     h = getattr(config, "hidden_size", None) or config.n_embd
-    per_layer = _layer_values_per_token(config)
-    total = float(sum(h if checkpointed else per_layer[i] for i in layer_ids))
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    per_layer = _layer_values_per_token(config, bf16)
+    if checkpointed:
+        total = 4.0 * (h * len(layer_ids) + (2 * head_dim if layer_ids else 0))
+    else:
+        total = float(sum(4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids))
     if last:
-        total += config.vocab_size + 2 * h
+        total += 4 * (config.vocab_size + 2 * h) + (2 * h if bf16 else 0)
     return total
 
 
-def recompute_values_per_token(config, layer_ids: list[int]) -> float:
+def activation_values_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False) -> float:
+    """fp32 values per token one in-flight microbatch keeps on a stage (``activation_bytes_per_token`` / 4)."""
+    return activation_bytes_per_token(config, layer_ids, last, checkpointed) / 4
+
+
+def recompute_bytes_per_token(config, layer_ids: list[int], bf16: bool = False) -> float:
     """With activation checkpointing: the one layer whose activations the backward holds at a time (recomputed)."""
-    per_layer = _layer_values_per_token(config)
-    return float(max((per_layer[i] for i in layer_ids), default=0))
+    per_layer = _layer_values_per_token(config, bf16)
+    return float(max((4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids), default=0))
+
+
+def recompute_values_per_token(config, layer_ids: list[int]) -> float:
+    return recompute_bytes_per_token(config, layer_ids) / 4
+
+
+def linear_weights(model) -> set[str]:
+    """Names of the weights autocast casts to bf16 for a matmul: every ``nn.Linear``'s (the experts' 3-D tensors
+    of a mixture-of-experts layer run in fp32 under CPU autocast, transformers 5.23: measured, ``bench/memory.py``)."""
+    return {f"{name}.weight" for name, mod in model.named_modules(remove_duplicate=False)
+            if isinstance(mod, torch.nn.Linear)}
+
+
+_IN_LAYER = re.compile(r"(^|\.)(layers|h|layer|blocks)\.(\d+)\.")
 
 
 def received_values_per_token(anatomy, layers: range, stage: int) -> float:
@@ -108,8 +173,9 @@ def received_values_per_token(anatomy, layers: range, stage: int) -> float:
 
 
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
-                layers_per_stage: list[int] | None = None) -> tuple[object, list[StageMemory], object]:
-    """(partition plan, per-stage memory, simulation result of the recipe's schedule)."""
+                layers_per_stage: list[int] | None = None, dp: int = 1) -> tuple[object, list[StageMemory], object]:
+    """(partition plan, per-stage memory, simulation result of the recipe's schedule); ``dp``: data-parallel
+    replicas of each stage (the reducer's buckets exist only with more than one)."""
     p = num_stages or recipe.pipeline.num_stages
     sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
     model = model or meta_model(recipe)
@@ -134,8 +200,11 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     for first, copy in plan.tied_pairs:
         kinds.setdefault(copy, "adamw" if copy == f"{plan.anatomy.head}.weight" else kinds.get(first, "adamw"))
     opt = recipe.optimizer
-    act_bytes = 2 if recipe.training.bf16 else 4
+    bf16, ckpt = recipe.training.bf16, recipe.training.gradient_checkpointing
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
+    cfg = model.config
+    h = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    cast_names = linear_weights(model) if bf16 else set()
     out = []
     for s, st in enumerate(plan.stages):
         n_params = sum(sizes[n] for n in per_stage_names[s])
@@ -147,14 +216,26 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         else:
             opt_bytes = 4 * n_params
         inflight = sim.peak_inflight[s]
-        ckpt = recipe.training.gradient_checkpointing
-        act = inflight * tokens_mb * act_bytes * (activation_values_per_token(model.config, list(st.layers), s == p - 1, ckpt)
-                                                  + received_values_per_token(plan.anatomy, st.layers, s))
-        if ckpt:  # plus the layer being recomputed, once: backwards run one at a time
-            act += tokens_mb * act_bytes * recompute_values_per_token(model.config, list(st.layers))
+        layer_ids = list(st.layers)
+        act = inflight * tokens_mb * (activation_bytes_per_token(cfg, layer_ids, s == p - 1, ckpt, bf16)
+                                      + 4 * received_values_per_token(plan.anatomy, st.layers, s))
+        # autocast's bf16 weight copies: one per in-flight microbatch (with checkpointing, the layers' are recomputed)
+        cast = {n: 2.0 * sizes[n] for n in per_stage_names[s] if n in cast_names}
+        in_layer = {n: int(mt.group(3)) for n in cast for mt in [_IN_LAYER.search(n)] if mt}
+        casts = inflight * sum(v for n, v in cast.items() if not (ckpt and n in in_layer))
+        recompute = 0.0
+        if ckpt:  # the layer being recomputed, once (backwards run one at a time), with its casts
+            per_layer_cast = [sum(v for n, v in cast.items() if in_layer.get(n) == i) for i in layer_ids]
+            recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) + max(per_layer_cast, default=0)
+        # fp32 boundary tensors: outputs kept per in-flight microbatch + the received output gradient + one
+        # prefetched receive of each kind + the input gradient on its way back
+        boundary = 4.0 * tokens_mb * h
+        transfers = boundary * ((inflight + 2 if s < p - 1 else 0) + (2 if s > 0 else 0))
+        ef = 4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0
         out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
-                               4.0 * n_params * sched.grad_sets, float(opt_bytes),
-                               4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0, act, inflight))
+                               4.0 * n_params * sched.grad_sets, float(opt_bytes), ef, act, inflight,
+                               casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
+                               reducer=4.0 * n_params if dp > 1 else 0.0))
     return plan, out, sim
 
 
@@ -240,7 +321,7 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
                              layers_per_stage=split, extra_warmup=0)
     r = dataclasses.replace(recipe, pipeline=rp)
     sched = get_schedule(rp.schedule) if rp.schedule in SCHEDULES else ONE_F_ONE_B
-    plan, mem, _ = plan_memory(r, p, model, split)
+    plan, mem, _ = plan_memory(r, p, model, split, dp=dp)
     sizes = [len(st.layers) for st in plan.stages]
     worst = max(x.total for x in mem)
     tokens_mb = mbs * recipe.data.seq_len
@@ -252,7 +333,7 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     # ring all-reduce of the fp32 gradients among the dp replicas of a stage; activations of a microbatch between stages
     reduce = [2 * (dp - 1) / dp * 4 * x.params / link_bytes_per_s for x in mem]
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
-    comm = tokens_mb * h * (2 if recipe.training.bf16 else 4) / link_bytes_per_s
+    comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
     step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
     tokens = m * tokens_mb * dp

@@ -1,0 +1,62 @@
+"""The executor's memory accounting (``PipelineEngine.track_memory``), term by term, so the planner's every term can
+be checked against what a stage really holds: which saved tensors are autocast's bf16 casts of the weights (each
+in-flight microbatch keeps its own: the cast cache lives for one autocast region), what activation checkpointing
+keeps that no saved-tensor hook sees (the layers' inputs, held by the checkpoint's closure), and the transfer buffers
+(outputs kept for the backward, prefetched receives, gradients on their way back).
+"""
+from __future__ import annotations
+
+import torch
+
+# autograd nodes of ops that only view their input: a weight reaches a matmul through a transpose (CPU linear saves
+# the transposed cast), an expert's slice, a reshape
+_VIEWS = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "SelectBackward0", "SliceBackward0",
+          "UnsqueezeBackward0", "ExpandBackward0", "UnsafeViewBackward0", "AsStridedBackward0", "IndexBackward0",
+          "ReshapeAliasBackward0"}
+
+
+def is_weight_cast(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is a dtype cast of a leaf (a weight), seen through views: autocast's copy."""
+    fn, cast = t.grad_fn, False
+    for _ in range(6):
+        if fn is None or not fn.next_functions:
+            return False
+        name = fn.name()
+        if name == "ToCopyBackward0":
+            cast = True
+        elif name not in _VIEWS:
+            return False
+        fn = fn.next_functions[0][0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return cast
+    return False
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.dtype
+
+
+def checkpoint_input_hooks(stage: torch.nn.Module, count) -> list:
+    """Forward pre-hooks on the checkpointed layers calling ``count(tensor)`` on each tensor argument: a
+    non-reentrant checkpoint keeps a layer's inputs by reference for the recomputation, not as saved tensors, so
+    the saved-tensor hook never sees them. Remove the returned handles after the forward (the recomputation in the
+    backward calls the layers again)."""
+    def hook(module, args, kwargs):
+        for v in (*args, *kwargs.values()):
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if torch.is_tensor(t) and t.is_floating_point():
+                    count(t)
+    return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in stage.modules()
+            if getattr(m, "gradient_checkpointing", False) and m is not stage]
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+
+def transfer_bytes(micros, prefetch) -> int:
+    """Bytes of the microbatches' transfer tensors alive now: outputs kept for the backward and the send (their
+    storage is no saved tensor of this stage), gradients received or on their way back, and the posted receives'
+    buffers (``P2P.post``: (peer, [(work, buffer)])). Received inputs count as activations (the first op saves them)."""
+    held = sum(nbytes(mb.outputs) + nbytes(mb.grad_to_prev or ()) + nbytes(mb.grad_from_next or ()) for mb in micros)
+    return held + sum(nbytes(b for _, b in posted[1]) for posted in prefetch)

@@ -1,0 +1,121 @@
+"""A resuming rank reads only what its stage needs: its own files on an unchanged split, and on another split only
+the tensors (by name) and optimizer files holding its parameters. Counted at the read edge (``checkpoint.bytes_read``),
+not mocked: the bytes are the ones the loaders really read."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.utils import SAFE_WEIGHTS_NAME
+
+from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.config import ModelConfig
+from hf_asyncpp.modeling import build_model, load_stage_pretrained, meta_model
+from hf_asyncpp.optim.ef import install_error_feedback
+from hf_asyncpp.partition import partition_model
+from hf_asyncpp.pipeline import stage_state
+from hf_asyncpp.pipeline.versions import Versions
+from support import make_model
+
+
+def parts(stage):
+    """AdamW with Error Feedback, a constant schedule and a Versions holding one older version (as 2BW does)."""
+    opt = install_error_feedback(torch.optim.AdamW(stage.parameters(), lr=1e-2), 0.5)
+    versions = Versions(dict(stage.named_parameters()), 1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), versions
+
+
+def trained_stages(p: int):
+    """``p`` stages of the tiny llama after two optimizer steps, each with an older weight version held."""
+    stages = partition_model(make_model("llama", num_hidden_layers=4), p, seq_len=16)
+    out = []
+    for stage in stages:
+        opt, sched, versions = parts(stage)
+        for _ in range(2):
+            for prm in stage.parameters():
+                prm.grad = torch.randn_like(prm)
+            opt.step()
+            sched.step()
+        versions.buffers[0] = {n: t.detach() - 1 for n, t in stage.named_parameters()}  # an older version, latest 1
+        versions.latest = 1
+        out.append((stage, opt, sched, versions))
+    return out
+
+
+def fresh(stage):
+    """The same stage, weights scrambled, with new optimizer parts: what a resume has before loading."""
+    new = copy.deepcopy(stage)
+    with torch.no_grad():
+        for prm in new.parameters():
+            prm.normal_()
+    return (new, *parts(new))
+
+
+def test_unchanged_split_reads_only_the_ranks_own_files_and_another_split_resumes_exactly(tmp_path):
+    saved = trained_stages(2)
+    for i, (stage, opt, sched, versions) in enumerate(saved):
+        stage_state.save_stage(tmp_path, i, stage, opt, sched, versions, {"nonfinite_skipped": 0})
+    own = {i: [tmp_path / ckpt.stage_file(i), tmp_path / ckpt.stage_versions_file(i), tmp_path / ckpt.stage_optimizer_file(i)]
+           for i in range(2)}
+    for i, (stage, opt, _, versions) in enumerate(saved):
+        new, opt2, sched2, versions2 = fresh(stage)
+        ckpt.bytes_read(reset=True)
+        stage_state.load_stage(tmp_path, new, opt2, sched2, versions2, stage_index=i)
+        assert ckpt.bytes_read() == sum(f.stat().st_size for f in own[i])  # its own three files, whole, nothing else
+        assert all(torch.equal(a, b) for a, b in zip(stage.state_dict().values(), new.state_dict().values()))
+        assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+        assert versions2.latest == 1 and versions2.buffers[0].keys() == versions.buffers[0].keys()
+
+    # 2 -> 4 stages: each new stage reads by name only its tensors, and only the optimizer files that hold them
+    whole = {n: t for stage, *_ in saved for n, t in stage.state_dict().items()}
+    state = {}
+    older = {}
+    prev = {}
+    for stage, opt, _, versions in saved:
+        names = stage_state.param_names(stage, opt)
+        state.update({names[i]: s for i, s in opt.state_dict()["state"].items()})
+        older.update(versions.buffers[0])
+        prev.update({n: opt.error_feedback["prev"][p] for n, p in stage.named_parameters()})
+    total = sum(f.stat().st_size for fs in own.values() for f in fs)
+    reads = []
+    for j, (target, *_) in enumerate(trained_stages(4)):
+        new, opt2, sched2, versions2 = fresh(target)
+        ckpt.bytes_read(reset=True)
+        stage_state.load_stage(tmp_path, new, opt2, sched2, versions2, stage_index=j)
+        reads.append(ckpt.bytes_read())
+        for n, t in new.state_dict().items():
+            assert torch.equal(t, whole[n]), n
+        names = stage_state.param_names(new, opt2)
+        for i, s in opt2.state_dict()["state"].items():
+            assert all(torch.equal(s[k], state[names[i]][k]) for k in ("exp_avg", "exp_avg_sq")), names[i]
+        for n, p in new.named_parameters():
+            assert torch.equal(versions2.buffers[0][n], older[n]) and torch.equal(opt2.error_feedback["prev"][p], prev[n])
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for fs in own.values() for f in fs
+                  if f.suffix == ".safetensors")
+    for (target, *_), read in zip(trained_stages(4), reads):
+        holders = [i for i, (stage, *_) in enumerate(saved) if any(n in dict(stage.named_parameters())
+                                                                  for n, _ in target.named_parameters())]
+        tensors = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+        optimizer_files = sum(own[i][2].stat().st_size for i in holders)
+        assert read <= 2 * tensors + optimizer_files + headers < total  # its tensors and older version, by name
+
+
+def test_a_stage_of_a_pretrained_model_reads_only_its_own_tensors(tmp_path):
+    """``model.name_or_path``: a meta build, partitioned, each stage materialised from the local safetensors by name,
+    equals the stages of the full ``from_pretrained`` model, and reads its tensors (and the header) only. Tied: the
+    last stage's head comes from the embedding the checkpoint saved once."""
+    make_model("llama", num_hidden_layers=4, tie_word_embeddings=True).save_pretrained(tmp_path)
+    recipe = ModelConfig(name_or_path=str(tmp_path))
+    full = partition_model(build_model(recipe), 2, seq_len=16)
+    stages = partition_model(meta_model(recipe), 2, seq_len=16)
+    header = 8 + int.from_bytes((tmp_path / SAFE_WEIGHTS_NAME).read_bytes()[:8], "little")
+    for stage, ref in zip(stages, full):
+        ckpt.bytes_read(reset=True)
+        load_stage_pretrained(stage, str(tmp_path))
+        sources = {stage.tied_pairs[0][0] if n in dict(stage.tied_pairs).values() else n: t for n, t in ref.state_dict().items()}
+        assert ckpt.bytes_read() == header + sum(t.numel() * t.element_size() for t in sources.values())
+        assert stage.state_dict().keys() == ref.state_dict().keys()
+        assert all(torch.equal(stage.state_dict()[n], t) for n, t in ref.state_dict().items())
+        ids = torch.randint(0, 128, (2, 16))
+        torch.testing.assert_close(stage(ids) if stage is stages[0] else stage(full[0](ids)),
+                                   ref(ids) if ref is full[0] else ref(full[0](ids)), rtol=0, atol=0)
