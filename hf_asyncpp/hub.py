@@ -67,6 +67,15 @@ def check_repo(cfg: HubConfig) -> None:
                        "choose a repository the token may write to") from None
 
 
+REFUSED = (401, 403)
+"""HTTP statuses of a refused token or a forbidden repository: no retry can succeed, so none is made."""
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status behind a huggingface_hub error (its ``response``), None for others (a network error)."""
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
 def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None = None, commit_message: str = "",
                 retries: int = 3, backoff_s: float = 2.0, failures: list[str] | None = None) -> str | None:
     """create_repo + upload_folder with retries; returns the commit URL, or None after the last failure (then
@@ -84,12 +93,15 @@ def push_folder(folder: str | Path, cfg: HubConfig, *, path_in_repo: str | None 
             url = getattr(info, "commit_url", None) or str(info)
             log.info("pushed %s to %s", folder, cfg.hub_model_id)
             return url
-        except Exception as e:  # noqa: BLE001 - any failure is retried, then reported
+        except Exception as e:  # noqa: BLE001 - a transient failure is retried; every failure is reported
             last = _scrub(f"{type(e).__name__}: {e}")
             log.warning("push of %s to %s failed (attempt %d/%d): %s", folder, cfg.hub_model_id, attempt, retries, last)
+            if _status(e) in REFUSED:
+                break
             if attempt < retries:
                 time.sleep(backoff_s * attempt)
-    log.error("giving up pushing %s to %s after %d attempts (%s); the local copy is kept", folder, cfg.hub_model_id, retries, last)
+    log.error("giving up pushing %s to %s after %d attempt(s) (%s); the local copy is kept", folder, cfg.hub_model_id,
+              attempt, last)
     if failures is not None:
         failures.append(f"{folder.name}: {last}")
     return None

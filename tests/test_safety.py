@@ -98,6 +98,28 @@ def test_failed_push_is_retried_then_reported_and_the_export_kept(tmp_path, hub,
     assert folder.exists() and "giving up" in caplog.text and "hf_SeCrEtToKeN" not in caplog.text
 
 
+def test_a_refused_push_is_not_retried(tmp_path, hub, monkeypatch):
+    """A 401/403 from the Hub (token refused, repository forbidden) cannot succeed later: one attempt, reported.
+    The error is huggingface_hub's own, as its HfApi raises it."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from hf_asyncpp.config import HubConfig
+
+    def refuse(self, *, repo_id, folder_path, **kw):
+        Recorder.calls.append(("upload_folder", repo_id, kw))
+        request = httpx2.Request("POST", f"https://huggingface.co/api/models/{repo_id}/commit/main")
+        raise HfHubHTTPError("403 Forbidden", response=httpx2.Response(403, request=request))
+
+    monkeypatch.setattr(Recorder, "upload_folder", refuse)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    failures = []
+    assert push_folder(folder, HubConfig(push_to_hub=True, hub_model_id="me/x"), retries=3, backoff_s=0,
+                       failures=failures) is None
+    assert [c[0] for c in hub.calls].count("upload_folder") == 1 and "403" in failures[0]
+
+
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_steps(tmp_path, policy):
     from hf_asyncpp.engine import NonFiniteError
