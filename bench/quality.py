@@ -84,22 +84,32 @@ def run_arm(name: str, overrides: list[str], steps: int, seed: int, out_root: Pa
         if done != steps:
             raise RuntimeError(f"{out} holds a finished run of {done} steps, not {steps}: use another --out")
     else:
-        cmd = [sys.executable, str(ROOT / "scripts/pretrain.py"), str(ROOT / "recipes/cpu-tiny.yaml"), MODEL,
-               "--pipeline.schedule=none", "--pipeline.num_stages=1", "--pipeline.num_microbatches=4",
-               "--pipeline.microbatch_size=8", f"--training.max_steps={steps}", f"--training.seed={seed}",
-               f"--training.output_dir={out}", f"--training.eval_steps={50 if steps <= 300 else 100}",
-               "--training.overwrite_output_dir=true",  # an arm killed before its first checkpoint starts over
-               # a checkpoint every eval and resume from the latest: an arm killed with its session (runs take
-               # 10-35 min) goes on where it stopped, and a resumed run equals an uninterrupted one (test_trainer.py)
-               f"--training.save_steps={50 if steps <= 300 else 100}", "--training.save_total_limit=1",
-               "--training.resume_from_checkpoint=latest", "--training.torch_threads=1", "--training.report_to=none",
-               "--data.eval_blocks=128", "--optimizer.delay_correction=none", *overrides]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-        t0 = time.time()
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"arm {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        print(f"  {name} (seed {seed}) done in {time.time() - t0:.0f}s", flush=True)
+        launch(name, seed, out, [MODEL, "--pipeline.schedule=none", "--pipeline.num_stages=1",
+                                 "--pipeline.num_microbatches=4", "--pipeline.microbatch_size=8",
+                                 f"--training.max_steps={steps}", f"--training.seed={seed}",
+                                 f"--training.eval_steps={50 if steps <= 300 else 100}",
+                                 f"--training.save_steps={50 if steps <= 300 else 100}", "--data.eval_blocks=128",
+                                 "--optimizer.delay_correction=none", *overrides])
+    return read_run(name, seed, out)
+
+
+def launch(name: str, seed: int, out: Path, args: list[str]) -> None:
+    """Run scripts/pretrain.py on cpu-tiny with ``args`` (1 thread) into ``out``, resuming a killed run: a checkpoint
+    every eval and resume from the latest, so an arm killed with its session goes on where it stopped (a resumed
+    run equals an uninterrupted one, test_trainer.py); one killed before its first checkpoint starts over."""
+    cmd = [sys.executable, str(ROOT / "scripts/pretrain.py"), str(ROOT / "recipes/cpu-tiny.yaml"),
+           f"--training.output_dir={out}", "--training.overwrite_output_dir=true", "--training.save_total_limit=1",
+           "--training.resume_from_checkpoint=latest", "--training.torch_threads=1", "--training.report_to=none", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"arm {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    print(f"  {name} (seed {seed}) done in {time.time() - t0:.0f}s", flush=True)
+
+
+def read_run(name: str, seed: int, out: Path) -> dict:
+    """A finished run's eval curve, final eval loss and training-loss curve (from its metrics.jsonl)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
     return {"name": name, "seed": seed, "final": evals[-1]["eval_loss"], "curve": [(r["step"], r["eval_loss"]) for r in evals],

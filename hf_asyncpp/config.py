@@ -20,7 +20,7 @@ import yaml
 
 from .config_names import RENAMED, TRAINER_EQUIVALENTS
 from .config_sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
-from .pipeline.schedules import NO_PIPELINE, SCHEDULES, get_simulated_delay, pipelined
+from .pipeline.schedules import NO_PIPELINE, SCHEDULES, get_simulated_delay, one_step_delay, pipelined
 from .storage import write_file
 
 log = logging.getLogger("hf_asyncpp")
@@ -92,7 +92,9 @@ class OptimizerConfig:
     learning_rate: float = field(default=3e-4, metadata=_range(lo=0.0, lo_open=True))
     """Peak learning rate (Muon's matrices when ``name: muon``)."""
     weight_decay: float = field(default=0.1, metadata=_range(lo=0.0))
-    adam_beta1: float = field(default=0.9, metadata=_range(lo=0.0, hi=1.0))
+    adam_beta1: Optional[float] = field(default=None, metadata=_range(lo=0.0, hi=1.0))
+    """The first moment's beta1 (AdamW, NAdam, Muon's AdamW side); unset: 0.99 for nadam (Ajanthan et al.'s
+    constant high Nesterov momentum), 0.9 otherwise."""
     adam_beta2: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
     adam_epsilon: float = field(default=1e-8, metadata=_range(lo=0.0, lo_open=True))
     momentum: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
@@ -114,14 +116,22 @@ class OptimizerConfig:
     adamw_weight_decay: Optional[float] = field(default=None, metadata=_range(lo=0.0))
     """Muon hybrid: weight decay of the AdamW group; None: weight_decay."""
     nadam_momentum_decay: float = field(default=1000.0, metadata=_range(lo=0.0))
-    """NAdam's ``momentum_decay`` psi: its momentum at step t is ``0.99 (1 - 0.5 * 0.96^(t psi))``. 1000 makes it 0.99
-    from the first step (0.96^1000 ~ 2e-18), the constant high momentum of Ajanthan et al.'s Nesterov baseline for
+    """NAdam's ``momentum_decay`` psi: its momentum at step t is ``beta1 (1 - 0.5 * 0.96^(t psi))``. 1000 makes it
+    beta1 from the first step (0.96^1000 ~ 2e-18), the constant high momentum of Ajanthan et al.'s Nesterov baseline for
     asynchronous pipelines; torch's default 0.004 ramps it from 0.50 (step 1) to only 0.89 at step 10k."""
     delay_correction: Literal["none", "error_feedback"] = "none"
-    ef_lambda: Union[float, Literal["auto"]] = field(default=1.0, metadata=_range(lo=0.0))
-    """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's), or ``auto``: per parameter tensor and
-    step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree
-    (``optim/ef.py``)."""
+    ef_lambda: Union[float, Literal["auto", "learned"]] = field(default=1.0, metadata=_range(lo=0.0))
+    """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's); ``auto``: per parameter tensor and
+    step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree; or
+    ``learned``: one lambda per stage, from 1, moved each step by ``ef_lambda_lr`` times the cosine of the gradient
+    at the extrapolated weights with the extrapolation (a hypergradient step; needs a one-step delay, within
+    [0, 3]; logged as ``ef_lambda``; ``optim/ef.py``)."""
+    ef_lambda_lr: float = field(default=0.02, metadata=_range(lo=0.0))
+    """``ef_lambda: learned``: the step of lambda per unit of cosine."""
+    delay_start_step: int = field(default=0, metadata=_range(lo=0))
+    """"Sync start", the paper's baseline mitigation: the first ``delay_start_step`` steps are synchronous, then the
+    delay (and the EF correction) starts; in the single-process reference (``simulate_delay: 1``) and in the
+    pipeline (``schedule: 2bw``: 1F1B's flushed steps first, 2BW from that drain point on)."""
     simulate_delay: Literal["0", "1", "pipedream"] = "0"
     """Single-process research mode, equal step for step to the pipeline schedule: 0 sync, 1 PipeDream-2BW's one-step
     delay (each step's gradient at the previous step's weights, applied at once: N updates after N steps), pipedream
@@ -358,7 +368,8 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
     p = r.pipeline
     delay = get_simulated_delay(r.optimizer.simulate_delay)
-    if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage:
+    o = r.optimizer
+    if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage and o.ef_lambda != "learned":
         raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of {', '.join(SCHEDULES)}")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
@@ -367,6 +378,14 @@ def _cross_checks(r: Recipe) -> None:
             raise RecipeError(_knob(str(e))) from None
     if p.split is not None and len(p.split) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
+    one_step = one_step_delay(p.schedule, o.simulate_delay)
+    if o.ef_lambda == "learned" and (o.delay_correction != "error_feedback" or not one_step):
+        raise RecipeError("optimizer.ef_lambda: learned needs optimizer.delay_correction: error_feedback under a one-step "
+                          f"delay (pipeline.schedule: 2bw, or optimizer.simulate_delay: 1); here the schedule is "
+                          f"{p.schedule!r} and simulate_delay {o.simulate_delay!r}")
+    if o.delay_start_step and not one_step:
+        raise RecipeError(f"optimizer.delay_start_step: {o.delay_start_step} starts a one-step delay late; it needs "
+                          f"pipeline.schedule: 2bw (or simulate_delay: 1 with schedule none), not {p.schedule!r}")
     if delay.delayed and pipelined(p.schedule):
         raise RecipeError(
             f"optimizer.simulate_delay: {r.optimizer.simulate_delay!r} is a single-process research mode; "

@@ -23,6 +23,7 @@ from .lr import build_scheduler, continue_schedule
 from .modeling import enable_activation_checkpointing
 from .nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
+from .optim.ef import LEARNED, learned_lambda
 from .partition import partition_plan
 from .pipeline.schedules import get_simulated_delay
 from .topology import Topology, local_device
@@ -36,6 +37,7 @@ class StepResult:
     lr: float
     applied: bool
     skipped_nonfinite: bool = False
+    ef_lambda: float | None = None  # ``ef_lambda: learned``: its value after the step (the mean over stages)
 
 
 class NonFiniteError(RuntimeError):
@@ -119,6 +121,22 @@ def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Par
     return groups, uses
 
 
+def lambda_groups(model, recipe: Recipe) -> list[list[torch.nn.Parameter]] | None:
+    """The parameters sharing one learned EF lambda (``ef_lambda: learned``) as the executor groups them: those of
+    one pipeline stage, and apart, the tensors tied across stages (one group per pair of stages holding them), so
+    this reference equals the pipeline for any number of stages. None (one group) for one stage or another lambda."""
+    p = recipe.pipeline.num_stages
+    if recipe.optimizer.ef_lambda != LEARNED or p == 1:
+        return None
+    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
+    tied = {a: (plan.stage_of(a), plan.stage_of(b)) for a, b in plan.tied_pairs if plan.stage_of(a) != plan.stage_of(b)}
+    groups: dict = {s: [] for s in range(p)}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault(tied.get(name, plan.stage_of(name)), []).append(param)
+    return [g for g in groups.values() if g]
+
+
 class LocalEngine:
     """Whole model in this process; ``optimizer.simulate_delay`` reproduces the pipeline's delays exactly."""
 
@@ -129,9 +147,11 @@ class LocalEngine:
         self.model = model.to(self.device)
         self.config = model.config
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer)
+        self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,
+                                                groups=lambda_groups(model, recipe))
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
-        self.delay = DelaySimulator(recipe.optimizer.simulate_delay, *stage_parameter_lists(model, recipe))
+        self.delay = DelaySimulator(recipe.optimizer.simulate_delay, *stage_parameter_lists(model, recipe),
+                                    start_step=recipe.optimizer.delay_start_step)
         self.nonfinite_skipped = 0
 
     # ------------------------------------------------------------------ training
@@ -178,7 +198,7 @@ class LocalEngine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.delay.after_step()
-        return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped)
+        return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped, learned_lambda(self.optimizer))
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)

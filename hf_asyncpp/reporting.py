@@ -217,6 +217,8 @@ class RunLog:
                "train_s": round(self._train_s, 4)}
         if result.skipped_nonfinite:
             rec["skipped_nonfinite"] = True
+        if result.ef_lambda is not None:
+            rec["ef_lambda"] = result.ef_lambda
         self._write(rec)
         self.interval.append(rec)
         self.bar.update(1)

@@ -44,7 +44,7 @@ BAD = [
     ({"model": {"config": {"hidden_size": 8}}}, r"model\.config\.model_type: missing"),
     ({**BASE, "trainer": {}}, r"trainer: unknown field; allowed fields: data, eval, hub, model, optimizer, pipeline, training"),
     (_with("training", report_to=[1]), r"training\.report_to\[0\]: expected a string, got 1"),
-    (_with("optimizer", ef_lambda="sometimes"), r"optimizer\.ef_lambda: expected a number or one of 'auto', got 'sometimes'"),
+    (_with("optimizer", ef_lambda="sometimes"), r"optimizer\.ef_lambda: expected a number or one of 'auto', 'learned', got 'sometimes'"),
     (_with("optimizer", ef_lambda=-0.5), r"optimizer\.ef_lambda: -0\.5 is out of range; allowed: >= 0\.0"),
     (_with("optimizer", ef_lambda="auto"), None),  # valid
     (_with("optimizer", simulate_delay="1"), None),  # valid: control case

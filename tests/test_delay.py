@@ -29,12 +29,12 @@ def lr_of(k):
     return LR / (1 + 0.1 * k)
 
 
-def run(mode, p, steps=STEPS):
+def run(mode, p, steps=STEPS, start=0):
     """Plain SGD through the trainer's protocol, with a LambdaLR that advances on applied updates only."""
     params = [torch.nn.Parameter(torch.tensor([v], dtype=torch.float64)) for v in Y0[:p]]
     opt = torch.optim.SGD(params, lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_of(k) / LR)
-    sim = DelaySimulator(mode, [[q] for q in params])
+    sim = DelaySimulator(mode, [[q] for q in params], start_step=start)
     traj = []
     for _ in range(steps):
         sim.before_forward()
@@ -52,6 +52,20 @@ def run(mode, p, steps=STEPS):
 
 def flat(traj):
     return [v for row in traj for v in row]
+
+
+def test_sync_start_by_hand():
+    """delay_start_step K: steps 0..K-1 synchronous, step K too (the delay starts as a pipeline starts, with no
+    older version), then each step's gradient at the previous step's weights."""
+    K = 4
+    x, prev, hand = Y0[:2], None, []
+    for t in range(STEPS):
+        at = x if t <= K else prev
+        prev = x
+        x = [v - lr_of(t) * g for v, g in zip(x, grad_at(at))]
+        hand.append(x)
+    assert flat(run("1", 2, start=K)) == pytest.approx(flat(hand), abs=1e-12)
+    assert run("1", 2, start=K)[:K + 1] == run("0", 2)[:K + 1] and run("1", 2, start=K)[K + 1] != run("0", 2)[K + 1]
 
 
 def test_sync_by_hand():

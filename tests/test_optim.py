@@ -296,14 +296,18 @@ def test_build_other_optimizers(name):
     assert {kinds[names[id(p)]] for p in no_decay["params"]} == {"adamw_no_decay"}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     if name == "nadam":
-        assert decay["betas"] == (0.99, 0.97) and decay["decoupled_weight_decay"]
+        assert decay["betas"] == (0.8, 0.97) and decay["decoupled_weight_decay"]  # adam_beta1, as AdamW's
     elif name == "sgd":
         assert decay["momentum"] == 0.9 and decay["nesterov"]
     else:
         assert decay["betas"] == (0.8, 0.97)
+    if name != "sgd":  # adam_beta1 unset: NAdam's constant high momentum 0.99, AdamW's usual 0.9
+        unset = build_optimizer(model, OptimizerConfig(name=name, adam_beta2=0.97), log=lambda *_: None)
+        assert unset.param_groups[0]["betas"] == ({"nadam": 0.99, "adamw": 0.9}[name], 0.97)
 
 
-def test_nadam_has_the_constant_high_momentum_of_the_related_work():
+@pytest.mark.parametrize("beta1", [None, 0.9])
+def test_nadam_has_the_constant_high_momentum_of_the_related_work(beta1):
     """Against NAdam written out by hand with a constant mu = beta1 = 0.99 (Dozat's Nesterov-Adam, as Ajanthan et
     al. use it): x -= lr [mu m_t / (1 - mu^(t+1)) + (1 - mu) g_t / (1 - mu^t)] / (sqrt(v_t / (1 - b2^t)) + eps),
     decoupled weight decay first. torch's default momentum_decay would be far from it."""
@@ -312,9 +316,11 @@ def test_nadam_has_the_constant_high_momentum_of_the_related_work():
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 6, bias=False)  # one decay-group matrix
     model.lm_head.weight = w
-    cfg = OptimizerConfig(name="nadam", learning_rate=0.01, weight_decay=0.1, adam_beta2=0.95, adam_epsilon=1e-8)
+    cfg = OptimizerConfig(name="nadam", learning_rate=0.01, weight_decay=0.1, adam_beta1=beta1, adam_beta2=0.95,
+                          adam_epsilon=1e-8)
     opt = build_optimizer(model, cfg, log=lambda *_: None)
-    x, m, v, mu, b2, lr = w.detach().clone(), torch.zeros_like(w), torch.zeros_like(w), 0.99, 0.95, 0.01
+    mu = beta1 or 0.99  # unset: Ajanthan et al.'s 0.99; else adam_beta1, constant from the first step
+    x, m, v, b2, lr = w.detach().clone(), torch.zeros_like(w), torch.zeros_like(w), 0.95, 0.01
     for t, g in enumerate(_grads((6, 4), 8, seed=3, dtype=torch.float64), start=1):
         w.grad = g.clone()
         opt.step()
@@ -440,7 +446,7 @@ def test_auto_lambda_trusts_agreeing_updates_only():
     v = torch.randn(6, 5)
     v -= (v * u).sum() / (u * u).sum() * u  # orthogonal to u ...
     assert float(auto_lambda(u, u + v)) == pytest.approx(float(u.norm() / (u + v).norm()), rel=1e-5)  # ... cos(u, u+v)
-    with pytest.raises(ValueError, match="ef_lambda: 'often' is not allowed; a number >= 0 or 'auto'"):
+    with pytest.raises(ValueError, match="ef_lambda: 'often' is not allowed; a number >= 0, 'auto' or 'learned'"):
         install_error_feedback(torch.optim.SGD([torch.nn.Parameter(u)], lr=0.1), "often")
 
 
@@ -474,7 +480,7 @@ def test_error_feedback_state_round_trip():
         a.grad = g.clone()
         oa.step()
     sd = copy.deepcopy(oa.state_dict())
-    assert set(sd["error_feedback"]) == {"lam", "prev"} and list(sd["error_feedback"]["prev"]) == [0]
+    assert set(sd["error_feedback"]) == {"lam", "prev", "t"} and list(sd["error_feedback"]["prev"]) == [0]
     b.data.copy_(a.data)
     ob.load_state_dict(sd)
     assert "error_feedback" in sd  # the caller's dict is left as it was
@@ -488,6 +494,86 @@ def test_error_feedback_state_round_trip():
     sd.pop("error_feedback")
     ob.load_state_dict(sd)
     assert ob.error_feedback["prev"] == {}
+
+
+def _learned_by_hand(gs, lr, rate, start=0):
+    """SGD + EF with the learned lambda written out: lam <- clip(lam + rate cos(g[t], d[t-2]), 0, 3) over both
+    tensors together (one group), then x <- x - u - lam (u - u_prev)."""
+    x = [torch.zeros(3, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
+    lam, prev, diffs, lams, xs = 1.0, None, {}, [], []
+    for t, g in enumerate(gs):
+        if t - 2 in diffs:
+            d = diffs[t - 2]
+            dot = sum(float((a * b).sum()) for a, b in zip(g, d))
+            cos = dot / (sum(float((a * a).sum()) for a in g) ** 0.5 * sum(float((b * b).sum()) for b in d) ** 0.5)
+            lam = min(max(lam + rate * cos, 0.0), 3.0)
+        u = [lr * a for a in g]
+        x = [a - b for a, b in zip(x, u)]
+        if prev is not None and t >= start:
+            d = [a - b for a, b in zip(u, prev)]
+            x = [a - lam * b for a, b in zip(x, d)]
+            diffs[t] = d
+        prev = u
+        lams.append(lam)
+        xs.append([a.clone() for a in x])
+    return xs, lams
+
+
+def test_learned_lambda_follows_the_hypergradient_by_hand():
+    """``ef_lambda: learned`` is the rule written out (gradients with a drift, so lambda moves), its lambda is
+    logged through ``learned_lambda``, and a state dict taken mid-run continues exactly (lambda, d buffers, step)."""
+    from hf_asyncpp.optim.ef import learned_lambda
+
+    gen = torch.Generator().manual_seed(5)
+    drift = [torch.randn(3, 3, generator=gen, dtype=torch.float64), torch.randn(2, generator=gen, dtype=torch.float64)]
+    gs = [[dr * (1 + 0.3 * t) + 0.5 * torch.randn(dr.shape, generator=gen, dtype=torch.float64) for dr in drift]
+          for t in range(10)]
+    xs, lams = _learned_by_hand(gs, 0.1, 0.4)
+    assert max(abs(v - 1.0) for v in lams) > 0.1  # the rule moved lambda: the comparison sees the updates
+
+    def make():
+        a, b = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        return [a, b], install_error_feedback(torch.optim.SGD([a, b], lr=0.1), "learned", rate=0.4)
+
+    params, opt = make()
+    for t, g in enumerate(gs):
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        opt.step()
+        assert learned_lambda(opt) == pytest.approx(lams[t], abs=1e-12)
+        for p, h in zip(params, xs[t]):
+            torch.testing.assert_close(p.data, h, rtol=0, atol=1e-12)
+        if t == 4:
+            sd = copy.deepcopy(opt.state_dict())
+            saved = [p.data.clone() for p in params]
+    params2, opt2 = make()
+    for p, w in zip(params2, saved):
+        p.data.copy_(w)
+    opt2.load_state_dict(sd)
+    for g in gs[5:]:
+        for p, gi in zip(params2, g):
+            p.grad = gi.clone()
+        opt2.step()
+    for p, q in zip(params, params2):
+        assert torch.equal(p.data, q.data)
+    assert learned_lambda(opt2) == learned_lambda(opt)
+
+
+def test_error_feedback_starts_with_the_delay():
+    """delay_start_step K: EF's first K steps are plain (synchronous steps need no correction); the first delayed
+    step extrapolates from the last synchronous update."""
+    gen = torch.Generator().manual_seed(2)
+    gs = [[torch.randn(3, 3, generator=gen, dtype=torch.float64), torch.randn(2, generator=gen, dtype=torch.float64)]
+          for _ in range(6)]
+    xs, _ = _learned_by_hand(gs, 0.1, 0.0, start=3)  # rate 0: lambda stays 1, the fixed rule
+    a, b = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = apply_delay_correction(torch.optim.SGD([a, b], lr=0.1),
+                                 OptimizerConfig(delay_correction="error_feedback", delay_start_step=3))
+    for t, g in enumerate(gs):
+        a.grad, b.grad = g[0].clone(), g[1].clone()
+        opt.step()
+        torch.testing.assert_close(a.data, xs[t][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(b.data, xs[t][1], rtol=0, atol=1e-12)
 
 
 def test_recipe_values_reach_muon_and_adamw_as_torch_reads_them():

@@ -34,12 +34,14 @@ TWO = [
     (LLAMA_UNTIED, "pipedream", 2, 1, 2, "muon", False, 0, 0.0),  # no clipping: stage-local norms, no stall
     (LLAMA, "pipedream", 2, 1, 2, "adamw", False),  # tied: the embedding 1 version stale, the head's copy current
     (LLAMA, "2bw", 2, 2, 2, "adamw", True, 0, 0.5, "auto"),  # optimizer.ef_lambda: auto, per tensor on each stage
+    (LLAMA, "2bw", 2, 2, 2, "muon", True, 0, 0.5, "learned"),  # ef_lambda: learned, one lambda per stage
+    (LLAMA, "2bw", 2, 2, 2, "adamw", True, 0, 0.5, 1.0, 3),  # delay_start_step 3: 1F1B, drained, then 2BW
 ]
 
 
 def test_two_stage_schedules_match_single_process_reference(tmp_path):
     scenarios = [scenario(*s[:7], seed=i, extra=s[7] if len(s) > 7 else 0, clip=s[8] if len(s) > 8 else 0.5,
-                           lam=s[9] if len(s) > 9 else 1.0) for i, s in enumerate(TWO)]
+                           lam=s[9] if len(s) > 9 else 1.0, start=s[10] if len(s) > 10 else 0) for i, s in enumerate(TWO)]
     results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
     check_against_reference(scenarios, results[0], export_dir=tmp_path)
 

@@ -105,10 +105,10 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
       ``muon_split_fused`` (default), fused MoE expert ``gate_up_proj`` stacks (``fused_gate_up``) go to a
       ``muon_split`` group that orthogonalizes the gate and the up projection of each expert apart.
     - ``adamw``: ``torch.optim.AdamW`` (``learning_rate``, betas, eps, ``weight_decay``).
-    - ``nadam``: ``torch.optim.NAdam`` with beta1 = 0.99 and decoupled weight decay (Ajanthan et
-      al.'s Nesterov baseline for asynchronous pipelines; ``adam_beta1`` is not used). Its
-      ``momentum_decay`` is ``nadam_momentum_decay`` (default 1000: the effective beta1 is 0.99 from
-      the first step, as that work means; torch's default 0.004 keeps it near 0.5-0.89 for 10k steps).
+    - ``nadam``: ``torch.optim.NAdam`` (AdamW with a Nesterov first moment) with decoupled weight decay and
+      beta1 ``adam_beta1`` (unset: 0.99, Ajanthan et al.'s Nesterov baseline for asynchronous pipelines). Its
+      ``momentum_decay`` is ``nadam_momentum_decay`` (default 1000: the effective beta1 is beta1 from the
+      first step, as that work means; torch's default 0.004 keeps it near 0.5-0.89 of beta1 for 10k steps).
     - ``sgd``: ``torch.optim.SGD`` with ``momentum`` and ``nesterov``; its weight decay is torch's
       (L2, added to the gradient).
 
@@ -122,7 +122,7 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
     for n, p in module.named_parameters():
         if p.requires_grad:
             groups[kinds[n]].append(p)
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    betas = (adam_beta1(cfg), cfg.adam_beta2)
     if cfg.name == "muon":
         if not groups["muon"]:
             stray = [n for n, p in module.named_parameters() if kinds[n] == "adamw" and p.dim() >= 2
@@ -159,7 +159,7 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
         if cfg.name == "adamw":
             opt = torch.optim.AdamW(pg, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon)
         elif cfg.name == "nadam":
-            opt = torch.optim.NAdam(pg, lr=cfg.learning_rate, betas=(0.99, cfg.adam_beta2), eps=cfg.adam_epsilon,
+            opt = torch.optim.NAdam(pg, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
                                     momentum_decay=cfg.nadam_momentum_decay, decoupled_weight_decay=True)
         elif cfg.name == "sgd":
             opt = torch.optim.SGD(pg, lr=cfg.learning_rate, momentum=cfg.momentum,
@@ -169,6 +169,14 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
     for g in opt.param_groups:
         log(_summary(cfg.name, g))
     return opt
+
+
+def adam_beta1(cfg) -> float:
+    """``optimizer.adam_beta1``, or its default when unset: 0.99 for NAdam (the constant high Nesterov momentum of
+    Ajanthan et al.), 0.9 (transformers' and torch's) for AdamW and Muon's AdamW side."""
+    if cfg.adam_beta1 is not None:
+        return cfg.adam_beta1
+    return 0.99 if cfg.name == "nadam" else 0.9
 
 
 def _ns_dtype(setting: str, params: list) -> str:

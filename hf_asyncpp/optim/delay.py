@@ -73,9 +73,13 @@ class DelaySimulator:
             the pipeline runs on the current weights (the tied output head of ``'pipedream'`` on the
             last stage). Only ``'pipedream'`` uses them: under ``'1'`` every stage, the head's copy
             included, is one version old, so the tied weight is one tensor at one version.
+        start_step: "sync start" (``optimizer.delay_start_step``, the paper's baseline mitigation): steps before it
+            are synchronous and nothing is stored; the delay starts at this step as a pipeline starts, with no
+            older version yet (so this step is synchronous too, as 2BW's step 0), exactly what a pipeline that
+            switches from a flushed schedule to 2BW at a drain point computes.
     """
 
-    def __init__(self, mode: str, params_per_stage, lag0_uses=()):
+    def __init__(self, mode: str, params_per_stage, lag0_uses=(), start_step: int = 0):
         delay = get_simulated_delay(mode)
         stages = list(params_per_stage)
         if stages and isinstance(stages[0], Tensor):
@@ -97,6 +101,7 @@ class DelaySimulator:
         self.history: list[deque[list[Tensor]]] = [deque() for _ in range(n)]  # old versions, oldest first
         self._current: list[list[Tensor] | None] = [None] * n  # the current weights while stale ones are in
         self.steps = 0  # completed steps (after_step calls)
+        self.start_step = start_step
         self._phase = "idle"
 
     @property
@@ -112,6 +117,8 @@ class DelaySimulator:
     def before_forward(self) -> None:
         self._expect("idle", "before_forward")
         self._phase = "forward"
+        if self.steps < self.start_step:  # sync start: no stale version, nothing stored
+            return
         for module, attr in self.lag0_uses:  # a copy of the current weights, before the stale ones come in
             owner = getattr(module, attr)
             self._owners.append(owner)

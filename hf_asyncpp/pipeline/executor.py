@@ -46,7 +46,7 @@ from .memtrack import checkpoint_input_hooks, is_weight_cast, storage_key, trans
 from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
-from .schedules import Action, ActionType, get_schedule
+from .schedules import Action, ActionType, get_schedule, with_sync_start
 from .versions import Hold, Versions
 
 __all__ = ["PipelineEngine"]
@@ -101,7 +101,7 @@ class PipelineEngine:
     def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
         self.recipe, self.topo, self.config, self.device = recipe, topo, model.config, local_device()
         rc, p = recipe.pipeline, recipe.pipeline.num_stages
-        self.schedule = get_schedule(rc.schedule)
+        self.schedule = with_sync_start(get_schedule(rc.schedule), recipe.optimizer.delay_start_step)
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
@@ -115,7 +115,12 @@ class PipelineEngine:
             if topo.stage in holders:
                 tied.setdefault(holders, []).append(names[holders.index(topo.stage)])
         self.tied_names = [n for names in tied.values() for n in names]
-        self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer)
+        # a learned EF lambda per stage, and one per set of stages sharing tensors (a tied head's copies must take the
+        # same update on every holder: their lambda is learned from the shared tensors alone, the same everywhere)
+        own = [p for n, p in self.params.items() if n not in self.tied_names and p.requires_grad]
+        lam_groups = [g for g in [own] + [[self.params[n] for n in names] for names in tied.values()] if g]
+        self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer,
+                                                groups=lam_groups)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
         # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s for a slow replica
         self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.collective_timeout_s),

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterator, Optional
@@ -69,7 +70,7 @@ from typing import Callable, Iterator, Optional
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "TWO_BW", "PIPEDREAM", "get_schedule", "ActionType", "Action",
     "schedule_actions", "version_of", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
-    "processes_per_pipeline", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
+    "processes_per_pipeline", "one_step_delay", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
 ]
 
 
@@ -368,6 +369,32 @@ PIPEDREAM = Schedule(
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, TWO_BW, PIPEDREAM)}
 
 
+def with_sync_start(schedule: Schedule, start_step: int) -> Schedule:
+    """``optimizer.delay_start_step`` ("sync start") in the pipeline: ``schedule`` (asynchronous) whose steps before
+    ``start_step`` run as 1F1B with a flush each (version k), then ``schedule`` itself from that drain point on, as
+    it starts: no older version exists yet, so step ``start_step`` uses its own weights (2BW: version
+    ``max(start_step, k - 1)``), exactly the single-process reference's sync start (``optim/delay.py``). A
+    window of steps across ``start_step`` is the 1F1B part, drained, followed by the asynchronous part."""
+    if start_step <= 0 or schedule.synchronous:
+        return schedule
+    if schedule.one_update_per_microbatch:
+        raise ValueError(f"optimizer.delay_start_step: not available with pipeline.schedule {schedule.name!r}; use 2bw")
+    K = start_step
+
+    def version(k: int, s: int, p: int) -> int:
+        return k if k < K else max(K, schedule.version(k, s, p))
+
+    def build(sched: Schedule, s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+        sync = max(0, min(n, K - k0))  # steps of this window before K
+        if sync:
+            yield from ONE_F_ONE_B._build(sched, s, p, m, sync, k0, extra)
+        if n > sync:
+            yield from schedule._build(sched, s, p, m, n - sync, k0 + sync, extra)
+
+    return dataclasses.replace(schedule, name=f"{schedule.name}", title=f"{schedule.title}, synchronous for the first {K} steps",
+                               version=version, _build=build)
+
+
 def get_schedule(name: "str | Schedule") -> Schedule:
     if isinstance(name, Schedule):
         return name
@@ -434,6 +461,13 @@ class SimulatedDelay:
 SIMULATED_DELAYS: dict[str, SimulatedDelay] = {d.name: d for d in (
     SimulatedDelay("0", ONE_F_ONE_B, per_stage=False), SimulatedDelay("1", TWO_BW, per_stage=False),
     SimulatedDelay("pipedream", PIPEDREAM, per_stage=True))}
+
+
+def one_step_delay(schedule: str, simulate_delay: "str | int") -> bool:
+    """Whether a run's gradients are exactly one step stale at every stage, as the EF correction's learned lambda
+    and sync start assume: 2BW in the pipeline, or its single-process reference (``simulate_delay: 1``)."""
+    s = get_schedule(schedule) if pipelined(schedule) else get_simulated_delay(simulate_delay).schedule
+    return s is TWO_BW
 
 
 def get_simulated_delay(name: "str | int | SimulatedDelay") -> SimulatedDelay:
