@@ -119,8 +119,44 @@ class Bench:
                 "--training.lr_scheduler_type=cosine_with_min_lr", "--training.lr_scheduler_kwargs={min_lr_rate: 0.1}",
                 "--optimizer.delay_correction=none", *args])
         r = read_run(tag, seed, out)
-        r["steps"] = steps
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        r.update(tag=tag, steps=steps, lr=float(next(a.split("=")[1] for a in args
+                                                                   if a.startswith("--optimizer.learning_rate="))))
+        r["lambda"] = [(row["step"], row["ef_lambda"]) for row in rows if "ef_lambda" in row]
         return r
+
+    def measure(self, results: dict) -> None:
+        """Once per finished sync run at T/4 and T (seed 0): its gradient noise scale (bench/noise_scale.py); and the
+        training text's token count (for the epochs)."""
+        from bench.noise_scale import measure
+
+        path = self.out / "noise_scale.json"
+        known = json.loads(path.read_text()) if path.exists() else {}
+        for opt in ("adamw", "muon"):
+            for k in ("T/4", "T"):
+                steps = self.lengths()[k]
+                key = f"{opt} sync, end of a {k} run"
+                r = results.get((self.arm(opt, "sync", steps)[0], steps, 0))
+                if r and key not in known:
+                    known[key] = measure(self.run_dir(r["tag"], steps, 0))
+        path.write_text(json.dumps(known, indent=1))
+        tok_file = self.out / "train_tokens.json"
+        if not tok_file.exists() and results:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.run_dir(*next(iter(results))) / "tokenizer")
+            n = sum(len(tok(json.loads(line)["text"]).input_ids) + 1 for f in self.train_files
+                    for line in Path(f).read_text().splitlines())
+            tok_file.write_text(json.dumps({"tokens": n}))
+
+    def tuning_jobs(self) -> list[tuple]:
+        """The finished points of the lr grids (for the report)."""
+        out = []
+        for opt in ("adamw", "muon"):
+            for d in sorted((self.out / f"T{self.T}").glob(f"{opt}-lr*-sync-seed0")):
+                lr = float(d.name[len(opt) + 3:].split("-")[0])
+                out.append(self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T, self.lrs.get("adamw")), self.T))
+        return out
 
     def run_all(self, jobs: list[tuple]) -> list[dict]:
         with ThreadPoolExecutor(self.parallel) as ex:
@@ -156,21 +192,309 @@ class Bench:
         return (tag or f"{opt}-lr{lr:g}-{variant}"), base + VARIANTS[variant] + list(extra)
 
     def main_jobs(self, seeds=(0, 1, 2)) -> list[tuple]:
-        """AdamW and Muon x sync / delay 1 / delay 1 + EF (lambda 1) at T, 3 seeds."""
+        """AdamW and Muon x sync / delay 1 / delay 1 + EF (lambda 1) at T."""
         return [self.job(*self.arm(opt, v, self.T), self.T, seed) for seed in seeds for opt in ("adamw", "muon")
                 for v in VARIANTS]
+
+    def lengths(self) -> dict[str, int]:
+        return {"T/8": round(self.T / 8), "T/4": round(self.T / 4), "T/2": round(self.T / 2), "T": self.T}
 
     def ladder_jobs(self) -> list[tuple]:
         """Complete runs (each with its own schedule and weight-decay timescale) at fractions of T, seed 0: sync at
         T/8, T/4, T/2 (with T: the ladder the effective-step fraction is read from), delayed at T/4, T/2 (with T:
         each gap's exponent in T)."""
-        jobs = []
+        L = self.lengths()
+        return [self.job(*self.arm(opt, v, L[k]), L[k]) for k in ("T/4", "T/2", "T/8") for opt in ("adamw", "muon")
+                for v in (VARIANTS if k != "T/8" else ("sync",))]
+
+    def beta1_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
+        """The first-moment table at ``steps`` (seed 0): heavy-ball AdamW at beta1 0.5 and 0.9, a Nesterov first
+        moment (NAdam, constant beta1, decoupled decay, AdamW's lr) at 0.9 and 0.95, Muon with and without Nesterov,
+        each sync and delayed; EF at lambda 0.5 and 1 on NAdam 0.9."""
+        out = {}
+        for label, opt, extra, lr_opt in (("AdamW beta1 0.5", "adamw", ["--optimizer.adam_beta1=0.5"], None),
+                                          ("AdamW beta1 0.9", "adamw", [], None),
+                                          ("NAdam beta1 0.9", "nadam", ["--optimizer.adam_beta1=0.9"], "adamw"),
+                                          ("NAdam beta1 0.95", "nadam", ["--optimizer.adam_beta1=0.95"], "adamw"),
+                                          ("Muon Nesterov", "muon", [], None),
+                                          ("Muon heavy-ball", "muon", ["--optimizer.nesterov=false"], None)):
+            slug = "".join(e.split("=")[0].rsplit(".", 1)[1][:5] + e.split("=")[1] for e in extra)
+            for v in ("sync", "delay") + (("delay+EF",) if opt == "nadam" and extra[0].endswith("0.9") else ()):
+                lams = ([0.5, 1.0] if v == "delay+EF" else [None])
+                for lam in lams:
+                    more = extra + ([f"--optimizer.ef_lambda={lam}"] if lam is not None else [])
+                    name = f"{label} {v}" + (f" lambda={lam:g}" if lam is not None else "")
+                    tag = (f"{opt}{'-' + slug if slug else ''}-lr{self.lrs[lr_opt or opt]:g}-{v}"
+                           + (f"-lam{lam:g}" if lam is not None and lam != 1.0 else ""))
+                    out[name] = self.arm(opt, v, steps, more, tag=tag if (slug or lam) else None, lr_opt=lr_opt)
+        return out
+
+    def lambda_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
+        out = {}
         for opt in ("adamw", "muon"):
-            for k in (8, 4, 2):
-                steps = round(self.T / k)
-                for v in VARIANTS if k < 8 else ("sync",):
-                    jobs.append(self.job(*self.arm(opt, v, steps), steps))
-        return jobs
+            for lam in ("0.5", "1", "1.5", "auto", "learned"):
+                extra = [] if lam == "1" else [f"--optimizer.ef_lambda={lam}"]
+                tag = None if lam == "1" else f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lam{lam}"
+                out[f"{opt} lambda {lam}"] = self.arm(opt, "delay+EF", steps, extra, tag=tag)
+        return out
+
+    def syncstart_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
+        """Synchronous through the warm-up (10%), then delayed, with and without EF."""
+        k = round(0.1 * steps)
+        return {f"{opt} {v} sync-start": self.arm(opt, v, steps, [f"--optimizer.delay_start_step={k}"],
+                                                  tag=f"{opt}-lr{self.lrs[opt]:g}-{v}-start{k}")
+                for opt in ("adamw", "muon") for v in ("delay", "delay+EF")}
+
+
+# ---------------------------------------------------------------------------- the stability model's prediction
+
+
+def ceiling(kind: str, beta: float, delayed: bool, lam: float) -> float:
+    """Largest lr x sharpness at which momentum SGD on a scalar quadratic stays stable (spectral radius < 1):
+    kind ``hb`` (heavy ball: AdamW's first moment, Muon without Nesterov) or ``nest`` (Nesterov: NAdam, Muon),
+    synchronous or with a one-step delay, with the EF extrapolation ``lam`` (../shared/reviews/method.md, app. A)."""
+    import numpy as np
+
+    def transition(a):  # state [x_t, x_{t-1}, m_{t-1}, u_{t-1}]
+        g = a * np.array([0, 1, 0, 0.] if delayed else [1, 0, 0, 0.])
+        m = beta * np.array([0, 0, 1, 0.]) + (1 - beta) * g
+        u = m if kind == "hb" else (1 - beta) * g + beta * m
+        x = np.array([1, 0, 0, 0.]) - u - lam * (u - np.array([0, 0, 0, 1.]))
+        return np.vstack([x, [1, 0, 0, 0], m, u])
+
+    for a in np.exp(np.linspace(np.log(1e-3), np.log(200), 3000)):
+        if max(abs(np.linalg.eigvals(transition(a)))) >= 1 - 1e-9:
+            return float(a)
+    return float("inf")
+
+
+PREDICTION = """Prediction (stated before the runs, from the stability model): a delayed heavy-ball first moment is
+stable only up to lr x sharpness ~ 1 whatever beta1, while its synchronous ceiling grows with beta1 (6 at 0.5, 38 at
+0.9), so the delay costs AdamW more the higher its beta1 (the gap shrinks as beta1 falls to 0.5); a Nesterov first
+moment keeps a much higher delayed ceiling (2.5 at 0.9, 3.75 at 0.95), so NAdam's gap is smaller than AdamW's at the
+same beta1 and smaller at 0.95 than at 0.9; Muon without Nesterov loses part of its tolerance (its gap grows); on
+NAdam 0.9, EF's lambda 0.5 raises the delayed ceiling more than lambda 1 (3.9 against 3.5), so it should close more."""
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _mean(xs):
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def _sd(xs):
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def effective_fraction(loss: float, ladder: list[tuple[int, float]], steps: int) -> float | None:
+    """The length of a complete synchronous run reaching ``loss`` (log-linear between ladder points), over ``steps``;
+    None when ``loss`` lies outside the ladder."""
+    pts = sorted(ladder)
+    for (s0, l0), (s1, l1) in zip(pts, pts[1:]):
+        if l1 <= loss <= l0 and l0 > l1:
+            return math.exp(math.log(s0) + (l0 - loss) / (l0 - l1) * (math.log(s1) - math.log(s0))) / steps
+    if pts and loss <= pts[-1][1]:
+        return 1.0 if loss == pts[-1][1] else None
+    return None
+
+
+def exponent(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log(gap) against log(T): the gap falls like T^slope (None with a non-positive gap)."""
+    pts = [(math.log(t), math.log(g)) for t, g in points if g > 0]
+    if len(pts) < 2 or len(pts) < len(points):
+        return None
+    mx, my = _mean([x for x, _ in pts]), _mean([y for _, y in pts])
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def report(b: "Bench", results: dict, extras: dict) -> str:
+    """``results``: (tag, steps, seed) -> run; ``extras``: table name -> {row name: (tag, steps)}."""
+    T, L = b.T, b.lengths()
+    n_params, n_embed = params()
+    get = lambda tag, steps, seed=0: results.get((tag, steps, seed))  # noqa: E731
+    tag = lambda opt, v, steps: b.arm(opt, v, steps)[0]  # noqa: E731
+    lines = []
+    tok_file = b.out / "train_tokens.json"
+    epochs = (T * BATCH * SEQ / json.loads(tok_file.read_text())["tokens"]) if tok_file.exists() else None
+    noise = json.loads((b.out / "noise_scale.json").read_text()) if (b.out / "noise_scale.json").exists() else {}
+    lines += ["### The regime", "",
+              "| knob | paper (360M) | this protocol | the 300-step table |", "|---|---|---|---|",
+              f"| parameters (embedding share) | 360M | {n_params:,} ({n_embed / n_params:.0%}) | 2.10M (25%) |",
+              f"| optimizer steps T | about 20-40K | {T:,} | 300 |",
+              f"| tokens per step | 180K-360K | {BATCH * SEQ:,} ({BATCH} x {SEQ}) | 4,096 |",
+              f"| tokens per parameter | 20 | {T * BATCH * SEQ / n_params:.1f} | 0.59 |",
+              "| epochs of the training text | < 1 | " + (f"{epochs:.2f}" if epochs else "?") + " | 0.3 |",
+              f"| weight-decay timescale 1/(lr wd) / T | about 0.25-0.5 | {WD_TIMESCALE} | 11 (AdamW) |",
+              "| warm-up, schedule | 10%, cosine to 10% | 10%, cosine to 10% | 10%, cosine to 10% |",
+              f"| paired eval tokens | large | {EVAL_BLOCKS * SEQ:,} | 16K |",
+              "| gradient noise scale B_simple (tokens; McCandlish et al.) | - | "
+              + ("; ".join(f"{v['b_simple_tokens']:,.0f} ({k})" for k, v in noise.items()) or "?") + " | - |",
+              "", f"Learning rates (tuned on each sync arm at T, seed 0): {b.lrs}.", ""]
+    for opt in ("adamw", "muon"):
+        grid = sorted((r["lr"], r["final"]) for (t, st, sd), r in results.items()
+                      if st == T and sd == 0 and t.startswith(f"{opt}-lr") and t.endswith("-sync"))
+        if grid:
+            lines.append(f"- {opt} sync at T: " + ", ".join(f"lr {lr:g} -> {f:.4f}" for lr, f in grid))
+    # main table, paired by seed
+    rows, gaps = [], {}
+    for opt in ("adamw", "muon"):
+        for v in VARIANTS:
+            finals = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, v, T), T, sd))}
+            sync = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, "sync", T), T, sd))}
+            g = {sd: finals[sd] - sync[sd] for sd in finals if sd in sync}
+            gaps[(opt, v)] = g
+            rows.append((opt, v, finals, g))
+    lines += ["", "### Sync, delay, delay + EF at T (final eval loss, mean ± sd over seeds; gaps paired by seed)", "",
+              "| optimizer | arm | seeds | eval loss | gap to sync | relative gap (R3) | EF closes (R2) | effective steps (R4) |",
+              "|---|---|---|---|---|---|---|---|"]
+    ladder = {opt: [(L[k], r["final"]) for k in ("T/8", "T/4", "T/2", "T") if (r := get(tag(opt, "sync", L[k]), L[k]))]
+              for opt in ("adamw", "muon")}
+    ratios = {}
+    for opt, v, finals, g in rows:
+        if not finals:
+            continue
+        vals = list(finals.values())
+        common = sorted(set(g) & set(gaps[(opt, "delay")]))
+        closed = (1 - _mean([g[k] for k in common]) / _mean([gaps[(opt, "delay")][k] for k in common])
+                  if v == "delay+EF" and common else None)
+        sync_mean = _mean([results[(tag(opt, "sync", T), T, sd)]["final"] for sd in g])
+        eff = effective_fraction(_mean(vals), ladder[opt], T) if v != "sync" else None
+        ratios[(opt, v)] = {"gap": _mean(list(g.values())) if g else None, "closed": closed, "eff": eff,
+                            "rel": _mean(list(g.values())) / sync_mean if g else None}
+        lines.append(f"| {opt} | {v} | {len(vals)} | {_mean(vals):.4f} ± {_sd(vals):.4f} | "
+                     + (f"{_mean(list(g.values())):+.4f} ± {_sd(list(g.values())):.4f}" if v != "sync" and g else "") + " | "
+                     + (f"{ratios[(opt, v)]['rel']:+.2%}" if v != "sync" and g else "") + " | "
+                     + (f"{closed:.0%}" if closed is not None else "") + " | "
+                     + (f"{eff:.2f}" if eff is not None else ("" if v == "sync" else "outside the ladder")) + " |")
+    a, m = ratios.get(("adamw", "delay"), {}), ratios.get(("muon", "delay"), {})
+    lines += ["", "### The paper's ratios", "", "| ratio | paper | ours | reproduces? |", "|---|---|---|---|"]
+    if a.get("gap") and m.get("gap") is not None:
+        r1 = m["gap"] / a["gap"]
+        lines.append(f"| R1 Muon gap / AdamW gap | 0.043 | {r1:.3f} | {'yes' if 0 < r1 < 0.2 else 'no'} (Muon far more tolerant) |")
+    for opt, paper_closed, paper_rel in (("muon", 0.58, 0.0047), ("adamw", 0.90, 0.106)):
+        e, d = ratios.get((opt, "delay+EF"), {}), ratios.get((opt, "delay"), {})
+        if e.get("closed") is not None:
+            lines.append(f"| R2 share of {opt}'s gap EF closes | {paper_closed:.0%} | {e['closed']:.0%} | "
+                         f"{'yes' if abs(e['closed'] - paper_closed) < 0.15 else 'no'} |")
+        if d.get("rel") is not None:
+            lines.append(f"| R3 {opt} relative gap | {paper_rel:.2%} | {d['rel']:.2%} | "
+                         f"{'same order' if 0.3 < d['rel'] / paper_rel < 3 else 'no'} |")
+        if d.get("eff") is not None:
+            lines.append(f"| R4 {opt} effective-step fraction (delayed) | about {0.94 if opt == 'muon' else 0.25} "
+                         f"(review's reading) | {d['eff']:.2f} | |")
+    # exponents
+    lines += ["", "### The gap against the run length (seed 0; complete runs, each with its own schedule)", "",
+              "| optimizer | arm | gap at T/4 | gap at T/2 | gap at T | exponent (gap ~ T^k) |", "|---|---|---|---|---|---|"]
+    for opt in ("adamw", "muon"):
+        for v in ("delay", "delay+EF"):
+            pts = []
+            for k in ("T/4", "T/2", "T"):
+                d, sy = get(tag(opt, v, L[k]), L[k]), get(tag(opt, "sync", L[k]), L[k])
+                if d and sy:
+                    pts.append((L[k], d["final"] - sy["final"]))
+            if pts:
+                k_ = exponent(pts) if len(pts) == 3 else None
+                cells = {st: f"{g:+.4f}" for st, g in pts}
+                lines.append(f"| {opt} | {v} | " + " | ".join(cells.get(L[k], "") for k in ("T/4", "T/2", "T"))
+                             + f" | {'' if k_ is None else f'{k_:.2f}'} |")
+    lines += extra_tables(b, results, extras)
+    png = b.out / "paper_regime.png"
+    _plot(b, results, png)
+    return "\n".join(lines), png
+
+
+def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
+    lines = []
+    sync_of = lambda t: t.replace("-delay+EF", "-sync").replace("-delay", "-sync")  # noqa: E731
+    beta = extras.get("beta1", {})
+    if beta:
+        steps = next(iter(beta.values()))[2]
+        lines += ["", f"### The first moment under delay (T/4 = {steps} steps, seed 0)", "", PREDICTION, "",
+                  "Stability ceilings (lr x sharpness) of the model: " + "; ".join(
+                      f"{k} {bt}: sync {ceiling(k, bt, False, 0):.1f}, delayed {ceiling(k, bt, True, 0):.2f}"
+                      for k, bt in (("hb", 0.5), ("hb", 0.9), ("nest", 0.9), ("nest", 0.95))), "",
+                  "| arm | sync | delayed | gap | EF lambda 0.5 | EF lambda 1 |", "|---|---|---|---|---|---|"]
+        labels = dict.fromkeys(n.rsplit(" ", 1)[0] for n in beta if n.endswith((" sync", " delay")))
+        for label in labels:
+            s_, d_ = (results.get((beta[f"{label} {v}"][0], steps, 0)) for v in ("sync", "delay"))
+            efs = [results.get((beta[n][0], steps, 0)) if (n := f"{label} delay+EF lambda={x}") in beta else None
+                   for x in ("0.5", "1")]
+            cell = lambda r: f"{r['final']:.4f}" if r else "-"  # noqa: E731
+            gap = f"{d_['final'] - s_['final']:+.4f}" if s_ and d_ else "-"
+            lines.append(f"| {label} | {cell(s_)} | {cell(d_)} | {gap} | "
+                         + " | ".join(f"{r['final'] - s_['final']:+.4f}" if r and s_ else "-" for r in efs) + " |")
+    lam = extras.get("lambda", {})
+    if lam:
+        lines += ["", "### EF's lambda: fixed, auto (cosine) and learned (hypergradient), seed 0", "",
+                  "Gap to sync; the tolerance is one seed's spread: the sd over seeds of the delay + EF gap at T.", "",
+                  "| optimizer | length | 0.5 | 1 | 1.5 | auto | learned | learned lambda at the end | learned within one sd of the best fixed? |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        sd_of = {opt: _sd([results[(b.arm(opt, "delay+EF", b.T)[0], b.T, s)]["final"]
+                           - results[(b.arm(opt, "sync", b.T)[0], b.T, s)]["final"]
+                           for s in (0, 1, 2) if (b.arm(opt, "delay+EF", b.T)[0], b.T, s) in results
+                           and (b.arm(opt, "sync", b.T)[0], b.T, s) in results]) for opt in ("adamw", "muon")}
+        for (opt, steps), arms_ in sorted(_by_opt_len(lam).items()):
+            sync = results.get((b.arm(opt, "sync", steps)[0], steps, 0))
+            cells, gaps, learned_end = [], {}, None
+            for x in ("0.5", "1", "1.5", "auto", "learned"):
+                r = results.get((arms_.get(x), steps, 0))
+                if r and sync:
+                    gaps[x] = r["final"] - sync["final"]
+                    if x == "learned" and r.get("lambda"):
+                        learned_end = r["lambda"][-1][1]
+                cells.append(f"{gaps[x]:+.4f}" if x in gaps else "-")
+            fixed = [gaps[x] for x in ("0.5", "1", "1.5") if x in gaps]
+            ok = ("-" if "learned" not in gaps or len(fixed) < 3 else
+                  ("yes" if gaps["learned"] <= min(fixed) + sd_of[opt] else "no")
+                  + f" (best fixed {min(fixed):+.4f}, sd {sd_of[opt]:.4f})")
+            lines.append(f"| {opt} | {steps} | " + " | ".join(cells)
+                         + f" | {'' if learned_end is None else f'{learned_end:.2f}'} | {ok} |")
+    ss = extras.get("syncstart", {})
+    if ss:
+        lines += ["", "### Sync start: synchronous through the warm-up (10%), then delayed (seed 0)", "",
+                  "| optimizer | arm | length | gap, delayed from step 0 | gap, sync start |", "|---|---|---|---|---|"]
+        for name, (t, _, steps) in ss.items():
+            opt, v = name.split()[:2]
+            r, plain = results.get((t, steps, 0)), results.get((b.arm(opt, v, steps)[0], steps, 0))
+            sync = results.get((b.arm(opt, "sync", steps)[0], steps, 0))
+            if r and plain and sync:
+                lines.append(f"| {opt} | {v} | {steps} | {plain['final'] - sync['final']:+.4f} | {r['final'] - sync['final']:+.4f} |")
+    return lines
+
+
+def _by_opt_len(lam: dict) -> dict:
+    out = {}
+    for name, (t, _, steps) in lam.items():
+        opt, _, x = name.split()[:3]
+        out.setdefault((opt, steps), {})[x] = t
+    return out
+
+
+def _plot(b: "Bench", results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):
+        for v, style in (("sync", "-"), ("delay", "--"), ("delay+EF", ":")):
+            r = results.get((b.arm(opt, v, b.T)[0], b.T, 0))
+            if r:
+                axes[0].plot(*zip(*r["curve"][1:]), style, color=color, label=f"{opt} {v}")
+    for (t, steps, seed), r in sorted(results.items()):
+        if r.get("lambda") and seed == 0:
+            axes[1].plot(*zip(*r["lambda"]), label=f"{t.split('-')[0]} T={steps}", lw=1)
+    axes[0].set_title(f"held-out loss, T = {b.T} (seed 0)")
+    axes[1].set_title("learned EF lambda")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -188,12 +512,43 @@ def main() -> None:
     phases = args.phases.split(",")
     if "tune" in phases:
         b.tune()
-    jobs = []
+    L = b.lengths()
+    extras = {"beta1": {n: (t, args_, L["T/4"]) for n, (t, args_) in b.beta1_arms(L["T/4"]).items()},
+              "lambda": {f"{n} @{k}": (t, args_, L[k]) for k in ("T/4", "T/2") for n, (t, args_) in b.lambda_arms(L[k]).items()},
+              "syncstart": {n: (t, args_, L["T/2"]) for n, (t, args_) in b.syncstart_arms(L["T/2"]).items()}}
+    jobs = []  # in priority order (cheap tables first, then the seeds): a cut-short session leaves the least undone
+    want = lambda phase, k=None: [b.job(t, a_, st) for n, (t, a_, st) in extras[phase].items()  # noqa: E731
+                                  if phase in phases and (k is None or n.endswith("@" + k))]
     if "main" in phases:
-        jobs += b.main_jobs()
+        jobs += b.main_jobs(seeds=(0,))
     if "ladder" in phases:
         jobs += b.ladder_jobs()
-    results = b.run_all(jobs)
+    jobs += want("beta1") + want("lambda", "T/4") + want("syncstart")
+    if "main" in phases:
+        jobs += b.main_jobs(seeds=(1, 2))
+    jobs += want("lambda", "T/2")
+    seen, unique = set(), []
+    for j in jobs:
+        if (j[0], j[2], j[3]) not in seen:
+            seen.add((j[0], j[2], j[3]))
+            unique.append(j)
+    done = b.run_all(unique + b.tuning_jobs())
+    results = {(r["tag"], r["steps"], r["seed"]): r for r in done}
+    b.measure(results)
+    text, png = report(b, results, extras)
+    missing = [f"{t} T={st} seed {sd}" for t, _, st, sd in unique if (t, st, sd) not in results]
+    if missing:
+        text += f"\n\nNot run yet ({len(missing)} of {len(unique)}): " + "; ".join(missing) + "."
+    print(text)
+    if args.write:
+        from bench.report import write_section
+
+        (ROOT / "docs" / "paper_regime.png").write_bytes(png.read_bytes())
+        shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")
+        write_section("paper_regime", "## Delay tolerance in the paper's regime (20 tokens per parameter, "
+                      f"{b.T:,} steps)\n\nCommand: `python bench/paper_regime.py {shown}` ({time.strftime('%Y-%m-%d')}; "
+                      "single-process exact delay references, 1 thread each, two at a time)\n\n" + text
+                      + "\n\n![eval loss and learned lambda](paper_regime.png)")
 
 
 if __name__ == "__main__":
