@@ -13,8 +13,10 @@ The protocol (``PROTOCOL``; every knob next to the paper's in the report's regim
   tokens (262K tokens), the same blocks for every arm, so arms are compared paired.
 - Warm-up 10%, cosine to 10%; decoupled weight decay set per learning rate so that its timescale 1/(lr wd) is
   ``WD_TIMESCALE`` (0.4) of the run (AdamW timescale rule, Wang & Aitchison 2024); clip 1.0.
+- Data order: a full shuffle of the documents each epoch (``SHUFFLE_BUFFER``): the corpus is chronological, and a
+  1,000-document buffer left eras of speeches in training order, which made the held-out loss rise mid-run.
 - Learning rates tuned on each optimizer's sync arm at the final length; a grid whose best point is at an edge is
-  extended until the optimum is bracketed. Muon's AdamW side (embeddings, norms) runs at AdamW's tuned lr.
+  extended until the optimum is bracketed. Muon's AdamW side (embeddings, norms) runs at ``MUON_ADAMW_LR``.
 - Arms are the exact single-process references (``optimizer.simulate_delay``; equal step for step to the pipeline,
   tests/test_runtime.py), so losses do not depend on machine load: ``--parallel`` runs at once, 1 thread each.
 
@@ -47,7 +49,11 @@ TOKENS_PER_PARAM = 20
 WD_TIMESCALE = 0.4  # 1 / (lr * weight decay) as a fraction of the run
 EVAL_BLOCKS = 2048
 PHASES = ("tune", "main", "ladder", "beta1", "lambda", "syncstart")
-GRIDS = {"adamw": [1e-3, 2e-3, 4e-3, 8e-3], "muon": [2.5e-3, 5e-3, 1e-2, 2e-2]}
+GRIDS = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2.5e-3, 5e-3, 1e-2, 2e-2]}
+# Muon's AdamW side (embeddings, norms) at the best AdamW lr of a first sweep at T (1e-3 .. 1.6e-2, 2026-11-25), so
+# that both grids run at once; not Muon's own lr (the 300-step table ran its AdamW side at Muon's 1e-2)
+MUON_ADAMW_LR = 8e-3
+SHUFFLE_BUFFER = 10_000  # more documents than the corpus has (about 6,000): a full shuffle per epoch
 # arXiv 2606.30634, 360M, validation loss: sync / delayed / delayed + EF
 PAPER = {"muon": (2.578, 2.590, 2.583), "adamw": (2.612, 2.890, 2.640)}
 VARIANTS = {  # arm suffix -> overrides on top of the optimizer's base
@@ -74,10 +80,10 @@ def weight_decay(lr: float, steps: int) -> float:
     return 1.0 / (WD_TIMESCALE * steps * lr)
 
 
-def optimizer_args(opt: str, lr: float, steps: int, adamw_lr: float | None = None) -> list[str]:
+def optimizer_args(opt: str, lr: float, steps: int) -> list[str]:
     """The optimizer's overrides at peak lr ``lr`` for a run of ``steps``: weight decay from the timescale rule."""
     if opt == "muon":
-        side = adamw_lr or lr
+        side = MUON_ADAMW_LR
         return ["--optimizer.name=muon", f"--optimizer.learning_rate={lr:g}", f"--optimizer.weight_decay={weight_decay(lr, steps):.6g}",
                 f"--optimizer.adamw_lr={side:g}", f"--optimizer.adamw_weight_decay={weight_decay(side, steps):.6g}"]
     name = {"adamw": "adamw", "nadam": "nadam"}[opt]
@@ -111,7 +117,7 @@ class Bench:
             launch(f"{tag} T={steps}", seed, out, [
                 "--model.config=" + json.dumps(MODEL), f"--model.vocab_size={VOCAB}",
                 "--data.train_files=" + json.dumps(self.train_files), "--data.eval_files=" + json.dumps(self.eval_files),
-                f"--data.seq_len={SEQ}", f"--data.eval_blocks={EVAL_BLOCKS}",
+                f"--data.seq_len={SEQ}", f"--data.eval_blocks={EVAL_BLOCKS}", f"--data.shuffle_buffer={SHUFFLE_BUFFER}",
                 "--pipeline.schedule=none", "--pipeline.num_stages=1", "--pipeline.num_microbatches=1",
                 f"--pipeline.microbatch_size={BATCH}", f"--training.max_steps={steps}", f"--training.seed={seed}",
                 f"--training.eval_steps={max(1, steps // 10)}", f"--training.save_steps={max(1, steps // 10)}",
@@ -155,7 +161,7 @@ class Bench:
         for opt in ("adamw", "muon"):
             for d in sorted((self.out / f"T{self.T}").glob(f"{opt}-lr*-sync-seed0")):
                 lr = float(d.name[len(opt) + 3:].split("-")[0])
-                out.append(self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T, self.lrs.get("adamw")), self.T))
+                out.append(self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T), self.T))
         return out
 
     def run_all(self, jobs: list[tuple]) -> list[dict]:
@@ -165,30 +171,31 @@ class Bench:
     # ------------------------------------------------------------------ phases
 
     def tune(self) -> None:
-        """Each optimizer's sync arm over its grid at T (seed 0), the grid extended by x2 past an edge optimum."""
-        for opt in ("adamw", "muon"):
-            grid = list(GRIDS[opt])
-            while True:
-                side = self.lrs.get("adamw")
-                res = self.run_all([self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T, side), self.T) for lr in grid])
-                if len(res) < len(grid):
-                    return
-                finals = [r["final"] for r in res]
+        """Each optimizer's sync arm over its grid at T (seed 0), both grids at once; a grid whose best point is at an
+        edge is extended by x2 past it until the optimum is bracketed."""
+        grids = {opt: list(g) for opt, g in GRIDS.items()}
+        while True:
+            jobs = [self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T), self.T) for opt, g in grids.items() for lr in g]
+            res = {(r["tag"]): r["final"] for r in self.run_all(jobs)}
+            if len(res) < len(jobs):
+                return
+            grown = False
+            for opt, g in grids.items():
+                finals = [res[f"{opt}-lr{lr:g}-sync"] for lr in g]
                 best = finals.index(min(finals))
-                if best == 0:
-                    grid.insert(0, grid[0] / 2)
-                elif best == len(grid) - 1:
-                    grid.append(grid[-1] * 2)
+                if best in (0, len(g) - 1):
+                    g.insert(0, g[0] / 2) if best == 0 else g.append(g[-1] * 2)
+                    grown = True
                 else:
-                    break
-            self.lrs[opt] = grid[best]
-            print(f"{opt}: " + ", ".join(f"lr {lr:g} -> {f:.4f}" for lr, f in zip(grid, finals)), flush=True)
-            (self.out / "lrs.json").write_text(json.dumps(self.lrs))
+                    self.lrs[opt] = g[best]
+            if not grown:
+                break
+        (self.out / "lrs.json").write_text(json.dumps(self.lrs))
 
     def arm(self, opt: str, variant: str, steps: int, extra: list[str] = (), tag: str | None = None,
             lr_opt: str | None = None) -> tuple[str, list[str]]:
         lr = self.lrs[lr_opt or opt]
-        base = optimizer_args(opt, lr, steps, self.lrs.get("adamw"))
+        base = optimizer_args(opt, lr, steps)
         return (tag or f"{opt}-lr{lr:g}-{variant}"), base + VARIANTS[variant] + list(extra)
 
     def main_jobs(self, seeds=(0, 1, 2)) -> list[tuple]:
