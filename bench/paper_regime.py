@@ -515,6 +515,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     b = Bench(out, args.parallel, args.report_only)
+    if args.report_only and not {"adamw", "muon"} <= set(b.lrs):
+        raise SystemExit(f"{out}: the learning rates are not tuned yet (the tune phase writes lrs.json)")
     print(f"T = {b.T} steps; model {params()}", flush=True)
     phases = args.phases.split(",")
     if "tune" in phases:
