@@ -421,8 +421,10 @@ def _plot(results, path: Path) -> None:
 def write_section(table: str, key: str, args) -> None:
     from bench.report import write_section as write
 
-    title = ("## Delay tolerance at 1000 steps (one seed)" if key == "quality_long"
-             else "## Delay tolerance: the paper's table at our scale")
+    title = ("## Delay tolerance at 1000 steps (one seed; short-run regime, 1.95 tokens per parameter)" if key == "quality_long"
+             else "## Delay tolerance in the short-run regime (300 steps, 0.59 tokens per parameter): the paper's table "
+                  "at our scale\n\nThe short-run regime: almost all transient, where a delay costs most. The paper's "
+                  "regime (20 tokens per parameter, 5,131 steps) is `bench/paper_regime.py`'s section below.")
     shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")  # the command that runs the arms (reused)
     write(key, f"{title}\n\nCommand: `python bench/quality.py {shown}` ({time.strftime('%Y-%m-%d')}; "
                f"Llama h128 x 8 layers, 2.6M parameters, tied embeddings, default corpus, single-process exact delay "
