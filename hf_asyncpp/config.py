@@ -106,7 +106,8 @@ class TrainingConfig:
     """Global gradient-norm clip across all stages (0 disables)."""
     seed: int = 42
     bf16: bool = False
-    """bf16 autocast for forward and backward (weights and optimizer stay fp32)."""
+    """bf16 autocast for forward and backward; the optimizer's weights and state stay fp32. In a pipeline each weight
+    version holds the matrices autocast casts as one bf16 copy made at its step (no per-microbatch casts)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in the backward (the model's own ``GradientCheckpointingLayer``, non-reentrant):
     an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""

@@ -47,7 +47,7 @@ from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule, with_sync_start
-from .versions import Hold, Versions
+from .versions import Hold, Versions, autocast_casts
 
 __all__ = ["PipelineEngine"]
 
@@ -131,6 +131,9 @@ class PipelineEngine:
         self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p)
         self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
+        # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of
+        # each in-flight microbatch holding autocast's own (versions.py); False keeps autocast's per-microbatch casts
+        self.bf16_versions = recipe.training.bf16
         # on CUDA, F/B/STEP run asynchronously: their time is the GPU's, read from events (the profile would
         # otherwise show launch times and put the GPU time into the receives)
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
@@ -308,6 +311,7 @@ class PipelineEngine:
                 prm.grad = None
         else:
             self.nonfinite_skipped += 1
+        self.versions.finish_update()
         if self.track_memory:
             self.mem["pending_grads"] -= 1
         loss = w.loss_sums.pop(k) / w.m if self.last else None
@@ -315,7 +319,6 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ compute
     def _forward(self, micro: _Micro, ids: torch.Tensor | None):
-        leaves = self.versions.leaves_for(micro.version)
         if self.first:
             arg = ids
         else:
@@ -324,6 +327,9 @@ class PipelineEngine:
                     t.requires_grad_()
             arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
         kwargs = {"labels": ids} if self.last and ids is not None else None
+        if self.bf16_versions and self.versions.cast is None:
+            self.versions.use_bf16(self._find_casts(micro.version, arg, kwargs))
+        leaves = self.versions.compute_for(micro.version)
         if not self.track_memory:
             with autocast(self.recipe.training.bf16):
                 return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
@@ -348,12 +354,22 @@ class PipelineEngine:
             for h in hooks:
                 h.remove()
 
+    def _find_casts(self, version: int, arg, kwargs) -> set[str]:
+        """The weights autocast casts whole to bf16 on this stage: read off the autograd graph of one forward of the
+        first microbatch (outside the schedule, once per process; its random numbers are given back)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), autocast(True):
+            leaves = self.versions.leaves_for(version)
+            out = functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+            outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
+            return autocast_casts(outs, leaves)
+
     def _backward(self, micro: _Micro, m: int) -> None:
         if self.recipe.training.gradient_checkpointing:
             # the layers recompute their forward inside this backward, from the stage's parameters as they are
             # then: the microbatch's own version's leaves, as in its forward (the Parameters may hold a newer
             # version by now: 2BW, PipeDream)
-            with _reparametrize_module(self.stage, self.versions.leaves_for(micro.version), tie_weights=True):
+            with _reparametrize_module(self.stage, self.versions.compute_for(micro.version), tie_weights=True):
                 return self._backward_pass(micro, m)
         self._backward_pass(micro, m)
 
@@ -397,7 +413,7 @@ class PipelineEngine:
         param_bytes = nbytes(self.params.values())
         opt_state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
         m = self.mem
-        rep = {"weights": param_bytes * self.versions.peak, "grads": param_bytes * m["peak_grad_sets"],
+        rep = {"weights": self.versions.peak_bytes, "grads": param_bytes * m["peak_grad_sets"],
                "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(self.optimizer)),
                "casts": m["peak_casts"], "activations": m["peak_activations"], "transfers": m["peak_transfers"]}
         rep["steady"] = sum(rep.values())
@@ -426,7 +442,7 @@ class PipelineEngine:
         self.stage.eval()
         mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        leaves = self.versions.leaves_for(self.versions.latest)
+        leaves = self.versions.compute_for(self.versions.latest)
         for i in range(0, len(mine), batch_size):
             ids = mine[i : i + batch_size].to(self.device)
             arg = ids

@@ -1,14 +1,17 @@
 """Will it fit, and how fast: per-stage memory and simulated step time of a recipe, without allocating it.
 
 Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` measures them (``bench/memory.py``):
-  weights      = params x 4 x versions     (fp32 masters; 2 for 2BW, p - s at stage s for PipeDream, else 1)
+  weights      = params x 4 x versions     (fp32; 2 for 2BW, p - s at stage s for PipeDream, else 1). With
+                 training.bf16 the linear weights are held per version in bf16 beside their fp32 master
+                 (``versions.py``): 4 + 2 x versions B each, the rest 4 x versions.
   gradients    = params x 4 x (2 for 2BW: one step accumulating while the previous waits for its update)
   optimizer    = AdamW 8 B/param; Muon 4 B/param (momentum) on its matrices, AdamW on the rest
   EF buffer    = params x 4 when optimizer.delay_correction is error_feedback
-  casts        = with training.bf16: 2 B x the stage's linear weights x in-flight microbatches: autocast's cast cache
-                 lives for one autocast region (one microbatch's forward) and the linear's backward keeps the bf16
-                 weight, so each microbatch in flight holds its own copy (with checkpointing only the head's; the
-                 recomputation holds one layer's, once). Mixture-of-experts weights (3-D) stay fp32: not cast.
+  casts        = with training.bf16, what autocast still casts per microbatch: only a linear weight also read uncast on
+                 its stage (a head tied to the embedding on one stage), 2 B x in-flight microbatches (each keeps its
+                 own: the cast cache lives for one autocast region and the linear's backward keeps the copy); the
+                 other linear weights are the versions' bf16 copies (weights). Mixture-of-experts weights (3-D)
+                 stay fp32: not cast.
   activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes. fp32: a decoder
                  layer keeps about (10 h + 2 kv + 4 I) values per token (I: the MLP width; a MoE layer 7 k I + E,
                  k experts per token of width I, E experts). bf16 (autocast): the residual stream and the norms stay
@@ -40,7 +43,6 @@ head's stage gets 1) and a 2BW bubble of 31%; on 8 stages x 2 replicas every sta
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import torch
@@ -155,11 +157,10 @@ def recompute_values_per_token(config, layer_ids: list[int]) -> float:
 def linear_weights(model) -> set[str]:
     """Names of the weights autocast casts to bf16 for a matmul: every ``nn.Linear``'s (the experts' 3-D tensors
     of a mixture-of-experts layer run in fp32 under CPU autocast, transformers 5.23: measured, ``bench/memory.py``)."""
-    return {f"{name}.weight" for name, mod in model.named_modules(remove_duplicate=False)
-            if isinstance(mod, torch.nn.Linear)}
+    return {f"{name}.{t}" for name, mod in model.named_modules(remove_duplicate=False)
+            if isinstance(mod, torch.nn.Linear) for t in ("weight", "bias") if getattr(mod, t, None) is not None}
 
 
-_IN_LAYER = re.compile(r"(^|\.)(layers|h|layer|blocks)\.(\d+)\.")
 
 
 def received_values_per_token(anatomy, layers: range, stage: int) -> float:
@@ -219,24 +220,29 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         layer_ids = list(st.layers)
         act = inflight * tokens_mb * (activation_bytes_per_token(cfg, layer_ids, s == p - 1, ckpt, bf16)
                                       + 4 * received_values_per_token(plan.anatomy, st.layers, s))
-        # autocast's bf16 weight copies: one per in-flight microbatch (with checkpointing, the layers' are recomputed)
-        cast = {n: 2.0 * sizes[n] for n in per_stage_names[s] if n in cast_names}
-        in_layer = {n: int(mt.group(3)) for n in cast for mt in [_IN_LAYER.search(n)] if mt}
-        casts = inflight * sum(v for n, v in cast.items() if not (ckpt and n in in_layer))
-        recompute = 0.0
-        if ckpt:  # the layer being recomputed, once (backwards run one at a time), with its casts
-            per_layer_cast = [sum(v for n, v in cast.items() if in_layer.get(n) == i) for i in layer_ids]
-            recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) + max(per_layer_cast, default=0)
+        # bf16: the linear weights are held per version in bf16 (+ their fp32 master), except one also read uncast
+        # on this stage (a tied head beside its embedding), which autocast casts for each microbatch in flight
+        n16 = sum(sizes[n] for n in per_stage_names[s] if n in cast_names)
+        weights = 4.0 * (n_params - n16) * versions + (4.0 + 2.0 * versions) * n16
+        head = f"{plan.anatomy.head}.weight"
+        casts = inflight * 2.0 * sizes[head] if bf16 and tied_here(plan, s) and head in sizes else 0.0
+        recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) if ckpt else 0.0
         # fp32 boundary tensors: outputs kept per in-flight microbatch + the received output gradient + one
         # prefetched receive of each kind + the input gradient on its way back
         boundary = 4.0 * tokens_mb * h
         transfers = boundary * ((inflight + 2 if s < p - 1 else 0) + (2 if s > 0 else 0))
         ef = 4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0
-        out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, 4.0 * n_params * versions,
+        out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, weights,
                                4.0 * n_params * sched.grad_sets, float(opt_bytes), ef, act, inflight,
                                casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
                                reducer=4.0 * n_params if dp > 1 else 0.0))
     return plan, out, sim
+
+
+def tied_here(plan, stage: int) -> bool:
+    """Whether an output head sharing the embedding's weight runs on the embedding's stage (one stage): its weight is
+    read uncast by the lookup and cast by autocast for the head in each microbatch."""
+    return bool(plan.tied) and stage == 0 and len(plan.stages) == 1
 
 
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float) -> dict[str, object]:

@@ -11,10 +11,53 @@ The in-flight counts are only changed through a :class:`Hold`: a microbatch's fo
 it travels with the microbatch's saved state, and its backward releases it exactly once. A second release raises
 (it would free a buffer an in-flight backward still reads), and :meth:`Versions.check_released` at a drain point
 names a hold never released (its buffer would never be freed).
+
+bf16 (``use_bf16``): autocast casts a matrix to bf16 inside each microbatch's forward and the matmul's backward keeps
+that cast, so every microbatch in flight held its own bf16 copy of the stage's matrices (up to p at stage 0). Instead,
+a version holds the weights autocast casts (``autocast_casts``: found on the stage's first forward) as bf16 only,
+made once when the STEP writes the version (``finish_update``); the fp32 master is the optimizer's Parameter,
+updated in place. The forward reads the bf16 copy through :class:`_Bf16Weight`, whose backward hands the gradient
+to an fp32 leaf as autocast's cast does (bf16 -> fp32, accumulated in fp32 over the step's microbatches), so the
+numbers are autocast's bit for bit. The leaf is an expanded fp32 scalar: it has a full-size fp32 ``.grad`` and
+holds no weights. A weight autocast uses both cast and uncast (a tied embedding and head on one stage) stays fp32.
 """
 from __future__ import annotations
 
 import torch
+
+
+class _Bf16Weight(torch.autograd.Function):
+    """The forward reads ``w16`` (a version's bf16 copy); the backward sends the gradient, as fp32, to ``sink``."""
+
+    @staticmethod
+    def forward(ctx, sink: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
+        return w16.view_as(w16)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(torch.float32), None
+
+
+def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the ``leaves`` that the autograd graph of ``outputs`` (one forward under autocast) reads only through a
+    dtype cast of the whole tensor: the weights autocast copies to bf16 for each microbatch."""
+    name_of = {id(t): n for n, t in leaves.items()}
+    cast, direct, seen = set(), set(), set()
+    todo = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None and id(var) in name_of:
+                (cast if node.name() == "ToCopyBackward0" else direct).add(name_of[id(var)])
+            else:
+                todo.append(nxt)
+    return cast - direct
 
 
 class Hold:
@@ -43,6 +86,24 @@ class Versions:
         self.inflight: dict[int, int] = {0: 0}
         self.latest = 0
         self.peak = 1
+        self.cast: set[str] | None = None  # names held per version in bf16 (None: not decided yet, fp32 everywhere)
+        self.compute: dict[int, dict[str, torch.Tensor]] = {}  # version -> what its forward reads
+        self.peak_bytes = self.nbytes()
+
+    def use_bf16(self, names: set[str]) -> None:
+        """Hold ``names`` per version as bf16 copies from now on (nothing may be in flight)."""
+        self.check_released()
+        self.cast = set(names)
+        for buf in self.buffers.values():
+            for n in self.cast:
+                buf[n] = buf[n].to(torch.bfloat16)  # the newest's fp32 stays the Parameter's (the master)
+        self.leaves, self.compute = {}, {}
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def nbytes(self) -> int:
+        """Bytes of weights held: every version's buffers, plus the fp32 masters of the names held in bf16."""
+        held = sum(b.numel() * b.element_size() for buf in self.buffers.values() for b in buf.values())
+        return held + sum(self.params[n].numel() * self.params[n].element_size() for n in self.cast or ())
 
     def hold(self, v: int) -> Hold:
         """Version ``v`` is in use by one more microbatch until the returned hold is released (at its backward)."""
@@ -57,11 +118,25 @@ class Versions:
                                "a forward's hold was never released by its backward")
 
     def leaves_for(self, v: int) -> dict[str, torch.Tensor]:
+        """Version ``v``'s gradient leaves (fp32, one per parameter): its gradients accumulate there."""
         if v not in self.buffers:
             raise RuntimeError(f"weight version {v} is not held (held: {sorted(self.buffers)}, latest {self.latest})")
         if v not in self.leaves:
-            self.leaves[v] = {n: b.detach().requires_grad_() for n, b in self.buffers[v].items()}
+            cast = self.cast or ()
+            self.leaves[v] = {n: torch.zeros((), dtype=self.params[n].dtype, device=b.device).expand(b.shape).requires_grad_()
+                              if n in cast else b.detach().requires_grad_() for n, b in self.buffers[v].items()}
         return self.leaves[v]
+
+    def compute_for(self, v: int) -> dict[str, torch.Tensor]:
+        """What version ``v``'s forward reads: its leaves, and for the names held in bf16 their copies, whose
+        gradients reach the leaves (the same autograd node for all of the version's microbatches)."""
+        leaves = self.leaves_for(v)
+        if not self.cast:
+            return leaves
+        if v not in self.compute:
+            buf = self.buffers[v]
+            self.compute[v] = {n: _Bf16Weight.apply(t, buf[n]) if n in self.cast else t for n, t in leaves.items()}
+        return self.compute[v]
 
     def _needed(self, v: int, latest: int) -> bool:
         return self.inflight.get(v, 0) > 0 or v >= latest - self.lag
@@ -70,34 +145,49 @@ class Versions:
         """Point the optimizer's Parameters at a buffer holding the newest weights that it may overwrite."""
         new = self.latest + 1
         src = self.buffers[self.latest]
+        cast = self.cast or set()
         free = [v for v in self.buffers if not self._needed(v, new)]
         if self.latest in free:
             dst = src  # nothing in flight uses it and no future forward will: update in place
         elif free:
             dst = self.buffers[free[0]]
             for n, b in dst.items():
-                b.copy_(src[n])
+                if n not in cast:  # bf16 copies are written after the step (finish_update)
+                    b.copy_(src[n])
         else:
-            dst = {n: b.clone() for n, b in src.items()}
+            dst = {n: torch.empty_like(b) if n in cast else b.clone() for n, b in src.items()}
         for v in free:
             self.buffers.pop(v)
             self.leaves.pop(v, None)
+            self.compute.pop(v, None)
             self.inflight.pop(v, None)
         for n, p in self.params.items():
-            p.data = dst[n]
+            if n not in cast:  # a bf16-held name's master is updated in place: no forward reads it
+                p.data = dst[n]
         self.latest = new
         self.buffers[new] = dst
         self.inflight[new] = 0
         self.peak = max(self.peak, len(self.buffers))
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def finish_update(self) -> None:
+        """After the optimizer wrote the newest weights: the newest version's bf16 copies of them (once per STEP)."""
+        if self.cast:
+            buf = self.buffers[self.latest]
+            for n in self.cast:
+                buf[n].copy_(self.params[n].detach())
 
     def state(self) -> dict[str, torch.Tensor]:
         """Held versions other than the newest (which is the module's state dict)."""
         return {f"v{v}/{n}": b for v, buf in self.buffers.items() if v != self.latest for n, b in buf.items()}
 
     def load(self, latest: int, older: dict[str, torch.Tensor]) -> None:
-        self.buffers = {latest: {n: p.data for n, p in self.params.items()}}
+        """The newest version is the Parameters' (just loaded); ``older`` as :meth:`state` wrote them (bf16 where a
+        bf16 run held them so; an fp32 run reads them back as fp32, a bf16 run casts fp32 ones as autocast would)."""
+        cast = self.cast or set()
+        self.buffers = {latest: {n: p.data.to(torch.bfloat16) if n in cast else p.data for n, p in self.params.items()}}
         for key, t in older.items():
             v, n = key[1:].split("/", 1)
-            self.buffers.setdefault(int(v), {})[n] = t.clone()
-        self.latest, self.leaves = latest, {}
+            self.buffers.setdefault(int(v), {})[n] = t.to(torch.bfloat16 if n in cast else self.params[n].dtype, copy=True)
+        self.latest, self.leaves, self.compute = latest, {}, {}
         self.inflight = {v: 0 for v in self.buffers}
