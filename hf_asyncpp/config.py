@@ -333,6 +333,9 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("optimizer.ef_lambda: learned needs optimizer.delay_correction: error_feedback under a one-step "
                           f"delay (pipeline.schedule: 2bw, or optimizer.simulate_delay: 1); here the schedule is "
                           f"{p.schedule!r} and simulate_delay {o.simulate_delay!r}")
+    if o.shard_across_replicas and o.ef_lambda == "learned":
+        raise RecipeError("optimizer.shard_across_replicas: true does not support optimizer.ef_lambda: learned (its "
+                          "cosine spans every tensor of the stage); use a number or 'auto', or do not shard")
     if o.delay_start_step and not one_step:
         raise RecipeError(f"optimizer.delay_start_step: {o.delay_start_step} starts a one-step delay late; it needs "
                           f"pipeline.schedule: 2bw (or simulate_delay: 1 with schedule none), not {p.schedule!r}")

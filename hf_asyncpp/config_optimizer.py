@@ -60,6 +60,12 @@ class OptimizerConfig:
     """"Sync start", the paper's baseline mitigation: the first ``delay_start_step`` steps are synchronous, then the
     delay (and the EF correction) starts; in the single-process reference (``simulate_delay: 1``) and in the
     pipeline (``schedule: 2bw``: 1F1B's flushed steps first, 2BW from that drain point on)."""
+    shard_across_replicas: bool = False
+    """ZeRO-1: with data parallelism, each replica of a stage owns whole tensors (about 1/dp of them, a tied tensor by
+    replica 0 on every stage holding it) and keeps the optimizer and error-feedback state of those only; the
+    gradients are reduced to their owner (not all-reduced), the owner steps them (Muon's Newton-Schulz runs once per
+    matrix, not dp times) and broadcasts the new weights, which the replicas wait for at their first forward with
+    them. The same numbers as without. Not with ``ef_lambda: learned`` (its cosine spans the stage)."""
     simulate_delay: Literal["0", "1", "pipedream"] = "0"
     """Single-process research mode, equal step for step to the pipeline schedule: 0 sync, 1 PipeDream-2BW's one-step
     delay (each step's gradient at the previous step's weights, applied at once: N updates after N steps), pipedream

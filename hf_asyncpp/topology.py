@@ -68,20 +68,26 @@ class Groups:
     ties: dict = field(default_factory=dict)  # stages sharing tensors (tuple of stage ids) -> group, this rank's only
     report: object = None  # every rank, gloo: per-step results travel here without blocking a stage
     dp_ranks: list = field(default_factory=list)
+    # ZeRO-1 (optimizer.shard_across_replicas): the grad norm's sum over the owners, all ranks (global norm) or this
+    # stage's replicas (stage-local); its own group: issued when the reduction's previous phase completes, it must
+    # not interleave with the dp group's reductions and broadcasts, which each replica issues at fixed actions
+    norm: object = None
     # point-to-point: one group per direction between adjacent stages of this replica (``pipeline.channels``),
     # this rank's only
     p2p: dict = field(default_factory=dict)
 
     def destroy(self) -> None:
-        for g in {id(x): x for x in (self.dp, self.pipe, self.report, *self.ties.values(), *self.p2p.values())
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values(), *self.p2p.values())
                   if x is not None}.values():
             dist.destroy_process_group(g)
 
 
-def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None) -> Groups:
+def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None,
+                sharded_norm: str | None = None) -> Groups:
     """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and
     data-parallel replica sums their gradients. ``timeout``: the collectives' groups; ``p2p_timeout`` (default the
-    same): the point-to-point groups (on NCCL their watchdog is what ends a rank whose neighbour went silent)."""
+    same): the point-to-point groups (on NCCL their watchdog is what ends a rank whose neighbour went silent).
+    ``sharded_norm`` ("global" or "stage"): the optimizer state is sharded across replicas; make ``Groups.norm``."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
     for s in range(p):
@@ -108,4 +114,11 @@ def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta
     # gloo whatever the default backend: the reports are a few CPU scalars, and a NCCL collective would
     # be ordered on the compute stream
     g.report = dist.new_group(list(range(topo.world_size)), timeout=timeout, backend="gloo")
+    if sharded_norm == "global":
+        g.norm = dist.new_group(list(range(topo.world_size)), timeout=timeout)
+    elif sharded_norm == "stage" and dp > 1:
+        for s in range(p):
+            grp = dist.new_group([s * dp + d for d in range(dp)], timeout=timeout)
+            if s == topo.stage:
+                g.norm = grp
     return g

@@ -37,7 +37,7 @@ from ..lr import build_scheduler
 from ..modeling import enable_activation_checkpointing
 from ..nll import nll_per_block
 from ..optim import apply_delay_correction, build_optimizer
-from ..optim.ef import ef_buffers
+from ..optim.ef import KEY as EF_KEY, ef_buffers
 from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import stage_state
@@ -47,6 +47,7 @@ from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule, with_sync_start
+from .sharding import assign_owners, keep_owned, merge_optimizer_states
 from .versions import Hold, Versions, autocast_casts
 
 __all__ = ["PipelineEngine"]
@@ -122,12 +123,18 @@ class PipelineEngine:
         self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lam_groups)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
-        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s for a slow replica
-        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.collective_timeout_s),
-                                  p2p_timeout=timedelta(seconds=rc.p2p_timeout_s))
         # a stage-local norm (pipedream without clipping) is not logged as grad_norm
         self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
-        self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm)
+        # ZeRO-1: this replica steps (and keeps optimizer state for) the tensors it owns, the owners broadcast them
+        self.owner_of = None
+        if recipe.optimizer.shard_across_replicas and topo.dp_size > 1:
+            sizes = {n: q.numel() for n, q in self.params.items()}
+            self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
+        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s for a slow replica
+        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.collective_timeout_s),
+                                  p2p_timeout=timedelta(seconds=rc.p2p_timeout_s),
+                                  sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage")
+        self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm, owner_of=self.owner_of)
         self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p)
         self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
@@ -190,6 +197,7 @@ class PipelineEngine:
                 yield from self.reports.ready()
         self.p2p.drain()
         self.versions.check_released()
+        self.versions.settle()
         if on_gpu:
             self.gpu_timer.collect(secs)
         yield from self.reports.drain()
@@ -303,19 +311,35 @@ class PipelineEngine:
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
-            for n, prm in self.params.items():
-                prm.grad = grads[n].mul_(coef) if coef != 1.0 else grads[n]
+            for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
+                self.params[n].grad = g.mul_(coef) if coef != 1.0 else g
             self.optimizer.step()
             self.scheduler.step()
             for prm in self.params.values():
                 prm.grad = None
         else:
             self.nonfinite_skipped += 1
-        self.versions.finish_update()
+        if finite and self.owner_of is not None:
+            self._broadcast_new_version()
+        else:
+            self.versions.finish_update()
         if self.track_memory:
             self.mem["pending_grads"] -= 1
         loss = w.loss_sums.pop(k) / w.m if self.last else None
         self.reports.post(k, loss, norm if self.global_norm else None, lr, finite)
+
+    def _broadcast_new_version(self) -> None:
+        """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in the same order on each, at
+        this STEP); a replica waits for them, and makes the version's bf16 copies, before its first use of it."""
+        ranks, dp = self.groups.dp_ranks, self.groups.dp
+        works = [dist.broadcast(prm.data, src=ranks[self.owner_of[n]], group=dp, async_op=True)
+                 for n, prm in self.params.items()]
+
+        def settle():
+            for w in works:
+                w.wait()
+            self.versions.finish_update()
+        self.versions.pending[self.versions.latest] = settle
 
     # ------------------------------------------------------------------ compute
     def _forward(self, micro: _Micro, ids: torch.Tensor | None):
@@ -483,10 +507,17 @@ class PipelineEngine:
         return [x for x in parts if x is not None] if self.topo.is_main else None
 
     def save(self, tmp: Path) -> None:
-        """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained)."""
+        """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained). ZeRO-1:
+        the replicas' optimizer state is gathered there first, so a checkpoint is the same whatever the sharding."""
+        state = None
+        if self.owner_of is not None:
+            mine = self.optimizer.state_dict()
+            parts = [None] * self.topo.dp_size if self.topo.dp_rank == 0 else None
+            dist.gather_object(mine, parts, dst=self.groups.dp_ranks[0], group=self.groups.dp)
+            state = merge_optimizer_states(parts, EF_KEY) if parts else None
         if self.topo.dp_rank == 0:
             stage_state.save_stage(tmp, self.topo.stage, self.stage, self.optimizer, self.scheduler, self.versions,
-                                   {"nonfinite_skipped": self.nonfinite_skipped})
+                                   {"nonfinite_skipped": self.nonfinite_skipped}, optimizer_state=state)
 
     def load(self, path: Path) -> None:
         """Restore this stage from a checkpoint of any number of stages (matched by parameter name); on an unchanged
@@ -494,3 +525,5 @@ class PipelineEngine:
         meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
                                        stage_index=self.topo.stage)
         self.nonfinite_skipped = meta["nonfinite_skipped"]
+        if self.owner_of is not None:
+            keep_owned(self.optimizer, {q for n, q in self.params.items() if self.owner_of[n] == self.topo.dp_rank}, EF_KEY)

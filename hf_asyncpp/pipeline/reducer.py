@@ -70,9 +70,11 @@ class Reducer:
     """Per step, in order: DP all-reduce in buckets, tied-gradient sums, the global grad-norm all-reduce."""
 
     def __init__(self, groups: Groups, topo: Topology, tied_names: dict[tuple, list[str]], timeout_s: float,
-                 global_norm: bool = True, bucket_mb: float = 25.0):
+                 global_norm: bool = True, bucket_mb: float = 25.0, owner_of: dict[str, int] | None = None):
         """``tied_names``: per set of stages sharing tensors (as in ``Groups.ties``), this stage's names of them, in
-        the same order on each of those stages."""
+        the same order on each of those stages. ``owner_of`` (ZeRO-1, ``pipeline/sharding.py``): the replica owning
+        each name; each bucket (one owner's) is then reduced to its owner, and a step's result holds the owned
+        gradients only, their norm summed over the owners on ``Groups.norm``."""
         self.groups, self.topo, self.timeout = groups, topo, timedelta(seconds=timeout_s)
         self.tied_sets = {k: v for k, v in tied_names.items() if v}
         # a shared tensor's gradient counts once in the norm: on the lowest stage holding it
@@ -83,6 +85,7 @@ class Reducer:
         self.done: dict[int, _Job] = {}
         self.side = self.compute = None  # CUDA (NCCL): the reducer's side stream and the executor's compute stream
         self.early: _Early | None = None  # the step whose last backward is running or has run
+        self.owner_of = owner_of if groups.dp is not None else None
 
     # ------------------------------------------------------------------ the executor's calls
     def arm(self, key: int, leaves: dict[str, torch.Tensor]) -> None:
@@ -138,7 +141,12 @@ class Reducer:
             flat = torch.cat([early.grad_of(n).reshape(-1) for n in bucket])
             if cuda:
                 flat.record_stream(self.compute)  # made on the side stream, read by the optimizer on the compute one
-            early.launched.append((bucket, flat, dist.all_reduce(flat, group=self.groups.dp, async_op=True)))
+            if self.owner_of is None:
+                work = dist.all_reduce(flat, group=self.groups.dp, async_op=True)
+            else:  # ZeRO-1: only the owner needs the sum
+                dst = self.groups.dp_ranks[self.owner_of[bucket[0]]]
+                work = dist.reduce(flat, dst=dst, group=self.groups.dp, async_op=True)
+            early.launched.append((bucket, flat, work))
 
     def _stream(self, grads: dict[str, torch.Tensor]) -> bool:
         """Whether this step's collectives are stream-ordered (NCCL on CUDA); makes the side stream on first use."""
@@ -221,7 +229,7 @@ class Reducer:
 
     def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool, early: _Early | None = None):
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
-        names = list(grads)
+        names, device = list(grads), next(iter(grads.values())).device
         if self.groups.dp is not None:
             # the buckets launched during the last backward (if armed), then the rest, in bucket order
             early = early or self._plan(-1, grads)
@@ -230,6 +238,10 @@ class Reducer:
             buckets = early.launched
             yield [w for _, _, w in buckets]
             for bucket, flat, _ in buckets:
+                if self.owner_of is not None and self.owner_of[bucket[0]] != self.topo.dp_rank:
+                    for n in bucket:  # another replica's: its sum is there, this copy is dropped
+                        del grads[n]
+                    continue
                 flat /= self.topo.dp_size
                 off = 0
                 for n in bucket:
@@ -237,14 +249,16 @@ class Reducer:
                     grads[n] = flat[off: off + k].view_as(grads[n])
                     off += k
         works = [dist.all_reduce(grads[n], group=self.groups.ties[stages], async_op=True)
-                 for stages, tied in self.tied_sets.items() if stages in self.groups.ties for n in tied]
+                 for stages, tied in self.tied_sets.items() if stages in self.groups.ties for n in tied if n in grads]
         if works:  # in the same (sorted) order on every rank
             yield works
-        counted = [grads[n] for n in names if not (self.topo.num_stages > 1 and n in self.not_counted)]
+        counted = [grads[n] for n in names if n in grads and not (self.topo.num_stages > 1 and n in self.not_counted)]
         # per-tensor norms in the gradients' dtype (no float64 copy of any gradient), summed in float64
         sq = torch.stack(torch._foreach_norm(counted, 2)).double().pow(2).sum() if counted else \
-            torch.zeros((), dtype=torch.float64, device=grads[names[0]].device)
-        if self.topo.num_stages > 1 and self.global_norm:
+            torch.zeros((), dtype=torch.float64, device=device)
+        if self.owner_of is not None:  # each replica has its owned tensors' part of the sum
+            yield [dist.all_reduce(sq, group=self.groups.norm, async_op=True)]
+        elif self.topo.num_stages > 1 and self.global_norm:
             yield [dist.all_reduce(sq, group=self.groups.pipe, async_op=True)]
         return grads, sq
 
@@ -254,7 +268,9 @@ class Reducer:
         for n in names:
             g = grads[n]
             nbytes = g.numel() * g.element_size()
-            if cur and (size + nbytes > self.bucket_bytes or g.dtype != grads[cur[0]].dtype):
+            owner = self.owner_of[n] if self.owner_of is not None else 0
+            if cur and (size + nbytes > self.bucket_bytes or g.dtype != grads[cur[0]].dtype
+                        or (self.owner_of is not None and owner != self.owner_of[cur[0]])):
                 out.append(cur)
                 cur, size = [], 0
             cur.append(n)

@@ -24,13 +24,14 @@ def param_names(stage: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
-               extra: dict) -> None:
+               extra: dict, optimizer_state: dict | None = None) -> None:
+    """``optimizer_state``: the state dict to write instead of ``optimizer.state_dict()`` (ZeRO-1: the replicas')."""
     ckpt.save_tensors(tmp / ckpt.stage_file(stage_index), stage.state_dict())
     older = versions.state()
     if older:
         ckpt.save_tensors(tmp / ckpt.stage_versions_file(stage_index), older)
     ckpt.save_state(tmp / ckpt.stage_optimizer_file(stage_index), {
-        "optimizer": optimizer.state_dict(), "param_names": param_names(stage, optimizer),
+        "optimizer": optimizer_state or optimizer.state_dict(), "param_names": param_names(stage, optimizer),
         "scheduler": scheduler.state_dict(), "latest_version": versions.latest, **extra,
     })
 

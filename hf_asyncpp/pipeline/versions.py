@@ -88,6 +88,7 @@ class Versions:
         self.peak = 1
         self.cast: set[str] | None = None  # names held per version in bf16 (None: not decided yet, fp32 everywhere)
         self.compute: dict[int, dict[str, torch.Tensor]] = {}  # version -> what its forward reads
+        self.pending: dict[int, object] = {}  # version -> what must run before its first use (ZeRO-1's broadcast)
         self.peak_bytes = self.nbytes()
 
     def use_bf16(self, names: set[str]) -> None:
@@ -117,8 +118,15 @@ class Versions:
             raise RuntimeError(f"weight versions still held by microbatches at a drain point (version: count): {held}; "
                                "a forward's hold was never released by its backward")
 
+    def settle(self) -> None:
+        """Run what the versions wait for (the weights a replica receives from the owners, ZeRO-1)."""
+        for v in sorted(self.pending):
+            self.pending.pop(v)()
+
     def leaves_for(self, v: int) -> dict[str, torch.Tensor]:
         """Version ``v``'s gradient leaves (fp32, one per parameter): its gradients accumulate there."""
+        if v in self.pending:
+            self.pending.pop(v)()
         if v not in self.buffers:
             raise RuntimeError(f"weight version {v} is not held (held: {sorted(self.buffers)}, latest {self.latest})")
         if v not in self.leaves:
@@ -143,6 +151,7 @@ class Versions:
 
     def prepare_update(self) -> None:
         """Point the optimizer's Parameters at a buffer holding the newest weights that it may overwrite."""
+        self.settle()
         new = self.latest + 1
         src = self.buffers[self.latest]
         cast = self.cast or set()
