@@ -78,6 +78,28 @@ def measure_stage(rank: int, world: int, name: str) -> dict:
     return out
 
 
+def measure_per_param(rank: int, world: int, dp: int, after: bool) -> dict:
+    """Bytes per parameter of this rank's stage (2 stages x ``dp`` replicas, the dense model, bf16 2BW Muon + EF):
+    ``after`` with bf16 weight versions and ZeRO-1, before with autocast's per-microbatch casts, unsharded."""
+    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+
+    r = recipe("dense-bf16-2bw-muon-ef")
+    r.optimizer.shard_across_replicas = after
+    torch.manual_seed(0)
+    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
+    eng.bf16_versions = after
+    g = torch.Generator().manual_seed(rank % dp)
+    batches = [torch.randint(0, r.model.config["vocab_size"], (M, MBS, SEQ), generator=g) for _ in range(3)]
+    eng.track_memory = True
+    eng.train_steps(batches, 0)
+    rep = eng.memory_report()
+    n = sum(q.numel() for q in eng.params.values())
+    eng.close()
+    return {"stage": rank // dp, "dp_rank": rank % dp, "params": n, **{k: v / n for k, v in rep.items()}}
+
+
 def predicted(name: str) -> list[dict]:
     _, mem, _ = plan_memory(recipe(name))
     return [{t: getattr(m, t) for t in (*TERMS, "recompute", "reducer")} for m in mem]
@@ -98,8 +120,28 @@ def _worker(rank, world, port, name, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.save(measure_stage(rank, world, name), os.path.join(out, f"{rank}.pt"))
+    got = measure_per_param(rank, world, *name) if isinstance(name, tuple) else measure_stage(rank, world, name)
+    torch.save(got, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
+
+
+def per_param() -> str:
+    """The bytes-per-parameter table: before/after at dp = 1 and 4, replica 0 of each stage (steady, at STEP)."""
+    rows = ["| dp | stage | before: steady / at STEP | after: steady / at STEP | after: weights, grads, optimizer, EF, "
+            "casts | optimizer + EF over the replicas (after) |", "|---|---|---|---|---|---|"]
+    for dp in (1, 4):
+        got = {}
+        for after in (False, True):
+            with tempfile.TemporaryDirectory() as d:
+                mp.start_processes(_worker, args=(2 * dp, _free_port(), (dp, after), d), nprocs=2 * dp, start_method="spawn")
+                got[after] = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(2 * dp)]
+        for s in (0, 1):
+            b, a = (next(x for x in got[k] if x["stage"] == s and x["dp_rank"] == 0) for k in (False, True))
+            spread = [x["optimizer"] + x["ef"] for x in got[True] if x["stage"] == s]
+            rows.append(f"| {dp} | {s} | {b['steady']:.1f} / {b['total']:.1f} | {a['steady']:.1f} / {a['total']:.1f} | "
+                        f"{a['weights']:.1f}, {a['grads']:.1f}, {a['optimizer']:.2f}, {a['ef']:.2f}, {a['casts']:.1f} | "
+                        f"{', '.join(f'{v:.2f}' for v in spread)} |")
+    return "\n".join(rows)
 
 
 def measured(name: str) -> list[dict]:
@@ -123,7 +165,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--per-param", action="store_true", help="only the bytes-per-parameter table (section memory_per_param)")
     args = ap.parse_args()
+    if args.per_param:
+        t0 = time.perf_counter()
+        text = per_param()
+        print(text)
+        if args.write:
+            from bench.report import write_section
+
+            write_section("memory_per_param", "## Bytes per parameter per stage: bf16 weight versions and ZeRO-1\n\n"
+                          f"Command: `python bench/memory.py --per-param --write` ({time.strftime('%Y-%m-%d')}; CPU, "
+                          f"gloo, 1 thread per process, {time.perf_counter() - t0:.0f} s). The dense model of the table "
+                          "above (Llama h128 x 4, 2 stages, 4 microbatches of 2 x 64 tokens), bf16, 2BW, Muon + "
+                          "error feedback, 3 steps with `track_memory`; bytes held per parameter of the stage, "
+                          "replica 0 (activations and transfer buffers included, so a tiny model's numbers are "
+                          "above the 360M-scale ones). Before: autocast's per-microbatch weight casts, every replica "
+                          "with the whole optimizer and EF state. After: the versions hold the linear weights in "
+                          "bf16 (`training.bf16`), and `optimizer.shard_across_replicas: true`. The grads term "
+                          "counts full gradient sets (a replica accumulates every gradient of its microbatches; "
+                          "after the reduction it keeps its own only, which this accounting does not subtract).\n\n"
+                          + text)
+        return
     names = args.only.split(",") if args.only else list(CONFIGS)
     t0 = time.perf_counter()
     results = {n: (predicted(n), measured(n)) for n in names}

@@ -30,7 +30,7 @@ sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 from hf_asyncpp import checkpoint as ckpt  # noqa: E402
 from hf_asyncpp.optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names, install_error_feedback  # noqa: E402
 from hf_asyncpp.config import ModelConfig  # noqa: E402
-from hf_asyncpp.modeling import load_stage_pretrained, meta_model  # noqa: E402
+from hf_asyncpp.modeling import load_stage_pretrained, materialise_stage, meta_model  # noqa: E402
 from hf_asyncpp.partition import partition_model  # noqa: E402
 from hf_asyncpp.pipeline import stage_state  # noqa: E402
 from hf_asyncpp.pipeline.versions import Versions  # noqa: E402
@@ -47,8 +47,15 @@ def config(args):
                                 vocab_size=args.vocab, max_position_embeddings=512, tie_word_embeddings=False)
 
 
+def model_config(args) -> ModelConfig:
+    cfg = {k: v for k, v in config(args).to_dict().items() if not k.startswith("_") and k not in (
+        "transformers_version", "architectures", "dtype", "torch_dtype")}
+    return ModelConfig(config=cfg)
+
+
 def full_model(args):
-    """The trainer's start today: the seeded full fp32 build on every rank."""
+    """The whole-model start (the trainer's fallback, and its start before stage-local random init): the seeded full
+    fp32 build on every rank."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -116,6 +123,15 @@ def rank(args, r: int, same: str, other: str, pretrained: str, queue) -> None:
     gc.collect()
     base = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
+    torch.manual_seed(0)
+    meta = meta_model(model_config(args))
+    drawn = partition_model(meta, P, seq_len=64)[r]
+    materialise_stage(drawn, meta, model_config(args))  # the trainer's start for a random init
+    out["random_local"] = status("VmHWM") - base
+    del drawn, meta
+    gc.collect()
+    base = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
     stage = partition_model(full_model(args), P, seq_len=64)[r]  # the other stages are dropped with the list
     gc.collect()
     out.update({"start_peak": status("VmHWM") - base,
@@ -162,14 +178,16 @@ def main():
             proc.join()
             rows[got[0]] = got[1]
     n = sum(x.numel() for x in full_model(args).parameters())
-    head = ("| rank | stage tensors | start, full build (today): peak | start, pretrained, stage-local: read / peak | "
+    head = ("| rank | stage tensors | start, whole-model build: peak | start, random init, stage-local: peak | "
+            "start, pretrained, stage-local: read / peak | "
             "resume, same split (4 stages): read / peak | resume, 2 -> 4 stages: read / peak | "
             "before (every file whole): read / peak |")
-    lines = [head, "|" + "---|" * 7]
+    lines = [head, "|" + "---|" * 8]
     for r in range(P):
         o = rows[r]
         cell = lambda k: f"{o[k][0] / MB:.0f} MB / {o[k][1] / MB:.0f} MB"  # noqa: E731
-        lines.append(f"| {r} | {o['stage_bytes'] / MB:.0f} MB | {o['start_peak'] / MB:.0f} MB | {cell('local')} | "
+        lines.append(f"| {r} | {o['stage_bytes'] / MB:.0f} MB | {o['start_peak'] / MB:.0f} MB | "
+                     f"{o['random_local'] / MB:.0f} MB | {cell('local')} | "
                      f"{cell('same')} | {cell('other')} | {cell('before')} |")
     table = "\n".join(lines)
     print(table)
@@ -187,8 +205,11 @@ checkpoints hold one step of AdamW + Error Feedback and 2BW's older weight versi
 above**: the rise of the peak RSS (`VmHWM`, reset through `/proc/self/clear_refs`) over the RSS the rank held before
 the load, including what the stage keeps after it (Adam's moments, the EF buffers, 2BW's older version: about 4x the
 stage's tensors). **Before**: the same restore after reading every stage's files whole and holding them together,
-as `load_stage` did before it read by name. **Start, full build**: what every rank does today for a random init
-(the seeded fp32 model, then its stage): each peaks at about the whole model whatever its stage. **Start,
+as `load_stage` did before it read by name. **Start, whole-model build**: what every rank did for a random init
+before, and still does where a stage cannot be built alone (the seeded fp32 model, then its stage): each peaks at
+about the whole model whatever its stage. **Start, random init, stage-local**: what the trainer does now
+(`meta_model`, partition, `materialise_stage`: only the stage's tensors drawn, the whole model's values;
+`seeded_init.py`). **Start,
 pretrained, stage-local**: `meta_model` + partition + `load_stage_pretrained` from a `save_pretrained` folder of the
 same model ({size_pre / MB:.0f} MB, which a full `from_pretrained` reads whole on every rank): only the stage's tensors.
 

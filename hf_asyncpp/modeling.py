@@ -11,8 +11,13 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import ModelConfig, RecipeError
+from .seeded_init import init_stage, seeded_init
 
 log = logging.getLogger("hf_asyncpp.modeling")
+
+
+class StageLocalError(RecipeError):
+    """This model cannot be built one stage at a time here (the caller builds the whole model instead)."""
 
 
 def build_config(model_cfg: ModelConfig, tokenizer=None):
@@ -45,7 +50,8 @@ def build_config(model_cfg: ModelConfig, tokenizer=None):
 
 
 def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.device = "cpu"):
-    """Random init (seeded by the caller) or pretrained weights; always fp32 master weights."""
+    """Random init (seeded by the caller: ``torch.initial_seed()``) or pretrained weights; always fp32 master
+    weights. A random init is per module (``seeded_init``): a stage built alone gets the same values."""
     from transformers import AutoModelForCausalLM
 
     config = build_config(model_cfg, tokenizer)
@@ -53,8 +59,10 @@ def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.d
     if model_cfg.attn_implementation:
         kw["attn_implementation"] = model_cfg.attn_implementation
     if model_cfg.config is not None:
-        with torch.device(device):
+        cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+        with torch.device(device), torch.random.fork_rng(devices=cuda):  # its draws are replaced below
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+        seeded_init(model, model._init_weights, torch.initial_seed())
     else:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, config=config, dtype=torch.float32, **kw)
         if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
@@ -77,8 +85,8 @@ def meta_model(model_cfg: ModelConfig, tokenizer=None):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
     if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
         # resize_token_embeddings initialises the new rows from the loaded ones: it needs the whole embedding
-        raise RecipeError(f"model.name_or_path: its {model.get_input_embeddings().num_embeddings} embeddings are fewer "
-                          f"than the tokenizer's {len(tokenizer)}: a stage-local load cannot resize them")
+        raise StageLocalError(f"model.name_or_path: its {model.get_input_embeddings().num_embeddings} embeddings are "
+                              f"fewer than the tokenizer's {len(tokenizer)}: a stage-local load cannot resize them")
     return model
 
 
@@ -115,6 +123,33 @@ def load_stage_pretrained(stage: torch.nn.Module, name_or_path: str, device: str
         read.update((opened.get(f) or ckpt.TensorFile(f)).get(names))
     stage.to_empty(device=device)  # and the non-persistent buffers (rotary frequencies) recomputed
     stage.load_state_dict({n: read[s].float() for n, s in wanted.items()}, strict=True)
+
+
+def local_weights(name_or_path: str):
+    """The local folder of a pretrained model's safetensors: the path itself, or the Hub's cached snapshot of the
+    weights and config only (``huggingface_hub.snapshot_download``)."""
+    from pathlib import Path
+
+    from huggingface_hub import snapshot_download
+
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json"]))
+    if not any(folder.glob("*.safetensors")):
+        raise StageLocalError(f"{name_or_path}: no safetensors weights (a stage-local load reads tensors by name)")
+    return folder
+
+
+def materialise_stage(stage: torch.nn.Module, full_meta: torch.nn.Module, model_cfg: ModelConfig) -> None:
+    """Give a stage partitioned from :func:`meta_model` its weights on the CPU, reading or drawing only its own:
+    a pretrained model's tensors by name, or the random init :func:`build_model` gives the whole model (same seed,
+    ``torch.initial_seed()``; ``seeded_init``). Raises :class:`StageLocalError` where that is not possible."""
+    if model_cfg.config is None:
+        load_stage_pretrained(stage, str(local_weights(model_cfg.name_or_path)))
+        return
+    left = init_stage(stage, full_meta, torch.initial_seed(), torch.device("cpu"))
+    if left:
+        raise StageLocalError(f"the model's initializer leaves {left[:3]} unset when a stage is built alone")
 
 
 def enable_activation_checkpointing(model) -> None:

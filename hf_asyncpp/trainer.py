@@ -32,7 +32,7 @@ from .evaluator import Evaluator
 from .failures import debug_requested, report, without_debug
 from .hub import Pusher
 from .launch import adopt_slurm, launch_command, processes_needed, started_by_launcher
-from .modeling import build_model
+from .modeling import StageLocalError, build_model, meta_model
 from .pipeline.autosplit import auto_split
 from .pipeline.executor import PipelineEngine
 from .pipeline.profile import write_report
@@ -72,10 +72,18 @@ def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE")
 # ---------------------------------------------------------------------------- run
 
 
-def build_engine(recipe: Recipe, model: torch.nn.Module, topo: Topology) -> Engine:
+def make_engine(recipe: Recipe, tokenizer, topo: Topology) -> Engine:
+    """The engine with its model: a pipeline stage builds only its own part (a meta model, partitioned, then its
+    stage's weights drawn or read: ``modeling.materialise_stage``), so no rank holds the whole model; where that
+    is not possible (a tokenizer that outgrows a pretrained embedding, weights without safetensors, an initializer
+    that leaves a tensor unset), the whole model, as a single process builds it. Seeded by the caller."""
     if not pipelined(recipe.pipeline.schedule):
-        return LocalEngine(recipe, model, topo, log=log.info)
-    return PipelineEngine(recipe, model, topo, log=log.info)
+        return LocalEngine(recipe, build_model(recipe.model, tokenizer), topo, log=log.info)
+    try:
+        return PipelineEngine(recipe, meta_model(recipe.model, tokenizer), topo, log=log.info)
+    except StageLocalError as e:
+        log.warning("rank %d builds the whole model, then keeps its stage: %s", topo.rank, e)
+        return PipelineEngine(recipe, build_model(recipe.model, tokenizer), topo, log=log.info)
 
 
 def measured_split(recipe: Recipe, tokenizer, main: bool) -> list[int]:
@@ -134,7 +142,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
         rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
     set_seed(t.seed)  # the same initial weights on every rank
-    engine = build_engine(recipe, build_model(recipe.model, tokenizer), topo)
+    engine = make_engine(recipe, tokenizer, topo)
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
     stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
     if topo.first or topo.last:  # the last stage reads the same stream as the first (same replica, seed): its labels

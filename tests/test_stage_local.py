@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers.utils import SAFE_WEIGHTS_NAME
+
+from dist_utils import run_distributed
 
 from hf_asyncpp import checkpoint as ckpt
 from hf_asyncpp.config import ModelConfig
@@ -15,7 +18,8 @@ from hf_asyncpp.optim.ef import install_error_feedback
 from hf_asyncpp.partition import partition_model
 from hf_asyncpp.pipeline import stage_state
 from hf_asyncpp.pipeline.versions import Versions
-from support import make_model
+from hf_asyncpp.seeded_init import init_stage
+from support import LLAMA, make_batches, make_config, make_model, make_recipe
 
 
 def parts(stage):
@@ -119,3 +123,66 @@ def test_a_stage_of_a_pretrained_model_reads_only_its_own_tensors(tmp_path):
         ids = torch.randint(0, 128, (2, 16))
         torch.testing.assert_close(stage(ids) if stage is stages[0] else stage(full[0](ids)),
                                    ref(ids) if ref is full[0] else ref(full[0](ids)), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- random init, one stage at a time
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral_tied", "qwen2_moe", "deepseek_v3", "gemma3_text"])
+def test_a_stage_built_alone_has_the_whole_models_random_init(arch):
+    """``init_stage`` on a stage of the meta model draws, bit for bit, what ``build_model`` draws for the whole model
+    (per-module seeds): for every stage of two splits, tied heads and shared blocks included."""
+    cfg = make_config(arch)
+    rec = make_recipe({k: v for k, v in cfg.to_dict().items() if not k.startswith("_")
+                       and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}, "2bw", 2, 2, 2)
+    for p in (2, 3):
+        torch.manual_seed(11)
+        whole = partition_model(build_model(rec.model), p, seq_len=16)
+        meta = meta_model(rec.model)
+        for i, stage in enumerate(partition_model(meta, p, seq_len=16)):
+            assert not init_stage(stage, meta, 11, torch.device("cpu"))
+            want, got = whole[i].state_dict(), stage.state_dict()
+            assert want.keys() == got.keys()
+            for n in want:
+                assert torch.equal(want[n], got[n]), (arch, p, i, n)
+
+
+def test_seeded_init_is_the_models_own_initializer():
+    """The per-module seeds change which numbers are drawn, not how: the same distributions as transformers' init
+    (norms at 1, linear and embedding weights at the config's initializer_range), and the global random state is
+    left alone (dropout streams do not depend on the model's size)."""
+    rec = make_recipe({**LLAMA, "initializer_range": 0.05, "hidden_size": 64, "intermediate_size": 256}, "2bw", 2, 2, 2)
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    model = build_model(rec.model)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    w = model.model.layers[0].mlp.up_proj.weight.detach()
+    assert abs(float(w.std()) - 0.05) < 0.005 and abs(float(w.mean())) < 0.005
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    torch.manual_seed(4)
+    assert not torch.equal(build_model(rec.model).model.layers[0].mlp.up_proj.weight, w)  # another seed, other values
+
+
+def engine_worker(rank, world, recipe, batches, meta):
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+
+    torch.manual_seed(0)
+    model = meta_model(recipe.model) if meta else build_model(recipe.model)
+    eng = PipelineEngine(recipe, model, Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
+    res = eng.train_steps(batches, 0)
+    sd = eng.full_state_dict()
+    eng.close()
+    return [(r.loss, r.grad_norm) for r in res], sd
+
+
+def test_pipeline_from_a_meta_model_trains_as_from_the_whole_model():
+    """The trainer's start: each rank builds its stage alone from the meta model; the run is bitwise the one whose
+    ranks each built the whole model and kept their stage."""
+    rec = make_recipe(LLAMA, "2bw", 2, 2, 2, "muon", True)
+    batches = make_batches(3, 2, 2, seed=21)
+    alone = run_distributed(engine_worker, 2, rec, batches, True)[0]
+    whole = run_distributed(engine_worker, 2, rec, batches, False)[0]
+    assert alone[0] == whole[0]
+    for k in whole[1]:
+        assert torch.equal(alone[1][k], whole[1][k]), k

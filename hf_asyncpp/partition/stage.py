@@ -23,6 +23,7 @@ from torch import nn
 from .aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
+from ..seeded_init import initializers
 
 # Model types whose stages the test suite compares with the whole model (loss, logits, every gradient) in
 # tests/test_partition.py; tests/test_partition_sweep.py covers every decoder-only type transformers ships.
@@ -247,6 +248,7 @@ class Stage(nn.Module):
 
         Only after ``to_empty``: the initializer of a module owning such a buffer also redraws its parameters.
         """
+        fns = initializers(self, self._init_fn)  # a composite model's sub-models bring their own
         with torch.no_grad():
             for name, m in list(self.named_modules()):
                 if not m._non_persistent_buffers_set:
@@ -273,7 +275,7 @@ class Stage(nn.Module):
                         pass
                 for b in bufs.values():
                     b.fill_(float("nan"))  # so a buffer the initializer skips cannot pass for a computed one
-                self._init_fn(m)
+                fns[name](m)
                 for n in bufs:
                     if torch.isnan(getattr(m, n)).any():
                         raise PartitionError(f"{name}.{n}: non-persistent buffer that {type(m).__name__}'s initializer does "

@@ -34,7 +34,7 @@ from ..config import Recipe
 from ..engine import StepResult, autocast, finite_step
 from ..export import shard_file, write_shard
 from ..lr import build_scheduler
-from ..modeling import enable_activation_checkpointing
+from ..modeling import enable_activation_checkpointing, materialise_stage
 from ..nll import nll_per_block
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY, ef_buffers
@@ -107,6 +107,8 @@ class PipelineEngine:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
         shared = shared_tensors(stages)  # tensors held on several stages: gradients summed across them
+        if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
+            materialise_stage(stages[topo.stage], model, recipe.model)
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
         del stages
         self.first, self.last = topo.first, topo.last

@@ -7,6 +7,7 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
   gradients    = params x 4 x (2 for 2BW: one step accumulating while the previous waits for its update)
   optimizer    = AdamW 8 B/param; Muon 4 B/param (momentum) on its matrices, AdamW on the rest
   EF buffer    = params x 4 when optimizer.delay_correction is error_feedback
+  (ZeRO-1, optimizer.shard_across_replicas: the optimizer state, the EF buffer and its clone at STEP / dp)
   casts        = with training.bf16, what autocast still casts per microbatch: only a linear weight also read uncast on
                  its stage (a head tied to the embedding on one stage), 2 B x in-flight microbatches (each keeps its
                  own: the cast cache lives for one autocast region and the linear's backward keeps the copy); the
@@ -232,6 +233,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         boundary = 4.0 * tokens_mb * h
         transfers = boundary * ((inflight + 2 if s < p - 1 else 0) + (2 if s > 0 else 0))
         ef = 4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0
+        if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the tensors
+            opt_bytes, ef = opt_bytes / dp, ef / dp
         out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, weights,
                                4.0 * n_params * sched.grad_sets, float(opt_bytes), ef, act, inflight,
                                casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
