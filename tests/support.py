@@ -277,6 +277,9 @@ def check_against_reference(scenarios, results, tol=1e-5, export_dir=None):
         assert len(norms) == (STEPS if rec.training.max_grad_norm or rec.pipeline.schedule != "pipedream" else 0), name
         assert [a for a, _ in norms] == pytest.approx([b for _, b in norms], rel=1e-4), name
         assert [r.applied for r in res] == [r.applied for r in ref_res] == [True] * STEPS, name
+        # ef_lambda: learned: the pipeline logs the mean of its stages' lambdas as the reference does
+        lams, ref_lams = [r.ef_lambda for r in res], [r.ef_lambda for r in ref_res]
+        assert (lams == ref_lams == [None] * STEPS) if ref_lams[0] is None else lams == pytest.approx(ref_lams, rel=1e-6), name
         assert set(sd) >= {k for k in ref_sd if k != "lm_head.weight"}, name
         for k, v in ref_sd.items():
             if k in sd:

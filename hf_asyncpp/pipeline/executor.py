@@ -121,7 +121,13 @@ class PipelineEngine:
         # a learned EF lambda per stage, and one per set of stages sharing tensors (a tied head's copies must take the
         # same update on every holder: their lambda is learned from the shared tensors alone, the same everywhere)
         own = [p for n, p in self.params.items() if n not in self.tied_names and p.requires_grad]
-        lam_groups = [g for g in [own] + [[self.params[n] for n in names] for names in tied.values()] if g]
+        candidates = [(own, True)] + [([self.params[n] for n in names], topo.stage == min(holders))
+                                      for holders, names in tied.items()]
+        lam_groups = [g for g, _ in candidates if g]
+        # the groups whose lambda this rank reports (a tied group on its lowest stage, replica 0 only): the logged
+        # mean is over the model's groups, as the single-process reference's
+        self.lam_reported = [i for i, (_, counted) in enumerate(c for c in candidates if c[0]) if counted] \
+            if topo.dp_rank == 0 else []
         self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lam_groups)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
@@ -328,7 +334,9 @@ class PipelineEngine:
         if self.track_memory:
             self.mem["pending_grads"] -= 1
         loss = w.loss_sums.pop(k) / w.m if self.last else None
-        self.reports.post(k, loss, norm if self.global_norm else None, lr, finite)
+        values = getattr(self.optimizer, EF_KEY, {}).get("values")  # ef_lambda: learned, one per group
+        lam = torch.stack([values[i] for i in self.lam_reported]).sum() if values and self.lam_reported else None
+        self.reports.post(k, loss, norm if self.global_norm else None, lr, finite, lam, len(self.lam_reported) if values else 0)
 
     def _broadcast_new_version(self) -> None:
         """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in the same order on each, at

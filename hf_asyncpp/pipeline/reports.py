@@ -1,8 +1,10 @@
-"""Per-step results (loss, grad norm, lr) delivered to the trainer without blocking any stage.
+"""Per-step results (loss, grad norm, lr, learned EF lambda) delivered to the trainer without blocking any stage.
 
-At STEP{k} every rank posts an asynchronous all-reduce of [its loss contribution] on the gloo report group: the last
-stage contributes step k's mean loss over microbatches, the others zero; the sum over the data-parallel replicas
-divided by their number is the step's loss. Ranks post in step order, so the collectives match. ``ready`` returns
+At STEP{k} every rank posts an asynchronous all-reduce of [its loss contribution, its lambdas' sum, their count] on the
+gloo report group: the last stage contributes step k's mean loss over microbatches, the others zero; the sum over the
+data-parallel replicas divided by their number is the step's loss. Under ``ef_lambda: learned`` replica 0 of each
+stage adds its groups' lambdas (a group tied across stages on its lowest stage only), so the logged value is the mean
+over the groups, as the single-process reference logs it. Ranks post in step order, so the collectives match. ``ready`` returns
 the completed reports in step order without waiting; ``drain`` waits for all of them.
 
 On CUDA the loss is copied to pinned host memory without a host sync; its all-reduce is posted once that copy has
@@ -24,7 +26,7 @@ from .p2p import PeerFailure
 @dataclass
 class _Report:
     step: int
-    buf: torch.Tensor  # float64 [1] on the host
+    buf: torch.Tensor  # float64 [3] on the host: loss, lambdas' sum, their count
     norm: float | None
     lr: float
     finite: bool
@@ -39,15 +41,25 @@ class StepReports:
         self.group, self.dp_size, self.timeout = group, dp_size, timedelta(seconds=timeout_s)
         self.pending: deque[_Report] = deque()
 
-    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | None, lr: float, finite: bool) -> None:
-        r = _Report(step, torch.zeros(1, dtype=torch.float64), norm, lr, finite)
-        if loss_mean is not None and loss_mean.is_cuda:
+    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | None, lr: float, finite: bool,
+             lam_sum: torch.Tensor | None = None, lam_count: int = 0) -> None:
+        r = _Report(step, torch.zeros(3, dtype=torch.float64), norm, lr, finite)
+        on_device = [t for t in (loss_mean, lam_sum) if t is not None]
+        if on_device and on_device[0].is_cuda:  # one asynchronous copy to pinned memory: no host sync
+            dev = on_device[0].device
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
+            vals = torch.stack([loss_mean.detach().reshape(()).double() if loss_mean is not None else zero,
+                                lam_sum.double() if lam_sum is not None else zero,
+                                torch.full((), float(lam_count), dtype=torch.float64, device=dev)])
             r.buf = r.buf.pin_memory()
-            r.buf.copy_(loss_mean.detach().reshape(1), non_blocking=True)
+            r.buf.copy_(vals, non_blocking=True)
             r.copied = torch.cuda.Event()
             r.copied.record()
-        elif loss_mean is not None:
-            r.buf[0] = loss_mean.to("cpu", torch.float64)
+        else:
+            if loss_mean is not None:
+                r.buf[0] = loss_mean.to("cpu", torch.float64)
+            if lam_sum is not None:
+                r.buf[1], r.buf[2] = float(lam_sum), float(lam_count)
         self.pending.append(r)
         self._post_landed()
 
@@ -70,7 +82,8 @@ class StepReports:
         except RuntimeError as e:
             raise PeerFailure(f"the loss report of step {r.step} did not arrive within "
                               f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
-        return StepResult(r.step, float(r.buf[0] / self.dp_size), r.norm, r.lr, r.finite, not r.finite)
+        lam = float(r.buf[1] / r.buf[2]) if r.buf[2] > 0 else None
+        return StepResult(r.step, float(r.buf[0] / self.dp_size), r.norm, r.lr, r.finite, not r.finite, lam)
 
     def ready(self) -> list[StepResult]:
         self._post_landed()
