@@ -25,6 +25,10 @@ re-run after an interruption): ``tune`` (lr grids), ``main`` (AdamW and Muon x s
 seeds), ``ladder`` (complete sync runs at T/8, T/4, T/2 and delayed runs at T/4, T/2: the effective-step fraction and
 each gap's exponent in T), ``beta1`` (the first-moment table of the stability model), ``lambda`` (fixed 0.5 / 1 /
 1.5, auto and learned at T and T/2), ``syncstart`` (synchronous first 10%). ``--report-only`` runs nothing.
+
+Finished arms are summarised in ``bench/results/paper_regime/`` (``RESULTS``, committed: the held-out curve and final
+loss, the training loss, lambda; the tuned learning rates, the noise scales): the run folders under ``--out`` hold
+the checkpoints a killed arm resumes from, the summaries are what a later session, on another machine, goes on from.
 """
 from __future__ import annotations
 
@@ -53,6 +57,10 @@ GRIDS = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2.5e-3, 5e-3, 1e-2, 2e-2]
 # Muon's AdamW side (embeddings, norms) at the best AdamW lr of a first sweep at T (1e-3 .. 1.6e-2, 2026-11-25), so
 # that both grids run at once; not Muon's own lr (the 300-step table ran its AdamW side at Muon's 1e-2)
 MUON_ADAMW_LR = 8e-3
+# Finished arms are kept here, in the repository, as small summaries (final and curve of the held-out loss, the
+# training loss, lambda), with the tuned learning rates and the noise scales: the run folders under --out hold
+# checkpoints and do not outlive a machine, the summaries do, so a later session goes on from them
+RESULTS = ROOT / "bench" / "results" / "paper_regime"
 SHUFFLE_BUFFER = 10_000  # more documents than the corpus has (about 6,000): a full shuffle per epoch
 # arXiv 2606.30634, 360M, validation loss: sync / delayed / delayed + EF
 PAPER = {"muon": (2.578, 2.590, 2.583), "adamw": (2.612, 2.890, 2.640)}
@@ -95,7 +103,9 @@ class Bench:
         self.out, self.parallel, self.report_only = out, parallel, report_only
         self.T = full_steps()
         self.train_files, self.eval_files = self._corpus()
-        self.lrs: dict[str, float] = json.loads((out / "lrs.json").read_text()) if (out / "lrs.json").exists() else {}
+        self.results = RESULTS
+        lrs = self.results / "lrs.json" if (self.results / "lrs.json").exists() else out / "lrs.json"
+        self.lrs: dict[str, float] = json.loads(lrs.read_text()) if lrs.exists() else {}
 
     def _corpus(self) -> tuple[list[str], list[str]]:
         from hf_asyncpp.corpus import prepare_default_corpus
@@ -108,8 +118,14 @@ class Bench:
     def job(self, tag: str, args: list[str], steps: int, seed: int = 0) -> tuple:
         return (tag, args, steps, seed)
 
+    def summary_file(self, tag: str, steps: int, seed: int) -> Path:
+        return self.results / f"T{steps}" / f"{tag}-seed{seed}.json"
+
     def run(self, job: tuple) -> dict | None:
         tag, args, steps, seed = job
+        kept = self.summary_file(tag, steps, seed)
+        if kept.exists():
+            return json.loads(kept.read_text())
         out = self.run_dir(tag, steps, seed)
         if not (out / "final_eval.json").exists():
             if self.report_only:
@@ -129,28 +145,32 @@ class Bench:
         r.update(tag=tag, steps=steps, lr=float(next(a.split("=")[1] for a in args
                                                                    if a.startswith("--optimizer.learning_rate="))))
         r["lambda"] = [(row["step"], row["ef_lambda"]) for row in rows if "ef_lambda" in row]
-        return r
+        r["train"] = r["train"][:: max(1, len(r["train"]) // 100)]  # about 100 points: the summary stays small
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(r))
+        return json.loads(kept.read_text())  # the same types (lists, not tuples) whether just run or kept
 
     def measure(self, results: dict) -> None:
         """Once per finished sync run at T/4 and T (seed 0): its gradient noise scale (bench/noise_scale.py); and the
         training text's token count (for the epochs)."""
         from bench.noise_scale import measure
 
-        path = self.out / "noise_scale.json"
+        path = self.results / "noise_scale.json"
         known = json.loads(path.read_text()) if path.exists() else {}
         for opt in ("adamw", "muon"):
             for k in ("T/4", "T"):
                 steps = self.lengths()[k]
                 key = f"{opt} sync, end of a {k} run"
                 r = results.get((self.arm(opt, "sync", steps)[0], steps, 0))
-                if r and key not in known:
+                if r and key not in known and (self.run_dir(r["tag"], steps, 0) / "tokenizer").exists():
                     known[key] = measure(self.run_dir(r["tag"], steps, 0))
         path.write_text(json.dumps(known, indent=1))
-        tok_file = self.out / "train_tokens.json"
-        if not tok_file.exists() and results:
+        tok_file = self.results / "train_tokens.json"
+        tok_dir = next((d for key in results if (d := self.run_dir(*key) / "tokenizer").exists()), None)
+        if not tok_file.exists() and tok_dir is not None:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(self.run_dir(*next(iter(results))) / "tokenizer")
+            tok = AutoTokenizer.from_pretrained(tok_dir)
             n = sum(len(tok(json.loads(line)["text"]).input_ids) + 1 for f in self.train_files
                     for line in Path(f).read_text().splitlines())
             tok_file.write_text(json.dumps({"tokens": n}))
@@ -159,8 +179,10 @@ class Bench:
         """The finished points of the lr grids (for the report)."""
         out = []
         for opt in ("adamw", "muon"):
-            for d in sorted((self.out / f"T{self.T}").glob(f"{opt}-lr*-sync-seed0")):
-                lr = float(d.name[len(opt) + 3:].split("-")[0])
+            names = {d.name.removesuffix(".json") for root in (self.out, self.results)
+                     for d in (root / f"T{self.T}").glob(f"{opt}-lr*-sync-seed0*")}
+            for name in sorted(names):
+                lr = float(name[len(opt) + 3:].split("-")[0])
                 out.append(self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T), self.T))
         return out
 
@@ -190,7 +212,8 @@ class Bench:
                     self.lrs[opt] = g[best]
             if not grown:
                 break
-        (self.out / "lrs.json").write_text(json.dumps(self.lrs))
+        self.results.mkdir(parents=True, exist_ok=True)
+        (self.results / "lrs.json").write_text(json.dumps(self.lrs))
 
     def arm(self, opt: str, variant: str, steps: int, extra: list[str] = (), tag: str | None = None,
             lr_opt: str | None = None) -> tuple[str, list[str]]:
@@ -322,9 +345,9 @@ def report(b: "Bench", results: dict, extras: dict) -> str:
     get = lambda tag, steps, seed=0: results.get((tag, steps, seed))  # noqa: E731
     tag = lambda opt, v, steps: b.arm(opt, v, steps)[0]  # noqa: E731
     lines = []
-    tok_file = b.out / "train_tokens.json"
+    tok_file = b.results / "train_tokens.json"
     epochs = (T * BATCH * SEQ / json.loads(tok_file.read_text())["tokens"]) if tok_file.exists() else None
-    noise = json.loads((b.out / "noise_scale.json").read_text()) if (b.out / "noise_scale.json").exists() else {}
+    noise = json.loads((b.results / "noise_scale.json").read_text()) if (b.results / "noise_scale.json").exists() else {}
     lines += ["### The regime", "",
               "| knob | paper (360M) | this protocol | the 300-step table |", "|---|---|---|---|",
               f"| parameters (embedding share) | 360M | {n_params:,} ({n_embed / n_params:.0%}) | 2.10M (25%) |",
