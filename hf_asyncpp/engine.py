@@ -79,6 +79,10 @@ class Engine(Protocol):
 
     def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]: ...
 
+    def reload_nll(self, folder: Path, blocks: torch.Tensor, batch_size: int) -> tuple[float, int] | None:
+        """The held-out NLL of an exported folder read back with a bounded footprint (collective), or None: the
+        caller then reloads the whole folder with ``from_pretrained``."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
@@ -233,6 +237,11 @@ class LocalEngine:
             dist.all_reduce(total)
         self.model.train(was_training)
         return float(total[0]), int(total[1])
+
+    def reload_nll(self, folder: Path, blocks: torch.Tensor, batch_size: int) -> None:
+        """None: this process holds the whole model already, so the caller's ``from_pretrained`` reload of the whole
+        folder (the stronger check: transformers' own loading) costs no more than training did."""
+        return None
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ The trainer cuts its stream of steps at evaluation points; this module says what
 measures held-out perplexity through the engine (forward only, through the stages, so a pipelined run needs no
 gather) and, with ``eval.during_training``, scores ``eval.tasks`` on the newest weights; both are recorded by the
 run's ``RunLog``, the one writer of ``metrics.jsonl``. :meth:`Evaluator.finish` is the end of a run: the HF folder
-(``export.py``), its perplexity after a ``from_pretrained`` reload (the proof that the export is the trained model),
+(``export.py``), its perplexity read back from the folder (the proof that the export is the trained model: through the
+pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in one process),
 the downstream tasks, the card's results, the final Hub push and ``final_eval.json``.
 
 The evaluation itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
@@ -77,19 +78,26 @@ class Evaluator:
         return res
 
     def finish(self, step: int, tokens: int, loss_curve: Path | None) -> dict:
-        """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), then on
-        the main process its perplexity after a ``from_pretrained`` reload, downstream tasks when the recipe asks, the
-        Hub push, and ``final_eval.json`` (other ranks return {})."""
+        """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), its
+        perplexity read back (``engine.reload_nll``, collective: through the pipeline, each stage its own tensors;
+        else a ``from_pretrained`` reload on the main process), then on the main process downstream tasks when the
+        recipe asks, the Hub push, and ``final_eval.json`` (other ranks return {})."""
         out, recipe = self.out, self.recipe
         main = not dist.is_initialized() or dist.get_rank() == 0
         metrics = read_metrics(out / METRICS) if main else []
         card = card_writer(card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None)) \
             if main else None
         export_dir = export_engine(self.engine, out / ckpt.EXPORT_DIR, tokenizer=self.tokenizer, card=card)
+        # read back through the pipeline, each stage its own tensors (collective): the whole model never sits on one
+        # device beside a stage; None where a stage cannot be read alone, or in one process
+        sums = self.engine.reload_nll(out / ckpt.EXPORT_DIR, self.held_out, self.recipe.pipeline.microbatch_size)
         if not main:
             return {}
         evals = [m for m in metrics if "eval_loss" in m]
-        reloaded = evaluate_model_dir(export_dir, self.held_out)  # on this process's training device (resolve_device)
+        if sums is not None:
+            reloaded = perplexity_from_sums([sums[0]], [sums[1]])
+        else:  # the whole folder with from_pretrained, on this process's training device (resolve_device)
+            reloaded = evaluate_model_dir(export_dir, self.held_out)
         result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
                   "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
         ev = recipe.eval

@@ -92,9 +92,18 @@ def meta_model(model_cfg: ModelConfig, tokenizer=None):
 
 def load_stage_pretrained(stage: torch.nn.Module, name_or_path: str, device: str | torch.device = "cpu") -> None:
     """Materialise a stage partitioned from :func:`meta_model` with its own tensors of a local safetensors
-    checkpoint (``save_pretrained``'s single file or its sharded index), read by name: each file's header says
-    what it holds and only this stage's tensors are read. A tied head the checkpoint leaves out (saved once, as
-    the embedding) is read under its partner's name (the stage's ``tied_pairs``)."""
+    checkpoint (:func:`read_stage_tensors`)."""
+    tensors = read_stage_tensors(stage, name_or_path)
+    stage.to_empty(device=device)  # and the non-persistent buffers (rotary frequencies) recomputed
+    stage.load_state_dict({n: t.float() for n, t in tensors.items()}, strict=True)
+
+
+def read_stage_tensors(stage: torch.nn.Module, name_or_path: str) -> dict[str, torch.Tensor]:
+    """A stage's own tensors (its ``state_dict`` names) from a local safetensors checkpoint (``save_pretrained``'s
+    single file or its sharded index), read by name: each file's header says what it holds and only this stage's
+    tensors are read. A tied head the checkpoint leaves out (saved once, as the embedding) is read under its
+    partner's name (the stage's ``tied_pairs``). KeyError when the checkpoint names a tensor otherwise (a layout
+    transformers converts on load, such as MoE experts saved one by one): such a stage cannot be read alone."""
     import json
     from pathlib import Path
 
@@ -121,8 +130,7 @@ def load_stage_pretrained(stage: torch.nn.Module, name_or_path: str, device: str
     read = {}
     for f, names in by_file.items():
         read.update((opened.get(f) or ckpt.TensorFile(f)).get(names))
-    stage.to_empty(device=device)  # and the non-persistent buffers (rotary frequencies) recomputed
-    stage.load_state_dict({n: read[s].float() for n, s in wanted.items()}, strict=True)
+    return {n: read[s] for n, s in wanted.items()}
 
 
 def local_weights(name_or_path: str):

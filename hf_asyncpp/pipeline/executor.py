@@ -34,7 +34,7 @@ from ..config import Recipe
 from ..engine import StepResult, autocast, finite_step
 from ..export import shard_file, write_shard
 from ..lr import build_scheduler
-from ..modeling import enable_activation_checkpointing, materialise_stage
+from ..modeling import enable_activation_checkpointing, materialise_stage, read_stage_tensors
 from ..nll import nll_per_block
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY, ef_buffers
@@ -471,12 +471,13 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
-    def eval_nll(self, blocks: torch.Tensor, batch_size: int) -> tuple[float, int]:
-        """Forward-only microbatches through the stages with the newest weights; NLL summed on the last stage."""
+    def eval_nll(self, blocks: torch.Tensor, batch_size: int, weights: dict | None = None) -> tuple[float, int]:
+        """Forward-only microbatches through the stages with the newest weights (or ``weights``, this stage's tensors
+        by name); NLL summed on the last stage."""
         self.stage.eval()
         mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        leaves = self.versions.compute_for(self.versions.latest)
+        leaves = weights if weights is not None else self.versions.compute_for(self.versions.latest)
         for i in range(0, len(mine), batch_size):
             ids = mine[i : i + batch_size].to(self.device)
             arg = ids
@@ -495,6 +496,24 @@ class PipelineEngine:
         dist.all_reduce(total)
         self.stage.train()
         return float(total[0]), int(total[1])
+
+    def reload_nll(self, folder: Path, blocks: torch.Tensor, batch_size: int) -> tuple[float, int] | None:
+        """The held-out NLL of an exported HF folder, through the pipeline: each stage reads only its own tensors from
+        the folder by name (``modeling.read_stage_tensors``) and runs them in its stage's modules, so checking that
+        the export is the trained model costs a rank one stage's weights, never the whole model (which would sit on
+        the main process's device beside its stage). Collective; waits for the main process to finish the folder.
+        None on every rank when a stage cannot be read alone (a layout transformers converts on load, such as MoE
+        experts saved one by one): the caller then reloads the whole folder with ``from_pretrained``."""
+        dist.barrier()  # the main process writes the index and the config after the stages' shards
+        try:
+            weights = {n: t.to(self.device, torch.float32) for n, t in read_stage_tensors(self.stage, str(folder)).items()}
+        except KeyError:
+            weights = None
+        readable = torch.tensor([0 if weights is None else 1], device=self.device)
+        dist.all_reduce(readable, op=dist.ReduceOp.MIN)
+        if not readable.item():
+            return None
+        return self.eval_nll(blocks, batch_size, weights)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
