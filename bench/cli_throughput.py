@@ -7,9 +7,10 @@ AdamW, 4 microbatches of 4 x 128 tokens per step, split 5/3, 2 processes x 1 thr
 
 Arms, each once per round with the order rotated every round, best round reported:
 
-- ``cli 2bw`` / ``cli 1f1b``: ``hf-asyncpp train`` on 2 stages; tokens/s is the median of metrics.jsonl's
-  per-interval rate past the first third of the run (the pipeline filled, the data worker running); the run's own
-  ``pipeline_profile.json`` gives the per-action seconds.
+- ``cli 2bw`` / ``cli 1f1b``: ``hf-asyncpp train`` on 2 stages; tokens/s in the steady state, between the step
+  records a third into the run and the last but one (``read_rate``: the pipeline filled, the data worker running,
+  as the in-process arms time their steps after a warm-up); the run's own ``pipeline_profile.json`` gives the
+  per-action seconds (whole run).
 - ``cli single``: the same command with ``--pipeline.schedule=none`` on one process and one thread.
 - ``torch 1f1b``: torch's ``PipelineStage`` + ``Schedule1F1B`` on our partitioner's stages (random ids in the
   process: torch has no data path of its own), AdamW after each schedule step (bench/throughput.py's worker).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,11 +65,17 @@ def run_cli(schedule: str, steps: int, out: Path, extra: list[str] = ()) -> tupl
     return read_rate(out)
 
 
-def read_rate(out: Path) -> tuple[float, list | None]:
+def read_rate(out: Path) -> tuple[float, dict | None]:
+    """(tokens/s in the steady state, the run's pipeline_profile.json): tokens over training seconds between the
+    step record a third into the run and the last but one, so that neither the start (process groups, the first
+    forward, the pipeline filling) nor the end (the last records arrive together at the final drain) counts;
+    metrics.jsonl's own ``tokens_per_s`` is cumulative from step 1, start included."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rates = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
+    rows = [r for r in rows if "train_s" in r and "num_input_tokens_seen" in r][:-1]
+    a, b = rows[len(rows) // 3], rows[-1]
     prof = out / "pipeline_profile.json"
-    return statistics.median(rates[len(rates) // 3:]), (json.loads(prof.read_text()) if prof.exists() else None)
+    return ((b["num_input_tokens_seen"] - a["num_input_tokens_seen"]) / (b["train_s"] - a["train_s"]),
+            json.loads(prof.read_text()) if prof.exists() else None)
 
 
 def side_by_side(steps: int, tmp: Path) -> float:
@@ -146,9 +152,13 @@ def tables(best: dict, seen: dict, args) -> str:
                 lines.append(f"| {s} | {name} | {a['F']:.1f} | {a['B']:.1f} | {a['STEP']:.1f} | {a['wait']:.1f} | "
                              f"{a['send']:.1f} | {a['busy']:.0%} |")
         fb = lambda a: sum(M * (x["F"] + x["B"]) for x in a.values())  # noqa: E731
+        one = M * tp.MBS * tp.SEQ / limit_single * 1e3  # ms per step of one process: forward, backward, step
         step2 = max(M * (x["F"] + x["B"]) + x["STEP"] for x in a2.values())
         lines += ["", f"- forward + backward per step, both stages: 2bw {fb(a2):.0f} ms, 1f1b {fb(a1):.0f} ms "
                   f"(2bw / 1f1b = {fb(a2) / fb(a1):.3f}: what each microbatch costs more when no stage idles)",
+                  f"- one process computes a step (forward, backward, optimizer step) in {one:.0f} ms; the two 2bw stages "
+                  f"together {fb(a2) + sum(x['STEP'] for x in a2.values()):.0f} ms "
+                  f"({(fb(a2) + sum(x['STEP'] for x in a2.values())) / one:.2f}x: the pipeline's own cost per step)",
                   f"- the busiest 2bw stage computes {step2:.0f} ms per step; both stages {fb(a2) + sum(x['STEP'] for x in a2.values()):.0f} ms: "
                   f"balance bound {(fb(a2) + sum(x['STEP'] for x in a2.values())) / (2 * step2):.2f} of the limit at these costs"]
     return "\n".join(lines)
