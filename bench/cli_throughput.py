@@ -155,7 +155,7 @@ def tables(best: dict, seen: dict, args) -> str:
         one = M * tp.MBS * tp.SEQ / limit_single * 1e3  # ms per step of one process: forward, backward, step
         step2 = max(M * (x["F"] + x["B"]) + x["STEP"] for x in a2.values())
         lines += ["", f"- forward + backward per step, both stages: 2bw {fb(a2):.0f} ms, 1f1b {fb(a1):.0f} ms "
-                  f"(2bw / 1f1b = {fb(a2) / fb(a1):.3f}: what each microbatch costs more when no stage idles)",
+                  f"(2bw / 1f1b = {fb(a2) / fb(a1):.3f}: a microbatch's cost with no stage idle against with the bubble)",
                   f"- one process computes a step (forward, backward, optimizer step) in {one:.0f} ms; the two 2bw stages "
                   f"together {fb(a2) + sum(x['STEP'] for x in a2.values()):.0f} ms "
                   f"({(fb(a2) + sum(x['STEP'] for x in a2.values())) / one:.2f}x: the pipeline's own cost per step)",
