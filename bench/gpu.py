@@ -14,8 +14,9 @@ parts still run.
 
 1. **A stage as the executor runs it, against the plain model** (smollm2-360m; moe-2b and moe-10b cut to 4 layers;
    bf16 autocast over fp32 master weights, as ``training.bf16``). The stage is ``partition_model(model, 1)[0]``,
-   run as ``PipelineEngine._forward`` does: ``functional_call(stage, leaves, (ids,), {"labels": ids},
-   strict=False)`` on the leaves of a weight version (``Versions.leaves_for``) under ``hf_asyncpp.engine.autocast``
+   run as ``PipelineEngine._forward`` does: ``functional_call(stage, compute, (ids,), {"labels": ids},
+   strict=False)`` on a weight version (``Versions.compute_for``: the linear weights as the version's bf16 copies,
+   made once, ``Versions.use_bf16``; their gradients reach fp32 leaves) under ``hf_asyncpp.engine.autocast``
    (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of stage 0
    of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
    ``model(input_ids, labels).loss.backward()`` one microbatch at a time on the same microbatches; it is a second
@@ -70,6 +71,7 @@ import bisect
 import json
 import math
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -445,7 +447,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     from hf_asyncpp.modeling import build_model
     from hf_asyncpp.partition import partition_model
     from hf_asyncpp.partition.plan import get_module
-    from hf_asyncpp.pipeline.versions import Versions
+    from hf_asyncpp.pipeline.versions import Versions, autocast_casts
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one entry per layer wrapper
@@ -462,18 +464,30 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     default_experts = getattr(cfg, "_experts_implementation", None)
     is_moe = ".experts." in "".join(f".{n}." for n, _ in model.named_parameters())
     stage = partition_model(staged, 1, seq_len=seq)[0]
-    leaves = Versions(dict(stage.named_parameters()), lag=1).leaves_for(0)
+    versions = Versions(dict(stage.named_parameters()), lag=1)
     n_total, n_active = active_params(model)
     tokens = mbs * seq
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, cfg.vocab_size, (k, mbs, seq), generator=g)  # on the host, as the executor's batches
+    # training.bf16 as the executor runs it: the weights autocast would cast per microbatch are held by the version
+    # as one bf16 copy (PipelineEngine._find_casts, Versions.use_bf16); the forward reads them, the gradients reach
+    # the fp32 leaves
+    with autocast(True):
+        ids0 = batch[0].to(device)
+        probe_leaves = versions.leaves_for(0)
+        casts = autocast_casts([functional_call(stage, probe_leaves, (ids0,), {"labels": ids0}, strict=False)],
+                               probe_leaves)
+    versions.use_bf16(casts)
+    leaves, compute = versions.leaves_for(0), versions.compute_for(0)
+    notes.append(f"the stage holds {len(casts)} of its {len(leaves)} weights as the version's bf16 "
+                 "copies (training.bf16's weight versions), the rest read under autocast")
 
     def stage_round():  # as PipelineEngine: k forwards (F), then k backwards (B), the loss / m on the last stage
         losses = []
         for i in range(k):
             ids = batch[i].to(device, non_blocking=True)
             with autocast(True):
-                losses.append(functional_call(stage, leaves, (ids,), {"labels": ids}, strict=False))
+                losses.append(functional_call(stage, compute, (ids,), {"labels": ids}, strict=False))
         for loss in losses:
             (loss / k).backward()
         for leaf in leaves.values():  # REDUCE takes the gradients away
@@ -1109,12 +1123,46 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per part's processes (default on a GPU: 200 per part-1 model, 200, 150, 90; CPU 120)")
     ap.add_argument("--write", action="store_true", help="replace the gpu section of docs/benchmarks.md")
+    ap.add_argument("--save", default=None,
+                    help="keep the results in this file after each part (a run cut off keeps its finished parts)")
+    ap.add_argument("--load", nargs="+", default=None,
+                    help="run nothing: render (and with --write record) the parts saved by earlier --save runs")
     return ap.parse_args(argv)
+
+
+def _saved(paths: list[str]) -> tuple[dict, dict, dict, list]:
+    """Merge --save files (later files win per part): results, seconds, device info, the commands that made them."""
+    results, seconds, info, commands = {}, {}, {}, []
+    for path in paths:
+        with open(path, "rb") as f:
+            run = pickle.load(f)
+        if info and run["info"].get("device") != info.get("device"):
+            raise SystemExit(f"{path} was measured on {run['info'].get('device')}, the others on {info.get('device')}")
+        for part, res in run["results"].items():
+            if part == 1 and "rows" in res and "rows" in results.get(1, {}):  # part 1 run one model at a time
+                results[1] = {"rows": results[1]["rows"] + res["rows"], "notes": results[1]["notes"] + res["notes"]}
+                seconds[1] += run["seconds"][1]
+            else:
+                results[part], seconds[part] = res, run["seconds"][part]
+        info, commands = run["info"], commands + [run["argv"]]
+    return results, seconds, info, commands
 
 
 def main(argv=None) -> dict:
     """Run the parts; returns {part: result or {"error": ...} or {"skipped": ...}} (tests/test_gpu_bench.py)."""
     args = parse_args(argv)
+    if args.load:
+        results, seconds, info, commands = _saved(args.load)
+        cpu = not info.get("cuda")
+        if args.write and cpu:
+            raise SystemExit("--write records a GPU run; these saved results are from a CPU run")
+        text = render(results, seconds, info, cpu, commands[0] if len(commands) == 1 else None, commands)
+        print(text)
+        if args.write:
+            from bench.report import write_section
+
+            write_section("gpu", text)
+        return {"results": results, "seconds": seconds, "info": info, "text": text, "absent_imported": []}
     cpu = args.cpu_tiny or not torch.cuda.is_available()
     if args.write and cpu:
         raise SystemExit("--write records a GPU run; a CPU run would replace the GPU numbers in docs/benchmarks.md")
@@ -1135,6 +1183,10 @@ def main(argv=None) -> dict:
             results[part] = {"error": _short(e), "detail": str(e)}
             print(f"part {part} FAILED: {e}", file=sys.stderr, flush=True)
         seconds[part] = time.perf_counter() - t0
+        if args.save:  # after each part: a run cut off by its caller's time limit keeps what it finished
+            with open(args.save, "wb") as f:
+                pickle.dump({"results": results, "seconds": seconds, "info": info,
+                             "argv": list(argv if argv is not None else sys.argv[1:])}, f)
     # the parts' processes (fresh: what this file imports); a caller's own imports (a test session) are its business
     absent = sorted(ABSENT_SEEN | (set(absent_imported()) if __name__ == "__main__" else set()))
     text = render(results, seconds, info, cpu, argv)
@@ -1148,8 +1200,12 @@ def main(argv=None) -> dict:
     return {"results": results, "seconds": seconds, "info": info, "text": text, "absent_imported": absent}
 
 
-def render(results: dict, seconds: dict, info: dict, cpu: bool, argv) -> str:
-    cmd = "python bench/gpu.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+def render(results: dict, seconds: dict, info: dict, cpu: bool, argv, runs: list | None = None) -> str:
+    """``runs``: the argument lists of the --save runs a --load merges (each part's command)."""
+    if runs and len(runs) > 1:
+        cmd = "; ".join("python bench/gpu.py " + " ".join(a) for a in runs) + " (each with --save; merged by --load)"
+    else:
+        cmd = "python bench/gpu.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     peak = f"{info['peak_tflops']:.0f} TFLOP/s dense bf16" if info.get("peak_tflops") else "unknown (MFU n/a)"
     head = [f"## GPU proof ({info['device']}{', tiny models' if cpu else ''})", "",
             f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}; torch {info['torch']}, transformers {info['transformers']}"
@@ -1157,7 +1213,7 @@ def render(results: dict, seconds: dict, info: dict, cpu: bool, argv) -> str:
             + f"; peak {peak}). What each part measures and why: the docstring of `bench/gpu.py`.", "",
             "| part | what | status | seconds |", "|---|---|---|---|"]
     body = []
-    for part, res in results.items():
+    for part, res in sorted(results.items()):
         status = "FAILED: " + _cell(res["error"]) if "error" in res else ("skipped: " + res["skipped"] if "skipped" in res else "ok")
         if part == 1 and "rows" in res and any("error" in r for r in res["rows"]):
             status = f"ok with {sum('error' in r for r in res['rows'])} failed rows"
