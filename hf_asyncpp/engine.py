@@ -83,6 +83,11 @@ class Engine(Protocol):
         """The held-out NLL of an exported folder read back with a bounded footprint (collective), or None: the
         caller then reloads the whole folder with ``from_pretrained``."""
 
+    def scorer(self, folder: Path | None = None):
+        """The downstream tasks' scorer through the pipeline's stages, with the newest weights or those of an
+        exported ``folder`` (collective; ``pipeline.forward_only.StageScorer``), or None: the caller scores a whole
+        model on one process."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
@@ -241,6 +246,10 @@ class LocalEngine:
     def reload_nll(self, folder: Path, blocks: torch.Tensor, batch_size: int) -> None:
         """None: this process holds the whole model already, so the caller's ``from_pretrained`` reload of the whole
         folder (the stronger check: transformers' own loading) costs no more than training did."""
+        return None
+
+    def scorer(self, folder: Path | None = None) -> None:
+        """None: this process holds the whole model, which the caller scores directly."""
         return None
 
     # ------------------------------------------------------------------ state

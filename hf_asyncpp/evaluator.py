@@ -6,7 +6,7 @@ gather) and, with ``eval.during_training``, scores ``eval.tasks`` on the newest 
 run's ``RunLog``, the one writer of ``metrics.jsonl``. :meth:`Evaluator.finish` is the end of a run: the HF folder
 (``export.py``), its perplexity read back from the folder (the proof that the export is the trained model: through the
 pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in one process),
-the downstream tasks, the card's results, the final Hub push and ``final_eval.json``.
+the downstream tasks (through the pipeline too, on the tensors each stage reads from the export), the card's results, the final Hub push and ``final_eval.json``.
 
 The evaluation itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
 """
@@ -60,28 +60,36 @@ class Evaluator:
     def tasks(self, step: int) -> dict | None:
         """``eval.tasks`` on the newest weights, when ``eval.during_training`` is set.
 
-        The weights are gathered (``engine.full_state_dict``: collective) into a model on the main process, on its
-        training device, and scored there with this package's scorer; the pipeline stays as it is. Recorded as
+        Under the pipeline the tasks are scored through the stages (``engine.scorer()``: collective, each rank its
+        stage's weights, forward only); in one process the weights are gathered (``engine.full_state_dict``) into a
+        model on the main process's training device. Either way with this package's scorer, recorded as
         ``eval/<task>/<metric>``. Returns the results on the main process, None elsewhere or when there is nothing to do.
         """
         ev = self.recipe.eval
         tasks = [t for t in ev.tasks if t != "perplexity"]
         if not (ev.during_training and tasks):
             return None
-        weights = self.engine.full_state_dict()  # collective under the pipeline: merged on the main process only
-        if not self.accelerator.is_main_process:
-            return None
-        model = assemble_model(weights, self.engine.config).to(self.accelerator.device)  # shares the weights where they are
         task_items = {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}
-        res = score_tasks(model, self.tokenizer, task_items, limit=ev.limit)
+        scorer = self.engine.scorer()
+        if scorer is not None:  # every rank: the batches go through the stages
+            res = score_tasks(scorer, self.tokenizer, task_items, limit=ev.limit)
+            if not self.accelerator.is_main_process:
+                return None
+        else:
+            weights = self.engine.full_state_dict()  # collective under data parallelism: on the main process only
+            if not self.accelerator.is_main_process:
+                return None
+            model = assemble_model(weights, self.engine.config).to(self.accelerator.device)  # shares the weights
+            res = score_tasks(model, self.tokenizer, task_items, limit=ev.limit)
         self.runlog.record(step, {f"eval/{t}/{m}": r[m] for t, r in res.items() for m in ("acc", "acc_norm") if m in r})
         return res
 
     def finish(self, step: int, tokens: int, loss_curve: Path | None) -> dict:
         """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), its
         perplexity read back (``engine.reload_nll``, collective: through the pipeline, each stage its own tensors;
-        else a ``from_pretrained`` reload on the main process), then on the main process downstream tasks when the
-        recipe asks, the Hub push, and ``final_eval.json`` (other ranks return {})."""
+        else a ``from_pretrained`` reload on the main process), the downstream tasks when the recipe asks (through
+        the stages where they can read the export, else on the main process), then on the main process the Hub push
+        and ``final_eval.json`` (other ranks return {})."""
         out, recipe = self.out, self.recipe
         main = not dist.is_initialized() or dist.get_rank() == 0
         metrics = read_metrics(out / METRICS) if main else []
@@ -91,6 +99,17 @@ class Evaluator:
         # read back through the pipeline, each stage its own tensors (collective): the whole model never sits on one
         # device beside a stage; None where a stage cannot be read alone, or in one process
         sums = self.engine.reload_nll(out / ckpt.EXPORT_DIR, self.held_out, self.recipe.pipeline.microbatch_size)
+        ev = recipe.eval
+        tasks = [t for t in ev.tasks if t != "perplexity"]
+        # the downstream tasks of the export through the stages too (collective), each stage scoring with the
+        # tensors it reads from the folder; None in one process, with lm-eval's backend, or for a folder a stage
+        # cannot read alone: then the main process loads the folder whole (evaluate_models)
+        scorer = self.engine.scorer(out / ckpt.EXPORT_DIR) if tasks and ev.backend == "hf_asyncpp" else None
+        staged = None
+        if scorer is not None:
+            staged = score_tasks(scorer, self.tokenizer,
+                                 {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}, limit=ev.limit)
+            del scorer
         if not main:
             return {}
         evals = [m for m in metrics if "eval_loss" in m]
@@ -100,10 +119,12 @@ class Evaluator:
             reloaded = evaluate_model_dir(export_dir, self.held_out)
         result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
                   "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
-        ev = recipe.eval
         if ev.tasks:
-            res = evaluate_models([str(export_dir)], ev.tasks, task_files=ev.task_files, limit=ev.limit,
-                                  perplexity_blocks=self.held_out, backend=ev.backend)[str(export_dir)]
+            if staged is not None:
+                res = {**staged, **({"perplexity": reloaded} if "perplexity" in ev.tasks else {})}
+            else:
+                res = evaluate_models([str(export_dir)], ev.tasks, task_files=ev.task_files, limit=ev.limit,
+                                      perplexity_blocks=self.held_out, backend=ev.backend)[str(export_dir)]
             add_eval_results(export_dir, res)
             result["downstream"] = res
             log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))

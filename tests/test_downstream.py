@@ -226,3 +226,50 @@ def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_o
     assert side_by_side == json.loads(alone.read_text())["eval_ppl"]
     card = ModelCard.load(Path(b) / "README.md")
     assert "Downstream evaluation" not in card.text and card.data.eval_results[0].metric_type == "perplexity"
+
+
+def staged_scoring_worker(rank, world, folder, num_stages, task_files, limit):
+    """A pipeline of ``num_stages`` stages (the rest data parallel) built from an exported folder scores the tasks
+    through its stages: with its newest weights, and with the tensors each stage reads from the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.eval.downstream import score_tasks
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+
+    recipe = recipe_from_dict({"model": {"name_or_path": folder}, "data": {"seq_len": 32},
+                               "pipeline": {"schedule": "2bw", "num_stages": num_stages, "num_microbatches": 2,
+                                            "microbatch_size": 1},
+                               "training": {"max_steps": 1, "report_to": []}})
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    eng = PipelineEngine(recipe, model, Topology(rank=rank, world_size=world, num_stages=num_stages), log=lambda *a: None)
+    tok = AutoTokenizer.from_pretrained(folder)
+    items = {t: load_task(t, f, limit) for t, f in task_files.items()}
+    newest = score_tasks(eng.scorer(), tok, items, batch_size=3, limit=limit)  # batches of 3: requests split unevenly
+    exported = score_tasks(eng.scorer(Path(folder)), tok, items, batch_size=3, limit=limit)
+    lls = choice_logliks(eng.scorer(), tok, items["arc_easy"][0], batch_size=3)
+    eng.close()
+    return newest, exported, lls
+
+
+def test_tasks_scored_through_the_pipeline_equal_the_whole_model(folders):
+    """Downstream scoring through a pipeline (2 stages x 2 replicas; ``PipelineEngine.scorer``), each stage holding
+    only its weights, gives every rank the one-device scorer's results: the same accuracies, log-likelihoods equal
+    to float rounding, from the newest weights and from the export read back stage by stage."""
+    from dist_utils import run_distributed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tasks = {t: FILES[t] for t in ("arc_easy", "piqa", "mmlu")}
+    whole = evaluate_models([folders["trained"]], list(tasks), task_files=tasks, limit=6, batch_size=3,
+                            device="cpu")[folders["trained"]]
+    model = AutoModelForCausalLM.from_pretrained(folders["trained"]).eval()
+    direct = choice_logliks(model, AutoTokenizer.from_pretrained(folders["trained"]),
+                            load_task("arc_easy", FILES["arc_easy"], 6)[0], batch_size=3)
+    results = run_distributed(staged_scoring_worker, 4, folders["trained"], 2, tasks, 6)
+    for newest, exported, lls in results:  # every rank, the first stage's included
+        assert newest == exported == whole
+        assert len(lls) == len(direct)
+        for got, ref in zip(lls, direct):
+            assert got == pytest.approx(ref, abs=1e-5)
+    assert whole["arc_easy"]["acc"] > whole["arc_easy"]["chance"]

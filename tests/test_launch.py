@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+from conftest import TASK_FILES
 from hf_asyncpp.launch import NO_SPAWN
 from support import ROOT, launch, losses, write_recipe
 
@@ -32,7 +34,12 @@ def two_stage_run(tmp_path_factory):
     (each launch costs about 20 s of start-up, so the tests share it)."""
     tmp = tmp_path_factory.mktemp("two-stage")
     out = tmp / "run"
-    rc, log = launch(write_recipe(tmp / "r.yaml", out), "--training.export=true", *EXACT)
+    path = write_recipe(tmp / "r.yaml", out, eval_steps=4)
+    recipe = yaml.safe_load(path.read_text())  # downstream tasks, scored through the stages at step 4 and at the end
+    recipe["eval"] = {"tasks": ["arc_easy", "perplexity"], "task_files": {"arc_easy": TASK_FILES["arc_easy"]},
+                      "during_training": True}
+    path.write_text(yaml.safe_dump(recipe))
+    rc, log = launch(path, "--training.export=true", *EXACT)
     assert rc == 0, log[-3000:]
     return out, log
 
@@ -123,6 +130,20 @@ def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
     # forward of the reloaded export on the same blocks
     assert last_eval["step"] == 8 and abs(last_eval["eval_loss"] - final["export_eval_loss"]) < 1e-6
     assert (out / "export" / "README.md").exists() and "exported" in log
+    # the downstream task, scored through the stages (each its own tensors of the export), equals the whole exported
+    # model scored in one process; during training (eval.during_training) it ran through the stages at step 4
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_asyncpp.eval.downstream import score_task
+    from hf_asyncpp.eval.tasks import load_items
+
+    whole = score_task(AutoModelForCausalLM.from_pretrained(out / "export").eval(),
+                       AutoTokenizer.from_pretrained(out / "export"), load_items("arc_easy", TASK_FILES["arc_easy"]))
+    staged = final["downstream"]["arc_easy"]
+    assert (staged["acc"], staged["acc_norm"], staged["n"]) == (whole["acc"], whole["acc_norm"], whole["n"])
+    assert final["downstream"]["perplexity"]["eval_loss"] == final["export_eval_loss"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/arc_easy/acc" in r] == [4]  # the end scores the export instead
     ckpt = out / "checkpoint-0000008"
     assert {"stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors"} <= {p.name for p in ckpt.iterdir()}
     prof = json.loads((out / "pipeline_profile.json").read_text())  # where each stage's time went, and its picture

@@ -69,29 +69,49 @@ def max_length(model, tokenizer, default: int = 2048) -> int:
     return int(limit) if limit is not None and limit < int(1e30) else default
 
 
+def request_batches(requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
+                    length: int) -> list[tuple[list[int], torch.Tensor, list[int]]]:
+    """The scorer's batches, as lm-eval makes them: requests longest first (less padding), each input the context
+    and continuation cut from the left to ``length`` + 1 tokens minus the last, right-padded with ``pad_id`` (no
+    mask: causal attention never looks at the pads after a sequence). Per batch: the request indices, the ids
+    ``(B, T)`` and each input's length."""
+    order = sorted(range(len(requests)), key=lambda k: -len(requests[k][0]) - len(requests[k][1]))
+    out = []
+    for i in range(0, len(order), batch_size):
+        chunk = order[i : i + batch_size]
+        inps = [(requests[k][0] + requests[k][1])[-(length + 1):][:-1] for k in chunk]
+        ids = torch.full((len(chunk), max(map(len, inps))), pad_id, dtype=torch.long)
+        for j, s in enumerate(inps):
+            ids[j, : len(s)] = torch.tensor(s)
+        out.append((chunk, ids, [len(s) for s in inps]))
+    return out
+
+
+def continuation_logprobs(logits: torch.Tensor, chunk: list[int], lengths: list[int],
+                          requests: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Summed log p(continuation | context) of each request of a batch, from the model's logits ``(B, T, V)``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for j, k in enumerate(chunk):
+        cont = requests[k][1]
+        pos = torch.arange(lengths[j] - len(cont), lengths[j], device=logits.device)
+        out.append(float(logp[j, pos, torch.tensor(cont, device=logits.device)].sum()))
+    return out
+
+
 def _score_requests(model, requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
                     length: int) -> list[float]:
     """Summed log p(continuation | context) of each request, batched on the model's device. The batch size starts
     at ``batch_size`` and halves on an out-of-memory error (accelerate's ``find_executable_batch_size``), so a
-    large batch is safe on any device. Requests run longest first, as lm-eval runs them (less padding)."""
+    large batch is safe on any device."""
     device = next(model.parameters()).device
-    order = sorted(range(len(requests)), key=lambda k: -len(requests[k][0]) - len(requests[k][1]))
 
     @find_executable_batch_size(starting_batch_size=batch_size)
     def run(bs: int) -> list[float]:
         scores = [0.0] * len(requests)
-        for i in range(0, len(order), bs):
-            chunk = order[i : i + bs]
-            inps = [(requests[k][0] + requests[k][1])[-(length + 1):][:-1] for k in chunk]
-            ids = torch.full((len(chunk), max(map(len, inps))), pad_id, dtype=torch.long)
-            for j, s in enumerate(inps):
-                ids[j, : len(s)] = torch.tensor(s)
-            # right padding and no mask, as lm-eval: causal attention never looks at the pads after a sequence
-            logp = torch.log_softmax(model(input_ids=ids.to(device)).logits.float(), dim=-1)  # (B, T, V)
-            for j, k in enumerate(chunk):
-                cont = requests[k][1]
-                pos = torch.arange(len(inps[j]) - len(cont), len(inps[j]), device=device)
-                scores[k] = float(logp[j, pos, torch.tensor(cont, device=device)].sum())
+        for chunk, ids, lengths in request_batches(requests, bs, pad_id, length):
+            for k, v in zip(chunk, continuation_logprobs(model(input_ids=ids.to(device)).logits, chunk, lengths, requests)):
+                scores[k] = v
         return scores
 
     return run()
@@ -99,15 +119,20 @@ def _score_requests(model, requests: list[tuple[list[int], list[int]]], batch_si
 
 @torch.no_grad()
 def choice_logliks(model, tokenizer, items, batch_size: int = 16) -> list[list[float]]:
-    """Summed log p(choice | context) for every choice of every item, on the model's device (see :func:`encode_pair`)."""
+    """Summed log p(choice | context) for every choice of every item (see :func:`encode_pair`). ``model``: a model
+    on one device, or a scorer with the model's ``config`` and ``score_requests(requests, batch_size, pad_id,
+    length)`` that runs the batches elsewhere (``pipeline.forward_only.StageScorer``: through a pipeline's stages)."""
     requests = [encode_pair(tokenizer, ctx, c) for ctx, choices, _ in items for c in choices]
-    was_training = model.training
-    model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    try:
-        scores = _score_requests(model, requests, batch_size, pad, max_length(model, tokenizer))
-    finally:
-        model.train(was_training)
+    if not isinstance(model, torch.nn.Module):
+        scores = model.score_requests(requests, batch_size, pad, max_length(model, tokenizer))
+    else:
+        was_training = model.training
+        model.eval()
+        try:
+            scores = _score_requests(model, requests, batch_size, pad, max_length(model, tokenizer))
+        finally:
+            model.train(was_training)
     out, k = [], 0
     for _, choices, _ in items:
         out.append(scores[k : k + len(choices)])

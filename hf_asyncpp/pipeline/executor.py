@@ -34,13 +34,12 @@ from ..config import Recipe
 from ..engine import StepResult, autocast, finite_step
 from ..export import shard_file, write_shard
 from ..lr import build_scheduler
-from ..modeling import enable_activation_checkpointing, materialise_stage, read_stage_tensors
-from ..nll import nll_per_block
+from ..modeling import enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY, ef_buffers
 from ..partition import merge_state_dicts, partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
-from . import stage_state
+from . import forward_only, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, storage_key, transfer_bytes
 from .p2p import P2P
@@ -473,47 +472,23 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_nll(self, blocks: torch.Tensor, batch_size: int, weights: dict | None = None) -> tuple[float, int]:
         """Forward-only microbatches through the stages with the newest weights (or ``weights``, this stage's tensors
-        by name); NLL summed on the last stage."""
-        self.stage.eval()
-        mine = blocks[self.topo.dp_rank :: self.topo.dp_size]
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        leaves = weights if weights is not None else self.versions.compute_for(self.versions.latest)
-        for i in range(0, len(mine), batch_size):
-            ids = mine[i : i + batch_size].to(self.device)
-            arg = ids
-            if not self.first:
-                inputs = self.p2p.recv(self.topo.stage - 1)
-                arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
-            with autocast(self.recipe.training.bf16):
-                out = functional_call(self.stage, leaves, (arg,), strict=False)
-            if self.last:
-                logits = out if torch.is_tensor(out) else out.logits
-                total[0] += nll_per_block(logits, ids).sum()
-                total[1] += ids[:, 1:].numel()
-            else:
-                self.p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], self.topo.stage + 1, with_header=True)
-        self.p2p.drain()
-        dist.all_reduce(total)
-        self.stage.train()
-        return float(total[0]), int(total[1])
+        by name); NLL summed on the last stage (``forward_only.eval_nll``)."""
+        return forward_only.eval_nll(self, blocks, batch_size, weights)
 
     def reload_nll(self, folder: Path, blocks: torch.Tensor, batch_size: int) -> tuple[float, int] | None:
-        """The held-out NLL of an exported HF folder, through the pipeline: each stage reads only its own tensors from
-        the folder by name (``modeling.read_stage_tensors``) and runs them in its stage's modules, so checking that
-        the export is the trained model costs a rank one stage's weights, never the whole model (which would sit on
-        the main process's device beside its stage). Collective; waits for the main process to finish the folder.
-        None on every rank when a stage cannot be read alone (a layout transformers converts on load, such as MoE
-        experts saved one by one): the caller then reloads the whole folder with ``from_pretrained``."""
-        dist.barrier()  # the main process writes the index and the config after the stages' shards
-        try:
-            weights = {n: t.to(self.device, torch.float32) for n, t in read_stage_tensors(self.stage, str(folder)).items()}
-        except KeyError:
-            weights = None
-        readable = torch.tensor([0 if weights is None else 1], device=self.device)
-        dist.all_reduce(readable, op=dist.ReduceOp.MIN)
-        if not readable.item():
-            return None
-        return self.eval_nll(blocks, batch_size, weights)
+        """The held-out NLL of an exported HF folder, through the pipeline, each stage reading only its own tensors
+        (``forward_only.read_export``): checking that the export is the trained model costs a rank one stage's
+        weights. None on every rank when a stage cannot be read alone: the caller reloads with ``from_pretrained``."""
+        weights = forward_only.read_export(self, folder)
+        return None if weights is None else self.eval_nll(blocks, batch_size, weights)
+
+    def scorer(self, folder: Path | None = None) -> forward_only.StageScorer | None:
+        """The downstream tasks' scorer through the stages (collective), with the newest weights or those of an
+        exported ``folder``; None on every rank when a stage of the folder cannot be read alone."""
+        if folder is None:
+            return forward_only.StageScorer(self)
+        weights = forward_only.read_export(self, folder)
+        return None if weights is None else forward_only.StageScorer(self, weights)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,107 @@
+"""Forward-only passes through a pipeline's stages: held-out NLL, the export read back stage by stage, and the
+downstream tasks' log-likelihoods.
+
+Why here and not on one device: every evaluation of a pipelined run goes through the stages, each rank holding only
+its stage's weights (the newest version, or tensors it read by name from an exported folder), so no rank ever
+needs the whole model beside its stage (``moe-10b``: 41 GB in fp32). The first stage feeds the ids, the boundary
+tensors travel as in training (``P2P``, with a header: batch shapes vary), the last stage turns logits into numbers,
+and one collective gives every rank the result. Data-parallel replicas split the batches between them.
+
+Every function here is collective: every rank of the run calls it, with the same arguments.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from ..engine import autocast
+from ..eval.downstream import continuation_logprobs, request_batches
+from ..modeling import read_stage_tensors
+from ..nll import nll_per_block
+
+
+@torch.no_grad()
+def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor, torch.Tensor], None],
+                    weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Run each id batch ``(B, T)`` forward through the stages with the newest weights (or ``weights``: this stage's
+    tensors by name); the last stage calls ``on_logits(index, logits, ids)`` for each. Every stage of a replica gets
+    the same list (the ids reach only the first stage's modules and the last stage's callback)."""
+    stage, p2p, topo = engine.stage, engine.p2p, engine.topo
+    stage.eval()
+    leaves = weights if weights is not None else engine.versions.compute_for(engine.versions.latest)
+    try:
+        for i, ids in enumerate(batches):
+            ids = ids.to(engine.device)
+            arg = ids
+            if not engine.first:
+                inputs = p2p.recv(topo.stage - 1)
+                arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
+            with autocast(engine.recipe.training.bf16):
+                out = functional_call(stage, leaves, (arg,), strict=False)
+            if engine.last:
+                on_logits(i, out if torch.is_tensor(out) else out.logits, ids)
+            else:
+                p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], topo.stage + 1, with_header=True)
+        p2p.drain()
+    finally:
+        stage.train()
+
+
+def eval_nll(engine, blocks: torch.Tensor, batch_size: int, weights: dict | None = None) -> tuple[float, int]:
+    """Summed next-token NLL and token count over ``blocks`` (split over the replicas), on every rank."""
+    topo = engine.topo
+    mine = blocks[topo.dp_rank :: topo.dp_size]
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+
+    def add(_, logits, ids):
+        total[0] += nll_per_block(logits, ids).sum()
+        total[1] += ids[:, 1:].numel()
+
+    forward_batches(engine, [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)], add, weights)
+    dist.all_reduce(total)
+    return float(total[0]), int(total[1])
+
+
+def read_export(engine, folder: Path) -> dict[str, torch.Tensor] | None:
+    """This stage's tensors read by name from an exported HF folder (``modeling.read_stage_tensors``), in fp32 on
+    the stage's device; None on every rank when any stage cannot be read alone (a layout transformers converts on
+    load, such as MoE experts saved one by one). Waits for the main process to finish the folder."""
+    dist.barrier()  # the main process writes the index and the config after the stages' shards
+    try:
+        weights = {n: t.to(engine.device, torch.float32) for n, t in read_stage_tensors(engine.stage, str(folder)).items()}
+    except KeyError:
+        weights = None
+    readable = torch.tensor([0 if weights is None else 1], device=engine.device)
+    dist.all_reduce(readable, op=dist.ReduceOp.MIN)
+    return weights if readable.item() else None
+
+
+class StageScorer:
+    """The downstream scorer's model (``eval.downstream.choice_logliks``) as a pipeline: its ``score_requests``
+    runs the request batches through the stages with the newest weights, or ``weights`` (an export read back by
+    :func:`read_export`). Collective: every rank scores the same requests."""
+
+    def __init__(self, engine, weights: dict[str, torch.Tensor] | None = None):
+        self.engine, self.weights, self.config = engine, weights, engine.config
+
+    def score_requests(self, requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
+                       length: int) -> list[float]:
+        """Summed log p(continuation | context) of each request, on every rank. The batches are the one-device
+        scorer's (``request_batches``); replica r scores batches r, r + dp, ...; the last stages fill their
+        requests' scores and a sum over all ranks gives everyone all of them."""
+        topo = self.engine.topo
+        batches = request_batches(requests, batch_size, pad_id, length)[topo.dp_rank :: topo.dp_size]
+        scores = torch.zeros(len(requests), dtype=torch.float64, device=self.engine.device)
+
+        def fill(i, logits, _):
+            chunk, _, lengths = batches[i]
+            scores[chunk] = torch.tensor(continuation_logprobs(logits, chunk, lengths, requests),
+                                         dtype=torch.float64, device=scores.device)
+
+        forward_batches(self.engine, [ids for _, ids, _ in batches], fill, self.weights)
+        dist.all_reduce(scores)
+        return scores.tolist()
