@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
+from ..nll import continuation_logprobs, request_batches
 from .perplexity import evaluate_perplexity, load_metric, resolve_device
 from .tasks import SCORER, TARGET_DELIMITER, load_task, task_spec
 
@@ -67,36 +68,6 @@ def max_length(model, tokenizer, default: int = 2048) -> int:
             return int(getattr(cfg, attr))
     limit = getattr(tokenizer, "model_max_length", None)
     return int(limit) if limit is not None and limit < int(1e30) else default
-
-
-def request_batches(requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
-                    length: int) -> list[tuple[list[int], torch.Tensor, list[int]]]:
-    """The scorer's batches, as lm-eval makes them: requests longest first (less padding), each input the context
-    and continuation cut from the left to ``length`` + 1 tokens minus the last, right-padded with ``pad_id`` (no
-    mask: causal attention never looks at the pads after a sequence). Per batch: the request indices, the ids
-    ``(B, T)`` and each input's length."""
-    order = sorted(range(len(requests)), key=lambda k: -len(requests[k][0]) - len(requests[k][1]))
-    out = []
-    for i in range(0, len(order), batch_size):
-        chunk = order[i : i + batch_size]
-        inps = [(requests[k][0] + requests[k][1])[-(length + 1):][:-1] for k in chunk]
-        ids = torch.full((len(chunk), max(map(len, inps))), pad_id, dtype=torch.long)
-        for j, s in enumerate(inps):
-            ids[j, : len(s)] = torch.tensor(s)
-        out.append((chunk, ids, [len(s) for s in inps]))
-    return out
-
-
-def continuation_logprobs(logits: torch.Tensor, chunk: list[int], lengths: list[int],
-                          requests: list[tuple[list[int], list[int]]]) -> list[float]:
-    """Summed log p(continuation | context) of each request of a batch, from the model's logits ``(B, T, V)``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    out = []
-    for j, k in enumerate(chunk):
-        cont = requests[k][1]
-        pos = torch.arange(lengths[j] - len(cont), lengths[j], device=logits.device)
-        out.append(float(logp[j, pos, torch.tensor(cont, device=logits.device)].sum()))
-    return out
 
 
 def _score_requests(model, requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,

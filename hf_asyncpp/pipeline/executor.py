@@ -32,16 +32,15 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..config import Recipe
 from ..engine import StepResult, autocast, finite_step
-from ..export import shard_file, write_shard
 from ..lr import build_scheduler
 from ..modeling import enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
-from ..optim.ef import KEY as EF_KEY, ef_buffers
-from ..partition import merge_state_dicts, partition_model, shared_tensors
+from ..optim.ef import KEY as EF_KEY
+from ..partition import partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
 from . import forward_only, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
-from .memtrack import checkpoint_input_hooks, is_weight_cast, storage_key, transfer_bytes
+from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
 from .p2p import P2P
 from .reducer import Reducer
 from .reports import StepReports
@@ -440,19 +439,8 @@ class PipelineEngine:
 
     def memory_report(self) -> dict[str, float]:
         """Bytes this stage really held at its peak (with ``track_memory``), per term as the planner plans them
-        (``pipeline/planner.py``): weight versions, gradients, optimizer state, EF buffer, autocast's weight casts,
-        activations, transfer buffers; ``steady`` their sum, ``total`` with the EF clone at STEP."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        param_bytes = nbytes(self.params.values())
-        opt_state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-        m = self.mem
-        rep = {"weights": self.versions.peak_bytes, "grads": param_bytes * m["peak_grad_sets"],
-               "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(self.optimizer)),
-               "casts": m["peak_casts"], "activations": m["peak_activations"], "transfers": m["peak_transfers"]}
-        rep["steady"] = sum(rep.values())
-        rep["ef_copy"] = m["ef_copy"]  # at STEP only (pipeline/planner.py: steady vs peak)
-        rep["total"] = rep["steady"] + rep["ef_copy"]
-        return rep
+        (``memtrack.stage_memory``)."""
+        return stage_memory(self.params, self.optimizer, self.versions, self.mem)
 
     def profile(self) -> list[dict] | None:
         """Seconds and counts per action kind of every stage so far (collective; the main process gets the list)."""
@@ -469,7 +457,6 @@ class PipelineEngine:
         self.groups.destroy()
 
     # ------------------------------------------------------------------ eval
-    @torch.no_grad()
     def eval_nll(self, blocks: torch.Tensor, batch_size: int, weights: dict | None = None) -> tuple[float, int]:
         """Forward-only microbatches through the stages with the newest weights (or ``weights``, this stage's tensors
         by name); NLL summed on the last stage (``forward_only.eval_nll``)."""
@@ -493,22 +480,11 @@ class PipelineEngine:
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Newest weights merged by name on the main process (collective: every rank calls it)."""
-        sd = {n: t.detach().cpu().clone() for n, t in self.stage.state_dict().items()} if self.topo.dp_rank == 0 else None
-        parts = [None] * self.topo.world_size if self.topo.is_main else None
-        dist.gather_object(sd, parts, dst=0)
-        if not self.topo.is_main:
-            return None
-        return merge_state_dicts([p for p in parts if p is not None])
+        return stage_state.gather_weights(self.stage, self.topo)
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
-        mine = None
-        if self.topo.dp_rank == 0:
-            name = shard_file(self.topo.stage, self.topo.num_stages)
-            mine = (name, write_shard(self.stage.state_dict(), self.config, folder / name))
-        parts = [None] * self.topo.world_size if self.topo.is_main else None
-        dist.gather_object(mine, parts, dst=0)
-        return [x for x in parts if x is not None] if self.topo.is_main else None
+        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder)
 
     def save(self, tmp: Path) -> None:
         """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained). ZeRO-1:

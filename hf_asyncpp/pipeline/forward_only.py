@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..engine import autocast
-from ..eval.downstream import continuation_logprobs, request_batches
 from ..modeling import read_stage_tensors
-from ..nll import nll_per_block
+from ..nll import continuation_logprobs, nll_per_block, request_batches
 
 
 @torch.no_grad()

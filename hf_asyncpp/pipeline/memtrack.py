@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..optim.ef import ef_buffers
+
 # autograd nodes of ops that only view their input: a weight reaches a matmul through a transpose (CPU linear saves
 # the transposed cast), an expert's slice, a reshape
 _VIEWS = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "SelectBackward0", "SliceBackward0",
@@ -60,3 +62,18 @@ def transfer_bytes(micros, prefetch) -> int:
     buffers (``P2P.post``: (peer, [(work, buffer)])). Received inputs count as activations (the first op saves them)."""
     held = sum(nbytes(mb.outputs) + nbytes(mb.grad_to_prev or ()) + nbytes(mb.grad_from_next or ()) for mb in micros)
     return held + sum(nbytes(b for _, b in posted[1]) for posted in prefetch)
+
+
+def stage_memory(params: dict, optimizer, versions, mem: dict) -> dict[str, float]:
+    """A stage's peak bytes per term as the planner plans them (``pipeline/planner.py``): weight versions, gradients,
+    optimizer state, EF buffer, autocast's weight casts, activations, transfer buffers (``mem``: the executor's
+    counters); ``steady`` their sum, ``total`` with the EF clone at STEP."""
+    param_bytes = nbytes(params.values())
+    opt_state = [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    rep = {"weights": versions.peak_bytes, "grads": param_bytes * mem["peak_grad_sets"],
+           "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(optimizer)),
+           "casts": mem["peak_casts"], "activations": mem["peak_activations"], "transfers": mem["peak_transfers"]}
+    rep["steady"] = sum(rep.values())
+    rep["ef_copy"] = mem["ef_copy"]  # at STEP only (pipeline/planner.py: steady vs peak)
+    rep["total"] = rep["steady"] + rep["ef_copy"]
+    return rep

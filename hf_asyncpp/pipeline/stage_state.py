@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .. import checkpoint as ckpt
+from ..export import shard_file, write_shard
 from ..lr import continue_schedule
 from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
+from ..partition import merge_state_dicts
 from .versions import Versions
 
 
@@ -87,3 +90,26 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     continue_schedule(optimizer, scheduler, meta["scheduler"])  # the saved position on the recipe's schedule
     versions.load(meta["latest_version"], {k: t for k, t in older.items() if k.split("/", 1)[1] in params})
     return meta
+
+
+def gather_weights(stage: torch.nn.Module, topo) -> dict[str, torch.Tensor] | None:
+    """Every stage's newest weights (from data-parallel rank 0) merged by name on the main process, None elsewhere
+    (collective). For tests and one-process consumers: a run's own exports and evaluations never gather."""
+    sd = {n: t.detach().cpu().clone() for n, t in stage.state_dict().items()} if topo.dp_rank == 0 else None
+    parts = [None] * topo.world_size if topo.is_main else None
+    dist.gather_object(sd, parts, dst=0)
+    if not topo.is_main:
+        return None
+    return merge_state_dicts([p for p in parts if p is not None])
+
+
+def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+    """Each stage (data-parallel rank 0) writes its own shard of an HF folder; only the file names and the tensor
+    names and sizes travel to the main process, which writes the index (collective)."""
+    mine = None
+    if topo.dp_rank == 0:
+        name = shard_file(topo.stage, topo.num_stages)
+        mine = (name, write_shard(stage.state_dict(), config, folder / name))
+    parts = [None] * topo.world_size if topo.is_main else None
+    dist.gather_object(mine, parts, dst=0)
+    return [x for x in parts if x is not None] if topo.is_main else None
