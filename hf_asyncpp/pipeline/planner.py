@@ -14,10 +14,14 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
                  other linear weights are the versions' bf16 copies (weights). Mixture-of-experts weights (3-D)
                  stay fp32: not cast.
   activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes. fp32: a decoder
-                 layer keeps about (10 h + 2 kv + 4 I) values per token (I: the MLP width; a MoE layer 7 k I + E,
-                 k experts per token of width I, E experts). bf16 (autocast): the residual stream and the norms stay
-                 fp32, the matmuls' inputs are bf16: a dense layer keeps 4 h fp32 + (7 h + 2 kv + 4 I) bf16 values, a
-                 MoE layer (8 h + 5 k I + E) fp32 + (4 h + 3 kv + 2 k I) bf16 (its experts run in fp32). The last
+                 layer keeps about (10 h + 2 kv + 4 I) values per token (I: the MLP width), a MoE layer
+                 (10 h + 4 kv + 2 k h + 4 k I + E) (k experts per token of width I, E experts: each expert's input
+                 and weighted output, k h, and its MLP, 4 k I). bf16 (autocast): the residual stream and the norms
+                 stay fp32, the matmuls' inputs are bf16: a dense layer keeps 4 h fp32 + (7 h + 2 kv + 4 I) bf16
+                 values, a MoE layer (5 h + kv + 2 k h + 4 k I + E) fp32 + (7 h + 3 kv) bf16 (its experts run in
+                 fp32: transformers casts the grouped GEMM's input to the experts' dtype). The k h terms were
+                 measured per source line at moe-10b's shapes on CPU and on an H100 (the same there; a 2-expert
+                 model hides them: 2 k h = 4 h). The last
                  stage keeps (vocab + 2 h) fp32 values per token for the loss (the logits are upcast) and h bf16
                  (calibrated against the executor's saved-tensor accounting, transformers 5.23, CPU autocast);
                  a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
@@ -115,10 +119,10 @@ def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, flo
     for i in range(n):
         if not moe[i]:
             out.append((4 * h, 7 * h + 2 * kv + 4 * dense_i) if bf16 else (10 * h + 2 * kv + 4 * dense_i, 0))
-        elif bf16:
-            out.append((8 * h + 5 * k * moe_i + experts, 4 * h + 3 * kv + 2 * k * moe_i + 4 * shared))
+        elif bf16:  # the experts in fp32: the grouped GEMMs' inputs (k h, k I), their outputs weighted (k h)
+            out.append((5 * h + kv + 2 * k * h + 4 * k * moe_i + experts, 7 * h + 3 * kv + 4 * shared))
         else:
-            out.append((10 * h + 2 * kv + 7 * k * moe_i + 4 * shared + experts, 0))
+            out.append((10 * h + 4 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared + experts, 0))
     return out
 
 
