@@ -22,8 +22,8 @@ The protocol (``PROTOCOL``; every knob next to the paper's in the report's regim
 
 Phases (each reuses finished runs and resumes killed ones from their last checkpoint, so the command can be
 re-run after an interruption): ``tune`` (lr grids), ``main`` (AdamW and Muon x sync / delay 1 / delay 1 + EF x 3
-seeds), ``ladder`` (complete sync runs at T/8, T/4, T/2 and delayed runs at T/4, T/2: the effective-step fraction and
-each gap's exponent in T), ``beta1`` (the first-moment table of the stability model), ``lambda`` (fixed 0.5 / 1 /
+seeds), ``ladder`` (complete sync runs at T/8, T/4, T/2 and delayed runs at T/4, T/2, those at T/4 and T/2 with 3
+seeds: the effective-step fraction and each gap's exponent in T), ``beta1`` (the first-moment table of the stability model), ``lambda`` (fixed 0.5 / 1 /
 1.5, auto and learned at T and T/2), ``syncstart`` (synchronous first 10%). ``--report-only`` runs nothing.
 
 Finished arms are summarised in ``bench/results/paper_regime/`` (``RESULTS``, committed: the held-out curve and final
@@ -229,13 +229,14 @@ class Bench:
     def lengths(self) -> dict[str, int]:
         return {"T/8": round(self.T / 8), "T/4": round(self.T / 4), "T/2": round(self.T / 2), "T": self.T}
 
-    def ladder_jobs(self) -> list[tuple]:
-        """Complete runs (each with its own schedule and weight-decay timescale) at fractions of T, seed 0: sync at
-        T/8, T/4, T/2 (with T: the ladder the effective-step fraction is read from), delayed at T/4, T/2 (with T:
-        each gap's exponent in T)."""
+    def ladder_jobs(self, seeds=(0,)) -> list[tuple]:
+        """Complete runs (each with its own schedule and weight-decay timescale) at fractions of T: sync at T/8
+        (seed 0), T/4, T/2 (with T: the ladder the effective-step fraction is read from), delayed at T/4, T/2 (with T:
+        each gap's exponent in T, per seed)."""
         L = self.lengths()
-        return [self.job(*self.arm(opt, v, L[k]), L[k]) for k in ("T/4", "T/2", "T/8") for opt in ("adamw", "muon")
-                for v in (VARIANTS if k != "T/8" else ("sync",))]
+        return [self.job(*self.arm(opt, v, L[k]), L[k], seed) for seed in seeds for k in ("T/4", "T/2", "T/8")
+                for opt in ("adamw", "muon") for v in (VARIANTS if k != "T/8" else ("sync",))
+                if k != "T/8" or seed == 0]
 
     def beta1_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
         """The first-moment table at ``steps`` (seed 0): heavy-ball AdamW at beta1 0.5 and 0.9, a Nesterov first
@@ -315,6 +316,12 @@ def _mean(xs):
 
 def _sd(xs):
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _pm(xs, fmt: str = ".4f", signed: bool = True) -> str:
+    """``mean ± sd`` of ``xs`` (one value: itself)."""
+    f = ("+" if signed else "") + fmt
+    return f"{_mean(xs):{f}}" + (f" ± {_sd(xs):{fmt}}" if len(xs) > 1 else "")
 
 
 def effective_fraction(loss: float, ladder: list[tuple[int, float]], steps: int) -> float | None:
@@ -414,21 +421,33 @@ def report(b: "Bench", results: dict, extras: dict) -> str:
         if d.get("eff") is not None:
             lines.append(f"| R4 {opt} effective-step fraction (delayed) | about {0.94 if opt == 'muon' else 0.25} "
                          f"(review's reading) | {d['eff']:.2f} | |")
-    # exponents
-    lines += ["", "### The gap against the run length (seed 0; complete runs, each with its own schedule)", "",
-              "| optimizer | arm | gap at T/4 | gap at T/2 | gap at T | exponent (gap ~ T^k) |", "|---|---|---|---|---|---|"]
+    # exponents, per seed (a seed's three complete runs give its own fit)
+    lines += ["", "### The gap against the run length (complete runs, each with its own schedule; mean ± sd over "
+              "seeds, gaps paired by seed)", "",
+              "| optimizer | arm | seeds | gap at T/4 | gap at T/2 | gap at T | exponent (gap ~ T^k), per seed | "
+              "exponent of the mean gaps |", "|---|---|---|---|---|---|---|---|"]
     for opt in ("adamw", "muon"):
         for v in ("delay", "delay+EF"):
-            pts = []
+            per_seed = {}
+            for sd in (0, 1, 2):
+                for k in ("T/4", "T/2", "T"):
+                    d, sy = get(tag(opt, v, L[k]), L[k], sd), get(tag(opt, "sync", L[k]), L[k], sd)
+                    if d and sy:
+                        per_seed.setdefault(sd, {})[k] = d["final"] - sy["final"]
+            if not per_seed:
+                continue
+            full = {sd: g for sd, g in per_seed.items() if len(g) == 3}
+            cells = []
             for k in ("T/4", "T/2", "T"):
-                d, sy = get(tag(opt, v, L[k]), L[k]), get(tag(opt, "sync", L[k]), L[k])
-                if d and sy:
-                    pts.append((L[k], d["final"] - sy["final"]))
-            if pts:
-                k_ = exponent(pts) if len(pts) == 3 else None
-                cells = {st: f"{g:+.4f}" for st, g in pts}
-                lines.append(f"| {opt} | {v} | " + " | ".join(cells.get(L[k], "") for k in ("T/4", "T/2", "T"))
-                             + f" | {'' if k_ is None else f'{k_:.2f}'} |")
+                vals = [g[k] for g in per_seed.values() if k in g]
+                cells.append(_pm(vals) if vals else "")
+            fits = [e for g in full.values() if (e := exponent([(L[k], g[k]) for k in ("T/4", "T/2", "T")])) is not None]
+            mean_fit = exponent([(L[k], _mean([g[k] for g in full.values()])) for k in ("T/4", "T/2", "T")]) \
+                if full else None
+            fit_cell = (_pm(fits, ".2f", signed=False) + (f" ({len(fits)} of {len(full)} seeds: a gap <= 0 has none)"
+                                                           if len(fits) < len(full) else "")) if fits else ""
+            lines.append(f"| {opt} | {v} | {len(full)} | " + " | ".join(cells) + f" | {fit_cell} | "
+                         + ("" if mean_fit is None else f"{mean_fit:.2f}") + " |")
     lines += extra_tables(b, results, extras)
     png = b.out / "paper_regime.png"
     _plot(b, results, png)
@@ -560,6 +579,8 @@ def main() -> None:
     if "main" in phases:
         jobs += b.main_jobs(seeds=(1, 2))
     jobs += want("lambda", "T/2")
+    if "ladder" in phases:
+        jobs += b.ladder_jobs(seeds=(1, 2))
     seen, unique = set(), []
     for j in jobs:
         if (j[0], j[2], j[3]) not in seen:
