@@ -38,7 +38,7 @@ from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
 from ..partition import partition_model, shared_tensors
 from ..topology import Topology, local_device, make_groups
-from . import forward_only, stage_state
+from . import forward_only, profile, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
 from .p2p import P2P
@@ -46,7 +46,7 @@ from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule, with_sync_start
 from .sharding import assign_owners, keep_owned, merge_optimizer_states
-from .versions import Hold, Versions, autocast_casts
+from .versions import Hold, Versions, find_casts
 
 __all__ = ["PipelineEngine"]
 
@@ -360,7 +360,7 @@ class PipelineEngine:
             arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
         kwargs = {"labels": ids} if self.last and ids is not None else None
         if self.bf16_versions and self.versions.cast is None:
-            self.versions.use_bf16(self._find_casts(micro.version, arg, kwargs))
+            self.versions.use_bf16(find_casts(self.stage, self.versions.leaves_for(micro.version), arg, kwargs))
         leaves = self.versions.compute_for(micro.version)
         if not self.track_memory:
             with autocast(self.recipe.training.bf16):
@@ -385,16 +385,6 @@ class PipelineEngine:
         finally:
             for h in hooks:
                 h.remove()
-
-    def _find_casts(self, version: int, arg, kwargs) -> set[str]:
-        """The weights autocast casts whole to bf16 on this stage: read off the autograd graph of one forward of the
-        first microbatch (outside the schedule, once per process; its random numbers are given back)."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), autocast(True):
-            leaves = self.versions.leaves_for(version)
-            out = functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
-            outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
-            return autocast_casts(outs, leaves)
 
     def _backward(self, micro: _Micro, m: int) -> None:
         if self.recipe.training.gradient_checkpointing:
@@ -444,11 +434,7 @@ class PipelineEngine:
 
     def profile(self) -> list[dict] | None:
         """Seconds and counts per action kind of every stage so far (collective; the main process gets the list)."""
-        mine = ({"stage": self.topo.stage, "seconds": {t.value: s for t, s in self.action_seconds.items()},
-                 "counts": {t.value: c for t, c in self.action_counts.items()}} if self.topo.dp_rank == 0 else None)
-        parts = [None] * self.topo.world_size if self.topo.is_main else None
-        dist.gather_object(mine, parts, dst=0)
-        return sorted((x for x in parts if x), key=lambda x: x["stage"]) if self.topo.is_main else None
+        return profile.gather(self.topo, self.action_seconds, self.action_counts)
 
     def close(self) -> None:
         """Finish what is in flight and release this engine's process groups (before destroying the default one)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .. import checkpoint as ckpt
 from ..config import PipelineConfig
 from .schedules import get_schedule
@@ -53,3 +55,13 @@ def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad
         f"stage {s['stage']} busy {s['busy_share']:.0%} (F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms), "
         f"waiting {s['waiting_share']:.0%}" for s in stages), 100 * sim.steady_bubble)
     return {"simulated_steady_bubble": sim.steady_bubble, "busy": [s["busy_share"] for s in stages]}
+
+
+def gather(topo, seconds: dict, counts: dict) -> list[dict] | None:
+    """Every stage's seconds and counts per action kind (from data-parallel rank 0), sorted by stage, on the main
+    process; None elsewhere (collective)."""
+    mine = ({"stage": topo.stage, "seconds": {t.value: s for t, s in seconds.items()},
+             "counts": {t.value: c for t, c in counts.items()}} if topo.dp_rank == 0 else None)
+    parts = [None] * topo.world_size if topo.is_main else None
+    dist.gather_object(mine, parts, dst=0)
+    return sorted((x for x in parts if x), key=lambda x: x["stage"]) if topo.is_main else None

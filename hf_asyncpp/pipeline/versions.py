@@ -24,6 +24,9 @@ holds no weights. A weight autocast uses both cast and uncast (a tied embedding 
 from __future__ import annotations
 
 import torch
+from torch.func import functional_call
+
+from ..engine import autocast
 
 
 class _Bf16Weight(torch.autograd.Function):
@@ -58,6 +61,16 @@ def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
             else:
                 todo.append(nxt)
     return cast - direct
+
+
+def find_casts(stage: torch.nn.Module, leaves: dict[str, torch.Tensor], arg, kwargs) -> set[str]:
+    """The weights autocast casts whole to bf16 on ``stage``: read off the autograd graph of one forward of a
+    microbatch under autocast (outside the schedule, once per process; its random numbers are given back)."""
+    device = next(iter(leaves.values())).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True):  # the forward's
+        out = functional_call(stage, leaves, (arg,), kwargs, strict=False)
+        outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
+        return autocast_casts(outs, leaves)
 
 
 class Hold:
