@@ -5,8 +5,9 @@ measures held-out perplexity through the engine (forward only, through the stage
 gather) and, with ``eval.during_training``, scores ``eval.tasks`` on the newest weights; both are recorded by the
 run's ``RunLog``, the one writer of ``metrics.jsonl``. :meth:`Evaluator.finish` is the end of a run: the HF folder
 (``export.py``), its perplexity read back from the folder (the proof that the export is the trained model: through the
-pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in one process),
-the downstream tasks (through the pipeline too, on the tensors each stage reads from the export), the card's results, the final Hub push and ``final_eval.json``.
+pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in one process), the downstream tasks
+(through the pipeline too, on the tensors each stage reads from the export), the card's results, the final Hub push
+and ``final_eval.json``.
 
 The evaluation itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
 """
