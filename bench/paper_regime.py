@@ -53,6 +53,7 @@ TOKENS_PER_PARAM = 20
 WD_TIMESCALE = 0.4  # 1 / (lr * weight decay) as a fraction of the run
 EVAL_BLOCKS = 2048
 PHASES = ("tune", "main", "ladder", "beta1", "lambda", "syncstart")
+SLOW_LAMBDA_LR = 0.005  # the learned lambda's step, a quarter of optimizer.ef_lambda_lr's default (0.02)
 GRIDS = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2.5e-3, 5e-3, 1e-2, 2e-2]}
 # Muon's AdamW side (embeddings, norms) at the best AdamW lr of a first sweep at T (1e-3 .. 1.6e-2, 2026-11-25), so
 # that both grids run at once; not Muon's own lr (the 300-step table ran its AdamW side at Muon's 1e-2)
@@ -263,9 +264,12 @@ class Bench:
     def lambda_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
         out = {}
         for opt in ("adamw", "muon"):
-            for lam in ("0.5", "1", "1.5", "auto", "learned"):
-                extra = [] if lam == "1" else [f"--optimizer.ef_lambda={lam}"]
+            for lam in ("0.5", "1", "1.5", "auto", "learned", "learned-slow"):
+                extra = [] if lam == "1" else [f"--optimizer.ef_lambda={lam.removesuffix('-slow')}"]
                 tag = None if lam == "1" else f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lam{lam}"
+                if lam == "learned-slow":  # a quarter of the default step: does the overshoot at T/2 go?
+                    extra.append(f"--optimizer.ef_lambda_lr={SLOW_LAMBDA_LR}")
+                    tag = f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lamlearned-step{SLOW_LAMBDA_LR:g}"
                 out[f"{opt} lambda {lam}"] = self.arm(opt, "delay+EF", steps, extra, tag=tag)
         return out
 
@@ -478,28 +482,31 @@ def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
     if lam:
         lines += ["", "### EF's lambda: fixed, auto (cosine) and learned (hypergradient), seed 0", "",
                   "Gap to sync; the tolerance is one seed's spread: the sd over seeds of the delay + EF gap at T.", "",
-                  "| optimizer | length | 0.5 | 1 | 1.5 | auto | learned | learned lambda at the end | learned within one sd of the best fixed? |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"| optimizer | length | 0.5 | 1 | 1.5 | auto | learned | learned, step {SLOW_LAMBDA_LR:g} | "
+                  f"learned lambda at the end (step 0.02 / {SLOW_LAMBDA_LR:g}) | within one sd of the best fixed? "
+                  f"(step 0.02 / {SLOW_LAMBDA_LR:g}) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         sd_of = {opt: _sd([results[(b.arm(opt, "delay+EF", b.T)[0], b.T, s)]["final"]
                            - results[(b.arm(opt, "sync", b.T)[0], b.T, s)]["final"]
                            for s in (0, 1, 2) if (b.arm(opt, "delay+EF", b.T)[0], b.T, s) in results
                            and (b.arm(opt, "sync", b.T)[0], b.T, s) in results]) for opt in ("adamw", "muon")}
         for (opt, steps), arms_ in sorted(_by_opt_len(lam).items()):
             sync = results.get((b.arm(opt, "sync", steps)[0], steps, 0))
-            cells, gaps, learned_end = [], {}, None
-            for x in ("0.5", "1", "1.5", "auto", "learned"):
+            cells, gaps, ends = [], {}, {}
+            for x in ("0.5", "1", "1.5", "auto", "learned", "learned-slow"):
                 r = results.get((arms_.get(x), steps, 0))
                 if r and sync:
                     gaps[x] = r["final"] - sync["final"]
-                    if x == "learned" and r.get("lambda"):
-                        learned_end = r["lambda"][-1][1]
+                    if r.get("lambda"):
+                        ends[x] = f"{r['lambda'][-1][1]:.2f}"
                 cells.append(f"{gaps[x]:+.4f}" if x in gaps else "-")
             fixed = [gaps[x] for x in ("0.5", "1", "1.5") if x in gaps]
-            ok = ("-" if "learned" not in gaps or len(fixed) < 3 else
-                  ("yes" if gaps["learned"] <= min(fixed) + sd_of[opt] else "no")
-                  + f" (best fixed {min(fixed):+.4f}, sd {sd_of[opt]:.4f})")
+            verdict = lambda x: "-" if x not in gaps or len(fixed) < 3 else (  # noqa: E731
+                "yes" if gaps[x] <= min(fixed) + sd_of[opt] else "no")
+            ok = (f"{verdict('learned')} / {verdict('learned-slow')}" + (
+                f" (best fixed {min(fixed):+.4f}, sd {sd_of[opt]:.4f})" if len(fixed) == 3 else ""))
             lines.append(f"| {opt} | {steps} | " + " | ".join(cells)
-                         + f" | {'' if learned_end is None else f'{learned_end:.2f}'} | {ok} |")
+                         + f" | {ends.get('learned', '-')} / {ends.get('learned-slow', '-')} | {ok} |")
     ss = extras.get("syncstart", {})
     if ss:
         lines += ["", "### Sync start: synchronous through the warm-up (10%), then delayed (seed 0)", "",
