@@ -38,12 +38,13 @@ def request_batches(requests: list[tuple[list[int], list[int]]], batch_size: int
 
 
 def continuation_logprobs(logits: torch.Tensor, chunk: list[int], lengths: list[int],
-                          requests: list[tuple[list[int], list[int]]]) -> list[float]:
-    """Summed log p(continuation | context) of each request of a batch, from the model's logits ``(B, T, V)``."""
+                          requests: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Summed log p(continuation | context) of each request of a batch, from the model's logits ``(B, T, V)``: float64
+    ``(B,)`` on the logits' device (float32 sums, so no host sync per request)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     out = []
     for j, k in enumerate(chunk):
         cont = requests[k][1]
         pos = torch.arange(lengths[j] - len(cont), lengths[j], device=logits.device)
-        out.append(float(logp[j, pos, torch.tensor(cont, device=logits.device)].sum()))
-    return out
+        out.append(logp[j, pos, torch.tensor(cont, device=logits.device)].sum())
+    return torch.stack(out).double()

@@ -81,7 +81,8 @@ def _score_requests(model, requests: list[tuple[list[int], list[int]]], batch_si
     def run(bs: int) -> list[float]:
         scores = [0.0] * len(requests)
         for chunk, ids, lengths in request_batches(requests, bs, pad_id, length):
-            for k, v in zip(chunk, continuation_logprobs(model(input_ids=ids.to(device)).logits, chunk, lengths, requests)):
+            logits = model(input_ids=ids.to(device)).logits
+            for k, v in zip(chunk, continuation_logprobs(logits, chunk, lengths, requests).tolist()):
                 scores[k] = v
         return scores
 

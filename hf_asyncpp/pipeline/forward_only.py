@@ -98,8 +98,7 @@ class StageScorer:
 
         def fill(i, logits, _):
             chunk, _, lengths = batches[i]
-            scores[chunk] = torch.tensor(continuation_logprobs(logits, chunk, lengths, requests),
-                                         dtype=torch.float64, device=scores.device)
+            scores[chunk] = continuation_logprobs(logits, chunk, lengths, requests)
 
         forward_batches(self.engine, [ids for _, ids, _ in batches], fill, self.weights)
         dist.all_reduce(scores)
