@@ -3,7 +3,10 @@ prefetching data path, metrics, the progress line) against torch.distributed.pip
 no-bubble limit, on the shapes of bench/vs_torch_pipelining.py: Llama h256 x 8 layers, vocabulary 4,096, untied,
 AdamW, 4 microbatches of 4 x 128 tokens per step, split 5/3, 2 processes x 1 thread (gloo).
 
-    python bench/cli_throughput.py [--steps 40] [--rounds 3] [--write]
+    python bench/cli_throughput.py [--steps 40] [--rounds 3] [--fused] [--write]
+
+``--fused``: every arm, ours and torch's, steps AdamW with torch's fused kernel (``optimizer.fused: true``,
+``torch.optim.AdamW(fused=True)``) instead of torch's per-tensor loop; written to its own section.
 
 Arms, each once per round with the order rotated every round, best round reported:
 
@@ -34,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
+if "--fused" in sys.argv:  # before bench.throughput reads it; the spawned workers inherit it
+    os.environ["HF_ASYNCPP_BENCH_FUSED"] = "1"
 from bench.vs_torch_pipelining import MODEL, SPLIT  # noqa: E402 (sets the workers' model before bench.throughput)
 from bench import throughput as tp  # noqa: E402
 
@@ -51,7 +56,8 @@ def cli_args(schedule: str, steps: int, out: Path) -> list[str]:
             "--optimizer.name=adamw", "--optimizer.learning_rate=1e-3", "--optimizer.delay_correction=none",
             f"--training.max_steps={steps}", f"--training.logging_steps={max(1, steps // 10)}",
             "--training.eval_steps=0", "--training.save_steps=0", "--training.export=false", "--data.eval_blocks=8",
-            "--training.report_to=none", f"--training.output_dir={out}", *pipe]
+            "--training.report_to=none", f"--training.output_dir={out}", f"--optimizer.fused={str(tp.FUSED).lower()}",
+            *pipe]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -96,7 +102,7 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
             return run_cli(schedule, steps, tmp / f"{schedule}{len(extra)}-{rnd}", extra)
         return run
 
-    return {
+    out = {
         "cli 2bw": cli("2bw"),
         "cli 2bw, extra_warmup 1": cli("2bw", "--pipeline.extra_warmup=1"),
         "cli 1f1b": cli("1f1b"),
@@ -105,6 +111,10 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
         "in-process single": lambda rnd: (tp.single_process(inproc_steps, M), None),
         "2 x cli single, side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
     }
+    if tp.FUSED:  # torch as a torch.pipelining user writes it by default, beside the fused comparison
+        out["torch 1f1b, per-tensor AdamW"] = lambda rnd: (
+            tp.spawn(tp._torch_pipelining, 2, "1f1b", inproc_steps, M, SPLIT, False)[0]["tokens_per_s"], None)
+    return out
 
 
 def per_action(profile: dict) -> dict[int, dict[str, float]]:
@@ -137,6 +147,8 @@ def tables(best: dict, seen: dict, args) -> str:
               f"- cli 2bw / torch Schedule1F1B = {t2 / tt:.2f} (target >= 1.2; removing 1F1B's bubble alone gives "
               f"{1 + bubble:.2f} with equal stages)",
               f"- cli 2bw / no-bubble limit = {t2 / limit:.2f} (target >= 0.9)",
+              *([f"- cli 2bw / torch Schedule1F1B with torch's default per-tensor AdamW = "
+                 f"{t2 / best['torch 1f1b, per-tensor AdamW'][0]:.2f}"] if "torch 1f1b, per-tensor AdamW" in best else []),
               f"- two single processes side by side reach {pair / limit:.2f} of the limit (this machine with both cores "
               f"busy); cli 2bw / that = {t2 / pair:.2f}",
               f"- cli 2bw with extra_warmup 1 / no-bubble limit = {best['cli 2bw, extra_warmup 1'][0] / limit:.2f}",
@@ -170,6 +182,7 @@ def main():
     ap.add_argument("--inproc-steps", type=int, default=8, help="timed steps per in-process arm")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=None, help="comma-separated arms (default: all)")
+    ap.add_argument("--fused", action="store_true", help="AdamW's fused kernel on every arm (its own section)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     best: dict[str, tuple[float, object]] = {}
@@ -195,9 +208,13 @@ def main():
     if args.write:
         from bench.report import write_section
 
-        write_section("cli-throughput", "## 2BW through `hf-asyncpp train` against torch's Schedule1F1B\n\n"
-                      f"Command: `python bench/cli_throughput.py --steps {args.steps} --rounds {args.rounds} --write` "
-                      f"({time.strftime('%Y-%m-%d')}; Llama h256 x 8 layers, vocab 4096 untied, AdamW, {M} microbatches "
+        kernel = ", AdamW's fused kernel on every arm" if args.fused else ""
+        write_section("cli-throughput-fused" if args.fused else "cli-throughput",
+                      f"## 2BW through `hf-asyncpp train` against torch's Schedule1F1B{kernel}\n\n"
+                      f"Command: `python bench/cli_throughput.py --steps {args.steps} --rounds {args.rounds}"
+                      f"{' --fused' if args.fused else ''} --write` "
+                      f"({time.strftime('%Y-%m-%d')}; Llama h256 x 8 layers, vocab 4096 untied, AdamW"
+                      f"{' (fused)' if args.fused else ''}, {M} microbatches "
                       f"of {tp.MBS} x {tp.SEQ} tokens, split {SPLIT[0]}/{SPLIT[1]}, 2 processes x 1 thread, gloo; the "
                       "command-line arms read the default corpus with its 4,096-token tokenizer)\n\n" + text)
 

@@ -53,7 +53,11 @@ TOKENS_PER_PARAM = 20
 WD_TIMESCALE = 0.4  # 1 / (lr * weight decay) as a fraction of the run
 EVAL_BLOCKS = 2048
 PHASES = ("tune", "main", "ladder", "beta1", "lambda", "syncstart")
-SLOW_LAMBDA_LR = 0.005  # the learned lambda's step, a quarter of optimizer.ef_lambda_lr's default (0.02)
+# the learned lambda's variants: name -> (its step ``ef_lambda_lr``, ``ef_lambda_schedule``, tag suffix). The default
+# step; a quarter of it (does the overshoot at T/2 go?); the default and 2.5x it times the lr schedule's factor (the
+# step large early, small late, as the two constant steps asked for)
+LEARNED = {"learned": (0.02, "constant", ""), "learned-slow": (0.005, "constant", "-step0.005"),
+           "learned-lr": (0.02, "lr", "-lrsched"), "learned-lr-fast": (0.05, "lr", "-step0.05-lrsched")}
 GRIDS = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2.5e-3, 5e-3, 1e-2, 2e-2]}
 # Muon's AdamW side (embeddings, norms) at the best AdamW lr of a first sweep at T (1e-3 .. 1.6e-2, 2026-11-25), so
 # that both grids run at once; not Muon's own lr (the 300-step table ran its AdamW side at Muon's 1e-2)
@@ -264,12 +268,14 @@ class Bench:
     def lambda_arms(self, steps: int) -> dict[str, tuple[str, list[str]]]:
         out = {}
         for opt in ("adamw", "muon"):
-            for lam in ("0.5", "1", "1.5", "auto", "learned", "learned-slow"):
-                extra = [] if lam == "1" else [f"--optimizer.ef_lambda={lam.removesuffix('-slow')}"]
+            for lam in ("0.5", "1", "1.5", "auto", *LEARNED):
+                extra = [] if lam == "1" else [f"--optimizer.ef_lambda={lam.split('-')[0]}"]
                 tag = None if lam == "1" else f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lam{lam}"
-                if lam == "learned-slow":  # a quarter of the default step: does the overshoot at T/2 go?
-                    extra.append(f"--optimizer.ef_lambda_lr={SLOW_LAMBDA_LR}")
-                    tag = f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lamlearned-step{SLOW_LAMBDA_LR:g}"
+                if lam in LEARNED:
+                    rate, schedule, suffix = LEARNED[lam]
+                    if lam != "learned":
+                        extra += [f"--optimizer.ef_lambda_lr={rate}", f"--optimizer.ef_lambda_schedule={schedule}"]
+                    tag = f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lamlearned{suffix}"
                 out[f"{opt} lambda {lam}"] = self.arm(opt, "delay+EF", steps, extra, tag=tag)
         return out
 
@@ -482,10 +488,12 @@ def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
     if lam:
         lines += ["", "### EF's lambda: fixed, auto (cosine) and learned (hypergradient), seed 0", "",
                   "Gap to sync; the tolerance is one seed's spread: the sd over seeds of the delay + EF gap at T.", "",
-                  f"| optimizer | length | 0.5 | 1 | 1.5 | auto | learned | learned, step {SLOW_LAMBDA_LR:g} | "
-                  f"learned lambda at the end (step 0.02 / {SLOW_LAMBDA_LR:g}) | within one sd of the best fixed? "
-                  f"(step 0.02 / {SLOW_LAMBDA_LR:g}) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| optimizer | length | 0.5 | 1 | 1.5 | auto | " + " | ".join(LEARNED) + " |",
+                  "|---|---|---|---|---|---|" + "---|" * len(LEARNED)]
+        verdicts = ["", "The learned lambda's variants (" + "; ".join(
+            f"{k}: step {r:g}{' x the lr schedule' if sch == 'lr' else ''}" for k, (r, sch, _) in LEARNED.items())
+            + "): lambda at the end, and whether the gap is within one seed's spread of the best fixed lambda's.", "",
+            "| optimizer | length | best fixed (sd) | " + " | ".join(LEARNED) + " |", "|---|---|---|" + "---|" * len(LEARNED)]
         sd_of = {opt: _sd([results[(b.arm(opt, "delay+EF", b.T)[0], b.T, s)]["final"]
                            - results[(b.arm(opt, "sync", b.T)[0], b.T, s)]["final"]
                            for s in (0, 1, 2) if (b.arm(opt, "delay+EF", b.T)[0], b.T, s) in results
@@ -493,7 +501,7 @@ def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
         for (opt, steps), arms_ in sorted(_by_opt_len(lam).items()):
             sync = results.get((b.arm(opt, "sync", steps)[0], steps, 0))
             cells, gaps, ends = [], {}, {}
-            for x in ("0.5", "1", "1.5", "auto", "learned", "learned-slow"):
+            for x in ("0.5", "1", "1.5", "auto", *LEARNED):
                 r = results.get((arms_.get(x), steps, 0))
                 if r and sync:
                     gaps[x] = r["final"] - sync["final"]
@@ -503,10 +511,11 @@ def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
             fixed = [gaps[x] for x in ("0.5", "1", "1.5") if x in gaps]
             verdict = lambda x: "-" if x not in gaps or len(fixed) < 3 else (  # noqa: E731
                 "yes" if gaps[x] <= min(fixed) + sd_of[opt] else "no")
-            ok = (f"{verdict('learned')} / {verdict('learned-slow')}" + (
-                f" (best fixed {min(fixed):+.4f}, sd {sd_of[opt]:.4f})" if len(fixed) == 3 else ""))
-            lines.append(f"| {opt} | {steps} | " + " | ".join(cells)
-                         + f" | {ends.get('learned', '-')} / {ends.get('learned-slow', '-')} | {ok} |")
+            lines.append(f"| {opt} | {steps} | " + " | ".join(cells) + " |")
+            best = f"{min(fixed):+.4f} ({sd_of[opt]:.4f})" if len(fixed) == 3 else "-"
+            verdicts.append(f"| {opt} | {steps} | {best} | "
+                            + " | ".join(f"{verdict(x)}, lambda {ends.get(x, '-')}" for x in LEARNED) + " |")
+        lines += verdicts
     ss = extras.get("syncstart", {})
     if ss:
         lines += ["", "### Sync start: synchronous through the warm-up (10%), then delayed (seed 0)", "",
@@ -542,7 +551,8 @@ def _plot(b: "Bench", results: dict, path: Path) -> None:
                 axes[0].plot(*zip(*r["curve"][1:]), style, color=color, label=f"{opt} {v}")
     for (t, steps, seed), r in sorted(results.items()):
         if r.get("lambda") and seed == 0:
-            axes[1].plot(*zip(*r["lambda"]), label=f"{t.split('-')[0]} T={steps}", lw=1)
+            variant = t.split("lamlearned", 1)[-1] if "lamlearned" in t else ""
+            axes[1].plot(*zip(*r["lambda"]), label=f"{t.split('-')[0]}{variant} T={steps}", lw=1)
     axes[0].set_title(f"held-out loss, T = {b.T} (seed 0)")
     axes[1].set_title("learned EF lambda")
     for ax in axes:

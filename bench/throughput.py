@@ -35,6 +35,9 @@ MODEL["num_hidden_layers"] = int(os.environ.get("HF_ASYNCPP_BENCH_LAYERS", MODEL
 # spawned workers re-import this module and read it from the environment
 MODEL.update(json.loads(os.environ.get("HF_ASYNCPP_BENCH_MODEL", "{}")))
 SEQ, MBS = 128, 4
+# AdamW's kernel on every arm (ours and torch's alike): torch's per-tensor loop, or its fused kernel
+# (HF_ASYNCPP_BENCH_FUSED=1, bench/cli_throughput.py --fused; read from the environment by spawned workers too)
+FUSED = os.environ.get("HF_ASYNCPP_BENCH_FUSED") == "1"
 
 
 LAYERS_PER_STAGE = None  # set by --layers-per-stage; None: the partitioner's cost model
@@ -48,7 +51,7 @@ def recipe(schedule: str, stages: int, m: int, extra_warmup: int = 0):
         "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": MBS,
                      "layers_per_stage": LAYERS_PER_STAGE if stages > 1 else None,
                      "extra_warmup": extra_warmup},
-        "optimizer": {"name": "adamw", "learning_rate": 1e-3},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3, "fused": FUSED},
         "training": {"max_steps": 1000, "warmup_steps": 0, "report_to": []},
     })
 
@@ -106,14 +109,15 @@ def _ours(rank, world, schedule, steps, m, split=None, extra_warmup=0):
             "peak_inflight": eng.peak_inflight, "rss_mb": _rss_mb(), "seconds": seconds, "counts": counts, "wall": dt}
 
 
-def _torch_pipelining(rank, world, schedule, steps, m, split=None):
+def _torch_pipelining(rank, world, schedule, steps, m, split=None, fused=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hf_asyncpp.partition import partition_model
 
     r = recipe("1f1b", world, m)
     stage_mod = partition_model(build(r), world, split)[rank]
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
+    fused = FUSED if fused is None else fused
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3, fused=True if fused else None)
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
 
     def loss_fn(logits, target):

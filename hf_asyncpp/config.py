@@ -333,6 +333,9 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("optimizer.ef_lambda: learned needs optimizer.delay_correction: error_feedback under a one-step "
                           f"delay (pipeline.schedule: 2bw, or optimizer.simulate_delay: 1); here the schedule is "
                           f"{p.schedule!r} and simulate_delay {o.simulate_delay!r}")
+    if o.fused and o.name != "adamw":
+        raise RecipeError(f"optimizer.fused: true is torch's fused AdamW kernel; it needs optimizer.name: adamw, not "
+                          f"{o.name!r} (allowed with fused: adamw)")
     if o.shard_across_replicas and o.ef_lambda == "learned":
         raise RecipeError("optimizer.shard_across_replicas: true does not support optimizer.ef_lambda: learned (its "
                           "cosine spans every tensor of the stage); use a number or 'auto', or do not shard")

@@ -18,7 +18,7 @@ TRAINER_EQUIVALENTS = {
     "learning_rate": "optimizer.learning_rate",
     "weight_decay": "optimizer.weight_decay",
     "adam_epsilon": "optimizer.adam_epsilon",
-    "optim": "optimizer.name (muon, adamw, nadam, sgd)",
+    "optim": "optimizer.name (muon, adamw, nadam, sgd; adamw_torch_fused: adamw with optimizer.fused: true)",
     "num_train_epochs": "training.max_steps (training is counted in optimizer steps)",
 }
 """transformers.TrainingArguments names a recipe does not use under that name, and the field that means the same."""

@@ -39,6 +39,11 @@ class OptimizerConfig:
     """Muon: orthogonalize the gate and the up projection of a fused MoE expert ``gate_up_proj`` (transformers 5's
     (E, 2I, H) layout) each on its own, as separate projections (dense Llama, transformers 4 MoE) are. False: one
     (2I x H) matrix per expert. The two updates differ by 39-55% at MoE shapes (docs/how-it-works.md)."""
+    fused: bool = False
+    """AdamW: torch's fused kernel (``torch.optim.AdamW(fused=True)``, transformers' ``adamw_torch_fused``), one
+    kernel over every tensor instead of torch's per-tensor loop on a CPU (4x faster there at the benchmark's 4.7M
+    parameters; docs/benchmarks.md, "cli-throughput"). The same update, rounded differently in the last bits. Off by
+    default so that runs and the committed benchmark tables keep their numbers; only with ``name: adamw``."""
     adamw_lr: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
     """Muon hybrid: lr of the AdamW group (embeddings, head, norms, biases, routers); None: learning_rate."""
     adamw_weight_decay: Optional[float] = field(default=None, metadata=_range(lo=0.0))
@@ -56,6 +61,10 @@ class OptimizerConfig:
     [0, 3]; logged as ``ef_lambda``; ``optim/ef.py``)."""
     ef_lambda_lr: float = field(default=0.02, metadata=_range(lo=0.0))
     """``ef_lambda: learned``: the step of lambda per unit of cosine."""
+    ef_lambda_schedule: Literal["constant", "lr"] = "constant"
+    """``ef_lambda: learned``: its step over the run: ``constant`` (``ef_lambda_lr`` at every step) or ``lr``
+    (``ef_lambda_lr`` times the lr schedule's factor, lr / peak lr: large while the delay gap is large, small late,
+    where a constant step drifts past the best lambda; docs/benchmarks.md, the paper-regime lambda table)."""
     delay_start_step: int = field(default=0, metadata=_range(lo=0))
     """"Sync start", the paper's baseline mitigation: the first ``delay_start_step`` steps are synchronous, then the
     delay (and the EF correction) starts; in the single-process reference (``simulate_delay: 1``) and in the

@@ -10,6 +10,7 @@ import torch
 from hf_asyncpp.config import OptimizerConfig
 from hf_asyncpp.optim import (Muon, apply_delay_correction, auto_lambda, build_optimizer, classify_parameters, install_error_feedback,
                               zeropower_via_newtonschulz)
+from hf_asyncpp.optim.ef import learned_lambda
 from support import DIMS
 
 
@@ -496,18 +497,20 @@ def test_error_feedback_state_round_trip():
     assert ob.error_feedback["prev"] == {}
 
 
-def _learned_by_hand(gs, lr, rate, start=0):
-    """SGD + EF with the learned lambda written out: lam <- clip(lam + rate cos(g[t], d[t-2]), 0, 3) over both
-    tensors together (one group), then x <- x - u - lam (u - u_prev)."""
+def _learned_by_hand(gs, lr, rate, start=0, factors=None):
+    """SGD + EF with the learned lambda written out: lam <- clip(lam + rate f[t] cos(g[t], d[t-2]), 0, 3) over both
+    tensors together (one group), then x <- x - u - lam (u - u_prev), with u = lr f[t] g[t]; ``factors`` f: the lr
+    schedule's factor per step (default 1), which scales lambda's step too (``follow_lr``)."""
     x = [torch.zeros(3, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
     lam, prev, diffs, lams, xs = 1.0, None, {}, [], []
     for t, g in enumerate(gs):
+        f = factors[t] if factors is not None else 1.0
         if t - 2 in diffs:
             d = diffs[t - 2]
             dot = sum(float((a * b).sum()) for a, b in zip(g, d))
             cos = dot / (sum(float((a * a).sum()) for a in g) ** 0.5 * sum(float((b * b).sum()) for b in d) ** 0.5)
-            lam = min(max(lam + rate * cos, 0.0), 3.0)
-        u = [lr * a for a in g]
+            lam = min(max(lam + rate * f * cos, 0.0), 3.0)
+        u = [lr * f * a for a in g]
         x = [a - b for a, b in zip(x, u)]
         if prev is not None and t >= start:
             d = [a - b for a, b in zip(u, prev)]
@@ -522,8 +525,6 @@ def _learned_by_hand(gs, lr, rate, start=0):
 def test_learned_lambda_follows_the_hypergradient_by_hand():
     """``ef_lambda: learned`` is the rule written out (gradients with a drift, so lambda moves), its lambda is
     logged through ``learned_lambda``, and a state dict taken mid-run continues exactly (lambda, d buffers, step)."""
-    from hf_asyncpp.optim.ef import learned_lambda
-
     gen = torch.Generator().manual_seed(5)
     drift = [torch.randn(3, 3, generator=gen, dtype=torch.float64), torch.randn(2, generator=gen, dtype=torch.float64)]
     gs = [[dr * (1 + 0.3 * t) + 0.5 * torch.randn(dr.shape, generator=gen, dtype=torch.float64) for dr in drift]
@@ -557,6 +558,51 @@ def test_learned_lambda_follows_the_hypergradient_by_hand():
     for p, q in zip(params, params2):
         assert torch.equal(p.data, q.data)
     assert learned_lambda(opt2) == learned_lambda(opt)
+
+
+def test_learned_lambda_step_follows_the_lr_schedule():
+    """``ef_lambda_schedule: lr``: lambda's step is ``ef_lambda_lr`` times the lr schedule's factor at that step (an
+    LR scheduler's lr / initial_lr), as written out by hand; the constant rule on the same run ends elsewhere."""
+    gen = torch.Generator().manual_seed(7)
+    drift = [torch.randn(3, 3, generator=gen, dtype=torch.float64), torch.randn(2, generator=gen, dtype=torch.float64)]
+    gs = [[dr * (1 + 0.3 * t) + 0.5 * torch.randn(dr.shape, generator=gen, dtype=torch.float64) for dr in drift]
+          for t in range(10)]
+    factors = [min(1.0, (t + 1) / 3) * (1 - 0.08 * t) for t in range(10)]  # a warm-up, then a decay
+    xs, lams = _learned_by_hand(gs, 0.1, 0.4, factors=factors)
+    _, constant = _learned_by_hand(gs, 0.1, 0.4, factors=None)
+    assert abs(lams[-1] - constant[-1]) > 0.05  # the factor changed lambda's path: the comparison can see it
+
+    a, b = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = apply_delay_correction(torch.optim.SGD([a, b], lr=0.1),
+                                 OptimizerConfig(delay_correction="error_feedback", ef_lambda="learned",
+                                                 ef_lambda_lr=0.4, ef_lambda_schedule="lr"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: factors[t] if t < len(factors) else 1.0)
+    for t, g in enumerate(gs):
+        a.grad, b.grad = g[0].clone(), g[1].clone()
+        opt.step()
+        sched.step()
+        assert learned_lambda(opt) == pytest.approx(lams[t], abs=1e-12)
+        torch.testing.assert_close(a.data, xs[t][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(b.data, xs[t][1], rtol=0, atol=1e-12)
+
+
+def test_fused_adamw_is_torchs_fused_kernel_and_steps_as_the_default():
+    """``optimizer.fused: true`` builds torch's fused AdamW (one kernel; transformers' adamw_torch_fused): four steps
+    land where the default per-tensor AdamW lands, within float32 rounding."""
+    model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(model, OptimizerConfig(name="adamw", learning_rate=0.01, fused=True), log=lambda *a: None)
+    plain = build_optimizer(ref, OptimizerConfig(name="adamw", learning_rate=0.01), log=lambda *a: None)
+    assert opt.defaults["fused"] is True and not plain.defaults["fused"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        plain.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.data, q.data) <= 1e-6, n
 
 
 def test_error_feedback_starts_with_the_delay():

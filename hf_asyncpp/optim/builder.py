@@ -157,7 +157,8 @@ def build_optimizer(module: torch.nn.Module, cfg, log=print) -> torch.optim.Opti
               dict(params=groups["adamw_no_decay"], name="no_decay", weight_decay=0.0)]
         pg = [g for g in pg if g["params"]]
         if cfg.name == "adamw":
-            opt = torch.optim.AdamW(pg, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon)
+            opt = torch.optim.AdamW(pg, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
+                                    fused=True if cfg.fused else None)
         elif cfg.name == "nadam":
             opt = torch.optim.NAdam(pg, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
                                     momentum_decay=cfg.nadam_momentum_decay, decoupled_weight_decay=True)

@@ -36,7 +36,10 @@ Choices (documented here, tested in tests/test_optim.py):
   ``-lam[t] d[t]`` (``d[t] = u[t] - u[t-1]``), so ``dL(x[t+1])/dlam[t] = -<grad L(x[t+1]), d[t]>``; under 2BW
   step t+2 computes exactly that gradient (at version t+1) for its own update, so the rule costs no extra
   forward, backward or communication: at step t+2, ``lam <- clip(lam + rate * cos(g[t+2], d[t]), 0, LEARNED_MAX)``,
-  the inner products summed over the stage's tensors (the cosine makes ``rate`` scale-free). Why it can beat a
+  the inner products summed over the stage's tensors (the cosine makes ``rate`` scale-free). With
+  ``follow_lr`` (``optimizer.ef_lambda_schedule: lr``) the step is ``rate`` times the lr schedule's factor
+  (``lr / initial_lr`` of the first group): Baydin et al.'s raw inner product shrinks with the lr by itself, the
+  cosine does not, and a constant step measured too small early and too large late (docs/benchmarks.md). Why it can beat a
   fixed or cosine lambda: it follows the loss, so it exceeds 1 where extrapolating further helps (a delayed
   momentum method limited by stability) and falls where the extrapolation overshoots (the gradient at the new
   point then points back along ``d``). It needs a one-step delay (2BW, or ``simulate_delay: 1``): the gradient a
@@ -55,7 +58,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KEY", "AUTO", "LEARNED", "auto_lambda", "learned_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "ef_buffers", "ef_state_by_name",
+__all__ = ["KEY", "AUTO", "LEARNED", "auto_lambda", "learned_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "lr_factor", "ef_buffers", "ef_state_by_name",
            "ef_state_from_names"]
 
 KEY = "error_feedback"
@@ -86,6 +89,14 @@ def extrapolate_(p: Tensor, u: Tensor, prev: Tensor, lam: float | str) -> None:
     prev.copy_(u)
 
 
+def lr_factor(optimizer: torch.optim.Optimizer) -> float:
+    """The lr schedule's factor at this step, ``lr / initial_lr`` of the first group (an LR scheduler sets
+    ``initial_lr``); 1 without a scheduler."""
+    g = optimizer.param_groups[0]
+    peak = float(g.get("initial_lr", g["lr"]))
+    return float(g["lr"]) / peak if peak > 0 else 1.0
+
+
 def apply_delay_correction(optimizer: torch.optim.Optimizer, cfg, groups=None) -> torch.optim.Optimizer:
     """The optimizer to use: ``optimizer`` itself, with the correction installed when
     ``cfg.delay_correction == 'error_feedback'`` (``lam = cfg.ef_lambda``), untouched for ``'none'``. ``groups``:
@@ -95,7 +106,7 @@ def apply_delay_correction(optimizer: torch.optim.Optimizer, cfg, groups=None) -
     if cfg.delay_correction != "error_feedback":
         raise ValueError(f"optimizer.delay_correction: {cfg.delay_correction!r} is not one of 'none', 'error_feedback'")
     return install_error_feedback(optimizer, cfg.ef_lambda, groups=groups, rate=cfg.ef_lambda_lr,
-                                  start_step=cfg.delay_start_step)
+                                  start_step=cfg.delay_start_step, follow_lr=cfg.ef_lambda_schedule == "lr")
 
 
 def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
@@ -103,7 +114,7 @@ def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 1.0, groups=None,
-                           rate: float = LEARNED_RATE, start_step: int = 0) -> torch.optim.Optimizer:
+                           rate: float = LEARNED_RATE, start_step: int = 0, follow_lr: bool = False) -> torch.optim.Optimizer:
     """Install the correction on ``optimizer`` in place (step and state-dict hooks); returns it.
 
     Its state is ``optimizer.error_feedback``: ``{"lam": float | "auto" | "learned", "prev": {param: u[t-1]},
@@ -111,6 +122,7 @@ def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 
     ``"values"``: one 0-dim lambda per group of ``groups`` (lists of parameters; default one group, all of them).
     ``start_step`` (``optimizer.delay_start_step``): the steps before it are synchronous, so they are applied
     plain (their ``u`` is kept: the first delayed step extrapolates from the last synchronous one).
+    ``follow_lr``: the learned lambda's step is ``rate`` times the lr schedule's factor at this step.
     """
     if hasattr(optimizer, KEY):
         raise ValueError("error feedback is already installed on this optimizer (it would be applied twice)")
@@ -133,6 +145,7 @@ def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 
         """lam <- clip(lam + rate cos(g, d[t-2]), 0, max) per group: g is this step's gradient, at the weights
         d[t-2] moved (x[t-1] under a one-step delay)."""
         t = ef["t"]
+        step = rate * lr_factor(optimizer) if follow_lr else rate
         for i, members in enumerate(ef["groups"]):
             terms = [(p.grad, ef["diffs"][p][t - 2]) for p in members
                      if p.grad is not None and t - 2 in ef["diffs"].get(p, {})]
@@ -142,7 +155,7 @@ def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 
             norms = (torch.sqrt(sum(torch.sum(g.double() ** 2) for g, _ in terms))
                      * torch.sqrt(sum(torch.sum(d.double() ** 2) for _, d in terms)))
             cos = torch.where(norms > 0, dot / norms.clamp_min(1e-300), torch.zeros_like(dot))
-            ef["values"][i] = (ef["values"][i] + rate * cos.to(ef["values"][i].device)).clamp(0.0, LEARNED_MAX)
+            ef["values"][i] = (ef["values"][i] + step * cos.to(ef["values"][i].device)).clamp(0.0, LEARNED_MAX)
 
     @torch.no_grad()
     def pre(opt, args, kwargs):
