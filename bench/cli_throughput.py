@@ -228,7 +228,8 @@ def main():
         write_section("cli-throughput-fused" if args.fused else "cli-throughput",
                       f"## 2BW through `hf-asyncpp train` against torch's Schedule1F1B{kernel}\n\n"
                       f"Command: `python bench/cli_throughput.py --steps {args.steps} --rounds {args.rounds}"
-                      f"{' --fused' if args.fused else ''} --write` "
+                      f"{' --fused' if args.fused else ''}"
+                      f"{f' --inproc-steps {args.inproc_steps}' if args.inproc_steps != 8 else ''} --write` "
                       f"({time.strftime('%Y-%m-%d')}; Llama h256 x 8 layers, vocab 4096 untied, AdamW"
                       f"{' (fused)' if args.fused else ''}, {M} microbatches "
                       f"of {tp.MBS} x {tp.SEQ} tokens, split {SPLIT[0]}/{SPLIT[1]}, 2 processes x 1 thread, gloo; the "

@@ -276,8 +276,7 @@ class Bench:
                 tag = None if lam == "1" else f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lam{lam}"
                 if lam in LEARNED:
                     rate, schedule, suffix = LEARNED[lam]
-                    if lam != "learned":
-                        extra += [f"--optimizer.ef_lambda_lr={rate}", f"--optimizer.ef_lambda_schedule={schedule}"]
+                    extra += [f"--optimizer.ef_lambda_lr={rate}", f"--optimizer.ef_lambda_schedule={schedule}"]
                     tag = f"{opt}-lr{self.lrs[opt]:g}-delay+EF-lamlearned{suffix}"
                 out[f"{opt} lambda {lam}"] = self.arm(opt, "delay+EF", steps, extra, tag=tag)
         return out

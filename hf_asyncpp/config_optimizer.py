@@ -56,15 +56,16 @@ class OptimizerConfig:
     ef_lambda: Union[float, Literal["auto", "learned"]] = field(default=1.0, metadata=_range(lo=0.0))
     """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's); ``auto``: per parameter tensor and
     step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree; or
-    ``learned``: one lambda per stage, from 1, moved each step by ``ef_lambda_lr`` times the cosine of the gradient
-    at the extrapolated weights with the extrapolation (a hypergradient step; needs a one-step delay, within
+    ``learned``: one lambda per stage, from 1, moved each step by ``ef_lambda_lr`` (times the lr schedule's factor:
+    ``ef_lambda_schedule``) times the cosine of the gradient at the extrapolated weights with the extrapolation (a hypergradient step; needs a one-step delay, within
     [0, 3]; logged as ``ef_lambda``; ``optim/ef.py``)."""
     ef_lambda_lr: float = field(default=0.02, metadata=_range(lo=0.0))
     """``ef_lambda: learned``: the step of lambda per unit of cosine."""
-    ef_lambda_schedule: Literal["constant", "lr"] = "constant"
-    """``ef_lambda: learned``: its step over the run: ``constant`` (``ef_lambda_lr`` at every step) or ``lr``
-    (``ef_lambda_lr`` times the lr schedule's factor, lr / peak lr: large while the delay gap is large, small late,
-    where a constant step drifts past the best lambda; docs/benchmarks.md, the paper-regime lambda table)."""
+    ef_lambda_schedule: Literal["lr", "constant"] = "lr"
+    """``ef_lambda: learned``: its step over the run: ``lr`` (``ef_lambda_lr`` times the lr schedule's factor, lr /
+    peak lr: large while the delay gap is large, small late) or ``constant`` (``ef_lambda_lr`` at every step, which
+    drifts past the best lambda late in a run). ``lr`` is the one within one seed's spread of the best fixed lambda on
+    every paper-regime arm (docs/benchmarks.md, the lambda tables)."""
     delay_start_step: int = field(default=0, metadata=_range(lo=0))
     """"Sync start", the paper's baseline mitigation: the first ``delay_start_step`` steps are synchronous, then the
     delay (and the EF correction) starts; in the single-process reference (``simulate_delay: 1``) and in the

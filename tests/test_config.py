@@ -49,7 +49,7 @@ BAD = [
     (_with("optimizer", ef_lambda="auto"), None),  # valid
     (_with("optimizer", name="muon", fused=True), r"optimizer\.fused: true is torch's fused AdamW kernel; it needs optimizer\.name: adamw, not 'muon'"),
     (_with("optimizer", name="adamw", fused=True), None),  # valid
-    (_with("optimizer", ef_lambda_schedule="cosine"), r"optimizer\.ef_lambda_schedule: 'cosine' is not allowed; choose one of 'constant', 'lr'"),
+    (_with("optimizer", ef_lambda_schedule="cosine"), r"optimizer\.ef_lambda_schedule: 'cosine' is not allowed; choose one of 'lr', 'constant'"),
     (_with("optimizer", simulate_delay="1"), None),  # valid: control case
 ]
 
