@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,11 +143,6 @@ def per_round(seen: dict) -> dict[str, list[float]]:
             "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)]}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-
-
 def tables(best: dict, seen: dict, args) -> str:
     limit_single = max(best["cli single"][0], best["in-process single"][0])
     limit = 2 * limit_single
@@ -162,7 +158,7 @@ def tables(best: dict, seen: dict, args) -> str:
               f"- cli 2bw / no-bubble limit = {t2 / limit:.2f} (target >= 0.9)",
               "- the same two ratios round by round (each arm's rate against the others' in its own round: a slow phase "
               "of the machine hits the arms of one round alike), median and range: "
-              + "; ".join(f"{name} {_median(r):.2f} ({min(r):.2f}-{max(r):.2f})" for name, r in per_round(seen).items()),
+              + "; ".join(f"{name} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})" for name, r in per_round(seen).items()),
               *([f"- cli 2bw / torch Schedule1F1B with torch's default per-tensor AdamW = "
                  f"{t2 / best['torch 1f1b, per-tensor AdamW'][0]:.2f}"] if "torch 1f1b, per-tensor AdamW" in best else []),
               f"- two single processes side by side reach {pair / limit:.2f} of the limit (this machine with both cores "

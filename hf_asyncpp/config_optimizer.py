@@ -57,8 +57,8 @@ class OptimizerConfig:
     """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's); ``auto``: per parameter tensor and
     step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree; or
     ``learned``: one lambda per stage, from 1, moved each step by ``ef_lambda_lr`` (times the lr schedule's factor:
-    ``ef_lambda_schedule``) times the cosine of the gradient at the extrapolated weights with the extrapolation (a hypergradient step; needs a one-step delay, within
-    [0, 3]; logged as ``ef_lambda``; ``optim/ef.py``)."""
+    ``ef_lambda_schedule``) times the cosine of the gradient at the extrapolated weights with the extrapolation (a
+    hypergradient step; needs a one-step delay, within [0, 3]; logged as ``ef_lambda``; ``optim/ef.py``)."""
     ef_lambda_lr: float = field(default=0.02, metadata=_range(lo=0.0))
     """``ef_lambda: learned``: the step of lambda per unit of cosine."""
     ef_lambda_schedule: Literal["lr", "constant"] = "lr"

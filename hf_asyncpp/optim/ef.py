@@ -37,10 +37,10 @@ Choices (documented here, tested in tests/test_optim.py):
   step t+2 computes exactly that gradient (at version t+1) for its own update, so the rule costs no extra
   forward, backward or communication: at step t+2, ``lam <- clip(lam + rate * cos(g[t+2], d[t]), 0, LEARNED_MAX)``,
   the inner products summed over the stage's tensors (the cosine makes ``rate`` scale-free). With
-  ``follow_lr`` (``optimizer.ef_lambda_schedule: lr``) the step is ``rate`` times the lr schedule's factor
-  (``lr / initial_lr`` of the first group): Baydin et al.'s raw inner product shrinks with the lr by itself, the
-  cosine does not, and a constant step measured too small early and too large late (docs/benchmarks.md). Why it can beat a
-  fixed or cosine lambda: it follows the loss, so it exceeds 1 where extrapolating further helps (a delayed
+  ``follow_lr`` (``optimizer.ef_lambda_schedule: lr``, the default) the step is ``rate`` times the lr schedule's
+  factor (``lr / initial_lr`` of the first group): Baydin et al.'s raw inner product shrinks with the lr by itself,
+  the cosine does not, and a constant step was too small early and too large late (docs/benchmarks.md). Why it can
+  beat a fixed or cosine lambda: it follows the loss, so it exceeds 1 where extrapolating further helps (a delayed
   momentum method limited by stability) and falls where the extrapolation overshoots (the gradient at the new
   point then points back along ``d``). It needs a one-step delay (2BW, or ``simulate_delay: 1``): the gradient a
   step receives must be at the weights two updates before. It costs two more parameter-sized buffers per tensor
