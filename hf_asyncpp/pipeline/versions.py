@@ -67,7 +67,9 @@ def find_casts(stage: torch.nn.Module, leaves: dict[str, torch.Tensor], arg, kwa
     """The weights autocast casts whole to bf16 on ``stage``: read off the autograd graph of one forward of a
     microbatch under autocast (outside the schedule, once per process; its random numbers are given back)."""
     device = next(iter(leaves.values())).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True):  # the forward's
+    # fork_rng: this extra forward's random numbers (dropout) are given back, so the schedule's first forward draws
+    # the same ones as without it
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True):
         out = functional_call(stage, leaves, (arg,), kwargs, strict=False)
         outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
         return autocast_casts(outs, leaves)
