@@ -5,7 +5,9 @@ A user's mistake (exit codes in ``EXIT_CODES``, listed in docs/troubleshooting.m
 not come once per rank, nor be buried under the errors it causes elsewhere:
 
 * an error every rank meets in the same way (the recipe, the checks before training) is printed by each node's
-  first process only (``LOCAL_RANK`` 0);
+  first process only (``LOCAL_RANK`` 0). Under torchrun the others wait for it before they exit
+  (:func:`_wait_for_first_process`): torchrun ends every worker as soon as one fails, and a rank that left first
+  would have the first process killed before it printed;
 * a rank whose peer died (its connection closed) leaves quietly with exit code 3: the peer printed the cause;
 * the processes that ``hf-asyncpp train`` starts itself (``launch.spawn``) print nothing: each leaves its line in
   the folder named by ``ERROR_DIR`` and the starting process prints the one that came first (:func:`first_error`),
@@ -39,6 +41,9 @@ EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troub
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "HF_ASYNCPP_DEBUG"  # set to 1 (or pass --debug) for the traceback behind an `error:` line
 ERROR_DIR = "HF_ASYNCPP_ERROR_DIR"  # set by launch.spawn for the ranks it starts: where each leaves its error line
+# how long a rank that leaves a shared error to its node's first process waits under torchrun for that process to
+# exit (torchrun then ends this one): the first process may still be importing or running checks the others skip
+FIRST_PROCESS_GRACE_S = 120.0
 # what gloo (and the store) say when the process at the other end has exited
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
               "failed to recv, got 0 bytes")
@@ -91,7 +96,19 @@ def report(e: BaseException, debug: bool, *, same_everywhere: bool = False) -> i
     if not gone and (first_on_node() or not same_everywhere):
         print(error_line(e), file=sys.stderr, flush=True)
         _tell_torchrun(error_line(e))
+    elif not gone and "TORCHELASTIC_RUN_ID" in os.environ:
+        _wait_for_first_process(error_line(e))
     return code
+
+
+def _wait_for_first_process(line: str) -> None:
+    """Under torchrun (also ``accelerate launch``), a rank that leaves a shared error to its node's first process
+    stays until that process has printed it and exited: torchrun then ends this rank with SIGTERM. Leaving at once
+    would race: torchrun would stop the first process on this rank's exit, often before its line was out (the
+    first process runs checks the others skip, rank 0 the Hub's). If it never comes (that process did not meet the
+    error after all), the line is printed here once the grace has passed, so a run never ends without it."""
+    time.sleep(FIRST_PROCESS_GRACE_S)
+    print(line, file=sys.stderr, flush=True)
 
 
 def _tell_torchrun(line: str) -> None:

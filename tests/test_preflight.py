@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from hf_asyncpp.launch import NO_SPAWN
+from dist_utils import free_port
 from support import launch, tiny, write_recipe
 
 STARTED = "starting 2 local processes"
@@ -81,6 +82,31 @@ def test_an_unknown_tracker_is_printed_once(tmp_path, recipe):
     code, out = launch(recipe, "--training.report_to=[nosuch]")  # accelerate launch: both ranks meet it
     assert code != 0
     assert error_lines(out) == [line]
+
+
+SHARED_ERROR = """
+import os, sys, time
+from hf_asyncpp.config import RecipeError
+from hf_asyncpp.failures import report
+if os.environ["LOCAL_RANK"] == "0":
+    time.sleep(float(sys.argv[1]))  # the first process is the slow one: it runs checks the others skip
+try:
+    raise RecipeError("training.report_to: 'nosuch' is not a tracker")
+except RecipeError as e:
+    sys.exit(report(e, debug=False, same_everywhere=True))
+"""
+
+
+def test_a_shared_error_is_printed_even_when_the_first_process_meets_it_last(tmp_path):
+    """torchrun ends every worker once one fails: the rank that leaves the line to its node's first process must
+    not exit before that process has printed it (CI saw the line lost when rank 0 was the slower one)."""
+    script = tmp_path / "shared_error.py"
+    script.write_text(SHARED_ERROR)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(script), "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert error_lines(r.stdout + r.stderr) == ["error: training.report_to: 'nosuch' is not a tracker"], r.stderr[-3000:]
 
 
 def test_a_push_without_a_token_fails_before_training(tmp_path, recipe):
