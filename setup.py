@@ -29,7 +29,7 @@ setup(
     extras_require={
         # lm-evaluation-harness as a scorer (eval.backend: lm_eval); the parity test runs it too
         "eval": ["lm-eval>=0.4.13,<0.5"],
-        "test": ["pytest>=8", "lm-eval>=0.4.13,<0.5"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "lm-eval>=0.4.13,<0.5"],
         "wandb": ["wandb>=0.17"],
         "mlflow": ["mlflow>=2.10"],
     },

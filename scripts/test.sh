@@ -8,4 +8,6 @@ if [ "${1:-}" = "--latest" ]; then
 fi
 HF_ASYNCPP_EXTRAS=test source "$(dirname "$0")/setup_env.sh"
 python scripts/prepare_data.py
-exec python -m pytest -q tests "$@"
+# two workers (pytest-xdist): most tests use one core, so on a 2-core machine the suite takes about 10 minutes
+# instead of 14; HF_ASYNCPP_TEST_WORKERS=0 runs it in this process (or pass -n 0)
+exec python -m pytest -q -n "${HF_ASYNCPP_TEST_WORKERS:-2}" --dist worksteal tests "$@"
