@@ -136,11 +136,14 @@ def per_action(profile: dict) -> dict[int, dict[str, float]]:
 
 
 def per_round(seen: dict) -> dict[str, list[float]]:
-    """Per round: cli 2bw / torch 1f1b, and cli 2bw / twice the faster single process of that round."""
+    """Per round: cli 2bw / torch 1f1b, cli 2bw / twice the faster single process of that round, and cli 2bw / the
+    two single processes run side by side in that round (what this machine gave two processes that never wait)."""
     two, tt = seen["cli 2bw"], seen["torch 1f1b"]
     singles = [max(a, b) for a, b in zip(seen["cli single"], seen["in-process single"])]
     return {"2bw / torch": [a / b for a, b in zip(two, tt)],
-            "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)]}
+            "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)],
+            "2bw / side by side": [a / b for a, b in zip(two, seen["2 x cli single, side by side"])],
+            "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)]}
 
 
 def tables(best: dict, seen: dict, args) -> str:
