@@ -18,6 +18,8 @@ Arms, each once per round with the order rotated every round, best round reporte
 - ``torch 1f1b``: torch's ``PipelineStage`` + ``Schedule1F1B`` on our partitioner's stages (random ids in the
   process: torch has no data path of its own), AdamW after each schedule step (bench/throughput.py's worker).
 - ``in-process single``: the engine with no pipeline on random ids (bench/throughput.py).
+- ``in-process 2bw``: the same executor as ``cli 2bw`` on random ids, without the command's launcher, data path and
+  outputs (bench/throughput.py): what the command line costs on top of the schedule.
 
 The no-bubble limit is twice the faster of the two single-process rates. Then the attribution the issue asks for:
 per-action costs (ms per forward, backward, step, receive wait) of 2BW against our 1F1B and against one process,
@@ -110,6 +112,7 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
         "cli single": cli("single"),
         "torch 1f1b": lambda rnd: (tp.spawn(tp._torch_pipelining, 2, "1f1b", inproc_steps, M, SPLIT)[0]["tokens_per_s"], None),
         "in-process single": lambda rnd: (tp.single_process(inproc_steps, M), None),
+        "in-process 2bw": lambda rnd: (tp.spawn(tp._ours, 2, "2bw", inproc_steps, M, SPLIT)[0]["tokens_per_s"], None),
         "2 x cli single, side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
     }
     if tp.FUSED:  # torch as a torch.pipelining user writes it by default, beside the fused comparison
@@ -137,13 +140,15 @@ def per_action(profile: dict) -> dict[int, dict[str, float]]:
 
 def per_round(seen: dict) -> dict[str, list[float]]:
     """Per round: cli 2bw / torch 1f1b, cli 2bw / twice the faster single process of that round, and cli 2bw / the
-    two single processes run side by side in that round (what this machine gave two processes that never wait)."""
+    two single processes run side by side in that round (what this machine gave two processes that never wait), and
+    cli 2bw / in-process 2bw (what the command line costs on top of the executor)."""
     two, tt = seen["cli 2bw"], seen["torch 1f1b"]
     singles = [max(a, b) for a, b in zip(seen["cli single"], seen["in-process single"])]
     return {"2bw / torch": [a / b for a, b in zip(two, tt)],
             "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)],
             "2bw / side by side": [a / b for a, b in zip(two, seen["2 x cli single, side by side"])],
-            "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)]}
+            "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)],
+            "cli 2bw / in-process 2bw": [a / b for a, b in zip(two, seen["in-process 2bw"])]}
 
 
 def tables(best: dict, seen: dict, args) -> str:
@@ -216,7 +221,10 @@ def main():
                 seen.setdefault(key, []).append(tps)
                 if key not in best or tps > best[key][0]:
                     best[key] = (tps, prof)
-    if args.only:
+    if args.only:  # the arms' medians over the rounds (an A/B without the tables)
+        for key, rates in seen.items():
+            print(f"{key}: median {statistics.median(rates):,.0f} tokens/s over {len(rates)} rounds "
+                  f"({min(rates):,.0f}-{max(rates):,.0f})")
         return
     text = tables(best, seen, args)
     print(text)
