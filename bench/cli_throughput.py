@@ -14,6 +14,8 @@ Arms, each once per round with the order rotated every round, best round reporte
   records a third into the run and the last but one (``read_rate``: the pipeline filled, the data worker running,
   as the in-process arms time their steps after a warm-up); the run's own ``pipeline_profile.json`` gives the
   per-action seconds (whole run).
+- ``cli 2bw, recv_wait block``: the same with each rank sleeping in its waits instead of polling
+  (``pipeline.recv_wait``): what polling is worth.
 - ``cli single``: the same command with ``--pipeline.schedule=none`` on one process and one thread.
 - ``torch 1f1b``: torch's ``PipelineStage`` + ``Schedule1F1B`` on our partitioner's stages (random ids in the
   process: torch has no data path of its own), AdamW after each schedule step (bench/throughput.py's worker).
@@ -24,6 +26,12 @@ Arms, each once per round with the order rotated every round, best round reporte
 The no-bubble limit is twice the faster of the two single-process rates. Then the attribution the issue asks for:
 per-action costs (ms per forward, backward, step, receive wait) of 2BW against our 1F1B and against one process,
 all from the same machine in the same run.
+
+Last, the schedules' own ceilings (``ceilings``): the simulator fed each 2BW arm's measured per-stage forward,
+backward and step costs, with nothing else (no transfer, no wait, no contention), runs 2BW and 1F1B on them. At
+equal per-action costs that is the most 2BW can be against any 1F1B, and against the limit, at this split; the same
+at every other whole-layer split, from per-layer costs read off the same run. A measured ratio is then read
+against what the schedule allows, and a target above the ceiling says so.
 """
 from __future__ import annotations
 
@@ -44,6 +52,8 @@ if "--fused" in sys.argv:  # before bench.throughput reads it; the spawned worke
     os.environ["HF_ASYNCPP_BENCH_FUSED"] = "1"
 from bench.vs_torch_pipelining import MODEL, SPLIT  # noqa: E402 (sets the workers' model before bench.throughput)
 from bench import throughput as tp  # noqa: E402
+from hf_asyncpp.pipeline.schedules import schedule_actions  # noqa: E402
+from hf_asyncpp.pipeline.simulator import Costs, simulate  # noqa: E402
 
 M = 4
 
@@ -99,6 +109,13 @@ def side_by_side(steps: int, tmp: Path) -> float:
     return sum(read_rate(o)[0] for o in outs)
 
 
+def in_process_2bw(steps: int) -> tuple[float, dict]:
+    """(tokens/s, its per-stage action seconds and counts in pipeline_profile.json's layout)."""
+    res = tp.spawn(tp._ours, 2, "2bw", steps, M, SPLIT)
+    return res[0]["tokens_per_s"], {"stages": [{"stage": s, "seconds": r["seconds"], "counts": r["counts"]}
+                                              for s, r in enumerate(res)]}
+
+
 def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
     def cli(schedule, *extra):
         def run(rnd):
@@ -107,12 +124,12 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
 
     out = {
         "cli 2bw": cli("2bw"),
-        "cli 2bw, extra_warmup 1": cli("2bw", "--pipeline.extra_warmup=1"),
+        "cli 2bw, recv_wait block": cli("2bw", "--pipeline.recv_wait=block"),
         "cli 1f1b": cli("1f1b"),
         "cli single": cli("single"),
         "torch 1f1b": lambda rnd: (tp.spawn(tp._torch_pipelining, 2, "1f1b", inproc_steps, M, SPLIT)[0]["tokens_per_s"], None),
         "in-process single": lambda rnd: (tp.single_process(inproc_steps, M), None),
-        "in-process 2bw": lambda rnd: (tp.spawn(tp._ours, 2, "2bw", inproc_steps, M, SPLIT)[0]["tokens_per_s"], None),
+        "in-process 2bw": lambda rnd: in_process_2bw(inproc_steps),
         "2 x cli single, side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
     }
     if tp.FUSED:  # torch as a torch.pipelining user writes it by default, beside the fused comparison
@@ -138,6 +155,37 @@ def per_action(profile: dict) -> dict[int, dict[str, float]]:
     return out
 
 
+def _step_ms(schedule: str, forward, backward, step) -> float:
+    """The simulator's steady-state step of ``schedule`` on 2 stages at these per-stage costs (ms): the makespan of
+    20 steps less that of 10, over 10, so the pipeline's fill and drain do not count."""
+    costs = Costs(forward=forward, backward=backward, step=step)
+    span = lambda n: simulate(schedule_actions(schedule, 2, M, n), costs, schedule).makespan  # noqa: E731
+    return (span(20) - span(10)) / 10
+
+
+def ceilings(actions: dict[int, dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """Split -> (2bw / 1f1b, 2bw / limit) as the schedules allow at these per-action costs (``per_action`` of a 2BW
+    run): both schedules on the same costs, the limit one process computing every stage's forward, backward and
+    step back to back at those costs. The run's own split is exact; the other whole-layer splits move layers at
+    stage 0's mean cost per layer (its embedding, about 1% of it, counted as layer time), the last stage's head
+    and loss being what its layers leave of its cost."""
+    F = [actions[s]["F"] for s in (0, 1)]
+    B = [actions[s]["B"] for s in (0, 1)]
+    S = [actions[s]["STEP"] for s in (0, 1)]
+    k0, layers = SPLIT[0], sum(SPLIT)
+    per = [x[0] / k0 for x in (F, B, S)]  # one layer's F, B, STEP
+    head = [x[1] - SPLIT[1] * q for x, q in zip((F, B, S), per)]
+    out = {}
+    for k in range(max(1, k0 - 2), min(layers, k0 + 2)):
+        f, b, st = ([k * q, (layers - k) * q + h] for q, h in zip(per, head))
+        if k == k0:
+            f, b, st = F, B, S
+        one = M * (sum(f) + sum(b)) + sum(st)  # ms per step, one process at the stages' costs
+        two = _step_ms("2bw", f, b, st)
+        out[f"{k}/{layers - k}"] = (_step_ms("1f1b", f, b, st) / two, one / (2 * two))
+    return out
+
+
 def per_round(seen: dict) -> dict[str, list[float]]:
     """Per round: cli 2bw / torch 1f1b, cli 2bw / twice the faster single process of that round, and cli 2bw / the
     two single processes run side by side in that round (what this machine gave two processes that never wait), and
@@ -148,7 +196,9 @@ def per_round(seen: dict) -> dict[str, list[float]]:
             "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)],
             "2bw / side by side": [a / b for a, b in zip(two, seen["2 x cli single, side by side"])],
             "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)],
-            "cli 2bw / in-process 2bw": [a / b for a, b in zip(two, seen["in-process 2bw"])]}
+            "cli 2bw / in-process 2bw": [a / b for a, b in zip(two, seen["in-process 2bw"])],
+            "in-process 2bw / torch": [a / b for a, b in zip(seen["in-process 2bw"], tt)],
+            "cli 2bw / cli 2bw, recv_wait block": [a / b for a, b in zip(two, seen["cli 2bw, recv_wait block"])]}
 
 
 def tables(best: dict, seen: dict, args) -> str:
@@ -171,7 +221,9 @@ def tables(best: dict, seen: dict, args) -> str:
                  f"{t2 / best['torch 1f1b, per-tensor AdamW'][0]:.2f}"] if "torch 1f1b, per-tensor AdamW" in best else []),
               f"- two single processes side by side reach {pair / limit:.2f} of the limit (this machine with both cores "
               f"busy); cli 2bw / that = {t2 / pair:.2f}",
-              f"- cli 2bw with extra_warmup 1 / no-bubble limit = {best['cli 2bw, extra_warmup 1'][0] / limit:.2f}",
+              f"- cli 2bw with recv_wait block (each rank sleeps in its waits) / no-bubble limit = "
+              f"{best['cli 2bw, recv_wait block'][0] / limit:.2f}; cli 2bw (polling) / that = "
+              f"{t2 / best['cli 2bw, recv_wait block'][0]:.2f}",
               f"- cli 2bw / cli 1f1b = {t2 / t1:.2f}; cli 1f1b / torch Schedule1F1B = {t1 / tt:.2f}"]
     p2, p1 = best["cli 2bw"][1], best["cli 1f1b"][1]
     if p2 and p1:
@@ -193,6 +245,14 @@ def tables(best: dict, seen: dict, args) -> str:
                   f"({(fb(a2) + sum(x['STEP'] for x in a2.values())) / one:.2f}x: the pipeline's own cost per step)",
                   f"- the busiest 2bw stage computes {step2:.0f} ms per step; both stages {fb(a2) + sum(x['STEP'] for x in a2.values()):.0f} ms: "
                   f"balance bound {(fb(a2) + sum(x['STEP'] for x in a2.values())) / (2 * step2):.2f} of the limit at these costs"]
+    lines += ["", "The schedules' own ceilings (`ceilings`: the simulator on each 2BW arm's measured per-stage F, B and STEP, "
+              "nothing else; other splits estimated from its per-layer costs), against the targets:", "",
+              "| costs of | split | 2bw / 1f1b ceiling (target 1.2) | 2bw / limit ceiling (target 0.9) |", "|---|---|---|---|"]
+    for arm in ("cli 2bw", "in-process 2bw"):
+        if best.get(arm, (0, None))[1]:
+            for split, (vs_1f1b, vs_limit) in ceilings(per_action(best[arm][1])).items():
+                own = " (the run's)" if split == f"{SPLIT[0]}/{SPLIT[1]}" else ""
+                lines.append(f"| {arm} | {split}{own} | {vs_1f1b:.3f} | {vs_limit:.3f} |")
     return "\n".join(lines)
 
 

@@ -75,6 +75,12 @@ class PipelineConfig:
     every rank exits. A peer that dies is found at once whatever this is (gloo: its connection closes; NCCL: the
     launcher ends the other ranks), so this only bounds a hang; long enough for a stage stalled on data or a
     checkpoint write."""
+    recv_wait: Literal["auto", "poll", "block"] = "auto"
+    """How a rank waits for a neighbour's activations or gradients: ``poll`` spins on the transfer (yielding its
+    core to its own threads at every turn), as MPI waits by default, so the core never idles between actions;
+    ``block`` sleeps in the wait; ``auto`` polls on CPU when the node's ranks fit its cores, else blocks
+    (``pipeline/p2p.py: polls``). On a VM an idle virtual CPU halts, and a rank that slept ran its next forwards and
+    backwards 15-25% slower (docs/benchmarks.md, "Waiting by polling")."""
     collective_timeout_s: float = field(default=1800.0, metadata=_range(lo=0.0, lo_open=True))
     """How long a collective (data-parallel all-reduce, grad norm, loss reports, checkpoint gathers; NCCL's
     watchdog) may wait for a slow replica before the run is declared hung. Separate from ``p2p_timeout_s`` and

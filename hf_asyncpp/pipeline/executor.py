@@ -41,7 +41,7 @@ from ..topology import Topology, local_device, make_groups
 from . import forward_only, profile, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
-from .p2p import P2P
+from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .reports import StepReports
 from .schedules import Action, ActionType, get_schedule, with_sync_start
@@ -141,7 +141,8 @@ class PipelineEngine:
                                   p2p_timeout=timedelta(seconds=rc.p2p_timeout_s),
                                   sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage")
         self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm, owner_of=self.owner_of)
-        self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p)
+        self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p,
+                       poll=polls(rc.recv_wait, self.device, ranks_on_this_node(topo.world_size)))
         self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s)
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
         # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of

@@ -1,7 +1,8 @@
 """Point-to-point transfers between adjacent stages, and the error a dead peer becomes.
 
-Sends are ``isend``s kept alive until ``drain``; receives block with ``pipeline.p2p_timeout_s``, so a dead or
-silent peer becomes ``PeerFailure`` naming it instead of a hang. Messages between two stages arrive in send order
+Sends are ``isend``s kept alive until ``drain``; receives wait with ``pipeline.p2p_timeout_s``, so a dead or
+silent peer becomes ``PeerFailure`` naming it instead of a hang. On CPU a rank with a core of its own waits by
+polling (``pipeline.recv_wait``, ``polls``): a rank that slept in its waits ran its next actions slower. Messages between two stages arrive in send order
 (the simulator checks the lists receive them in that order), so no tags are needed. A transfer carries only
 tensors; the first one of a window is preceded by a header with their dtypes and shapes.
 
@@ -12,6 +13,9 @@ GPU runs would hang.
 """
 from __future__ import annotations
 
+import os
+import queue
+import threading
 from collections import deque
 from datetime import timedelta
 
@@ -30,6 +34,68 @@ class PeerFailure(RuntimeError):
     """A pipeline peer died, stalled past the timeout, or closed its connection."""
 
 
+def polls(mode: str, device: torch.device, ranks_here: int) -> bool:
+    """Whether this rank waits for its transfers by polling (``pipeline.recv_wait``): ``poll``/``block`` as told;
+    ``auto`` polls on CPU when this node's ranks, each with its intra-op threads, fit the cores this process may
+    use, and blocks otherwise. Polling keeps a waiting rank on its core, so a virtual CPU never halts between a
+    rank's actions: on the 2-core VM of docs/benchmarks.md a stage that blocked in its waits ran its next forwards
+    and backwards 15-25% slower ("Waiting by polling"). With more ranks than cores a polling rank would take
+    turns from one that computes, so ``auto`` blocks there; on a GPU the host's wait is not the device's time
+    (NCCL's receives are waited for by the stream), so ``auto`` blocks there too."""
+    if mode != "auto":
+        return mode == "poll"
+    return device.type == "cpu" and ranks_here * torch.get_num_threads() <= len(os.sched_getaffinity(0))
+
+
+def ranks_on_this_node(world_size: int) -> int:
+    """LOCAL_WORLD_SIZE as torchrun, accelerate and the srun adapter set it; a spawned job without it is one node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+class _Outcome:
+    """What a polled wait hands back: set by the waiter thread, read by the polling one."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self):
+        self.done, self.error = False, None
+
+
+class PollingWaiter:
+    """Waits for transfers on a helper thread while the caller polls, so that a rank waiting for a neighbour keeps
+    its core busy instead of idling (``pipeline.recv_wait: poll``).
+
+    gloo's point-to-point works report ``is_completed()`` only once ``wait()`` has returned, so the blocking wait
+    runs here and the caller spins on its outcome, yielding the core (``sched_yield``, which also releases the
+    GIL) to any other runnable thread of its own at every turn: gloo's transport thread, this waiter."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="hf_asyncpp-recv-waiter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            work, timeout, out = job
+            try:
+                work.wait(timeout)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the polling thread)
+                out.error = e
+            out.done = True
+
+    def wait(self, work, timeout: timedelta) -> None:
+        out = _Outcome()
+        self.jobs.put((work, timeout, out))
+        while not out.done:
+            os.sched_yield()
+        if out.error is not None:
+            raise out.error
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+
 class P2P:
     """Point-to-point transfers between adjacent stages; sends are async, receives block with a timeout.
 
@@ -37,8 +103,10 @@ class P2P:
     stages sharing one GPU, which NCCL refuses) transfers are staged through host memory.
     """
 
-    def __init__(self, topo: Topology, timeout_s: float, device: torch.device, groups: dict[Channel, object]):
-        """``groups``: this rank's process group of each channel it sends or receives on (``Groups.p2p``)."""
+    def __init__(self, topo: Topology, timeout_s: float, device: torch.device, groups: dict[Channel, object],
+                 poll: bool = False):
+        """``groups``: this rank's process group of each channel it sends or receives on (``Groups.p2p``);
+        ``poll``: wait for transfers by polling (``polls``, ``pipeline.recv_wait``)."""
         self.topo, self.timeout, self.device, self.groups = topo, timedelta(seconds=timeout_s), device, groups
         staged = device.type != "cpu" and dist.get_backend() == "gloo"
         self.wire = torch.device("cpu") if staged else device  # where transferred tensors live
@@ -47,13 +115,17 @@ class P2P:
         # NCCL: a receive is waited for by the compute stream, not the host (no host sync per receive); a dead or
         # silent peer is then found by the point-to-point group's watchdog after its timeout (p2p_timeout_s)
         self.stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
+        self.waiter = PollingWaiter() if poll else None
 
     def _group(self, src: int, dst: int):
         return self.groups[channel(src, dst)]
 
     def _wait(self, work, peer: int, what: str):
         try:
-            work.wait(self.timeout)
+            if self.waiter is not None:
+                self.waiter.wait(work, self.timeout)
+            else:
+                work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerFailure(
                 f"rank {self.topo.rank} (stage {self.topo.stage}): {what} rank {peer} failed or timed out after "
@@ -124,3 +196,5 @@ class P2P:
     def close(self) -> None:
         """Stop the transport's workers (after ``drain``; before the groups are destroyed)."""
         self.transport.close()
+        if self.waiter is not None:
+            self.waiter.close()
