@@ -39,7 +39,7 @@ def polls(mode: str, device: torch.device, ranks_here: int) -> bool:
     ``auto`` polls on CPU when this node's ranks, each with its intra-op threads, fit the cores this process may
     use, and blocks otherwise. Polling keeps a waiting rank on its core, so a virtual CPU never halts between a
     rank's actions: on the 2-core VM of docs/benchmarks.md a stage that blocked in its waits ran its next forwards
-    and backwards 15-25% slower ("Waiting by polling"). With more ranks than cores a polling rank would take
+    and backwards up to 25% slower ("Waiting by polling"). With more ranks than cores a polling rank would take
     turns from one that computes, so ``auto`` blocks there; on a GPU the host's wait is not the device's time
     (NCCL's receives are waited for by the stream), so ``auto`` blocks there too."""
     if mode != "auto":
