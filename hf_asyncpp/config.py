@@ -80,8 +80,8 @@ class PipelineConfig:
     core to its own threads at every turn), as MPI waits by default, so the core never idles between actions;
     ``block`` sleeps in the wait; ``auto`` polls on CPU when the node's ranks fit its cores, else blocks
     (``pipeline/p2p.py: polls``). On a VM an idle virtual CPU halts, and a rank that slept ran its next forwards and
-    backwards up to 25% slower (docs/benchmarks.md, "Waiting by polling"; through the
-    command line the gain was within noise)."""
+    backwards up to 25% slower (docs/benchmarks.md, "Waiting by polling": +4% in process, within the noise through
+    the command line). NCCL's receives are waited for by the stream, whatever this says."""
     collective_timeout_s: float = field(default=1800.0, metadata=_range(lo=0.0, lo_open=True))
     """How long a collective (data-parallel all-reduce, grad norm, loss reports, checkpoint gathers; NCCL's
     watchdog) may wait for a slow replica before the run is declared hung. Separate from ``p2p_timeout_s`` and

@@ -2,9 +2,10 @@
 
 Sends are ``isend``s kept alive until ``drain``; receives wait with ``pipeline.p2p_timeout_s``, so a dead or
 silent peer becomes ``PeerFailure`` naming it instead of a hang. On CPU a rank with a core of its own waits by
-polling (``pipeline.recv_wait``, ``polls``): a rank that slept in its waits ran its next actions slower. Messages between two stages arrive in send order
-(the simulator checks the lists receive them in that order), so no tags are needed. A transfer carries only
-tensors; the first one of a window is preceded by a header with their dtypes and shapes.
+polling (``pipeline.recv_wait``, ``polls``): a rank that slept in its waits ran its next actions slower. Messages
+between two stages arrive in send order (the simulator checks the lists receive them in that order), so no tags
+are needed. A transfer carries only tensors; the first one of a window is preceded by a header with their dtypes
+and shapes.
 
 Each direction between two adjacent stages has its own process group (``channels.channel``): under NCCL's rule
 (operations of one communicator complete in post order) a receive posted ahead must never stand in front of a
@@ -115,7 +116,8 @@ class P2P:
         # NCCL: a receive is waited for by the compute stream, not the host (no host sync per receive); a dead or
         # silent peer is then found by the point-to-point group's watchdog after its timeout (p2p_timeout_s)
         self.stream_ordered = device.type == "cuda" and dist.get_backend() == "nccl"
-        self.waiter = PollingWaiter() if poll else None
+        # polling replaces the host's waits; NCCL's receives are waited for by the stream, never by the host
+        self.waiter = PollingWaiter() if poll and not self.stream_ordered else None
 
     def _group(self, src: int, dst: int):
         return self.groups[channel(src, dst)]
