@@ -229,10 +229,13 @@ def tables(best: dict, seen: dict, args) -> str:
     if p2 and p1:
         a2, a1 = per_action(p2), per_action(p1)
         lines += ["", "Per-action cost (ms; F and B per microbatch, the rest per step; the best round's own "
-                  "pipeline_profile.json, whole run):", "",
+                  "pipeline_profile.json, whole run; `2bw, in process`: the in-process arm's best round, timed steps):", "",
                   "| stage | schedule | F | B | STEP | waiting on receives | sends | busy |", "|---|---|---|---|---|---|---|---|"]
+        inproc = best.get("in-process 2bw", (0, None))[1]
+        a0 = per_action(inproc) if inproc else {}  # the executor alone, its timed steps: the command line's cost by action
         for s in sorted(a2):
-            for name, a in (("2bw", a2[s]), ("1f1b", a1[s])):
+            rows = [("2bw", a2[s]), ("1f1b", a1[s])] + ([("2bw, in process", a0[s])] if s in a0 else [])
+            for name, a in rows:
                 lines.append(f"| {s} | {name} | {a['F']:.1f} | {a['B']:.1f} | {a['STEP']:.1f} | {a['wait']:.1f} | "
                              f"{a['send']:.1f} | {a['busy']:.0%} |")
         fb = lambda a: sum(M * (x["F"] + x["B"]) for x in a.values())  # noqa: E731
