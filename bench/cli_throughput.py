@@ -22,6 +22,11 @@ Arms, each once per round with the order rotated every round, best round reporte
 - ``in-process single``: the engine with no pipeline on random ids (bench/throughput.py).
 - ``in-process 2bw``: the same executor as ``cli 2bw`` on random ids, without the command's launcher, data path and
   outputs (bench/throughput.py): what the command line costs on top of the schedule.
+- ``stages alone``: each of the two processes computes its own stage's steps (m forwards and
+  backwards, AdamW) on local inputs, with no transfer and no schedule, both at once for the same wall time
+  (``bench/throughput.py``'s ``_stages_alone``); the slower stage's rate. It is the most any schedule can reach at
+  this split on this machine, measured rather than simulated: the split's balance and two busy cores are in it,
+  the pipeline is not. Each pipeline against it is what its schedule and transport cost.
 
 The no-bubble limit is twice the faster of the two single-process rates. Then the attribution the issue asks for:
 per-action costs (ms per forward, backward, step, receive wait) of 2BW against our 1F1B and against one process,
@@ -131,6 +136,8 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
         "in-process single": lambda rnd: (tp.single_process(inproc_steps, M), None),
         "in-process 2bw": lambda rnd: in_process_2bw(inproc_steps),
         "2 x cli single, side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
+        # a 2BW step of the timed ones takes about 0.6 s here: the window is about as long as in-process 2bw's
+        "stages alone": lambda rnd: tp.stages_alone(0.6 * inproc_steps, M, SPLIT),
     }
     if tp.FUSED:  # torch as a torch.pipelining user writes it by default, beside the fused comparison
         out["torch 1f1b, per-tensor AdamW"] = lambda rnd: (
@@ -189,8 +196,9 @@ def ceilings(actions: dict[int, dict[str, float]]) -> dict[str, tuple[float, flo
 def per_round(seen: dict) -> dict[str, list[float]]:
     """Per round: cli 2bw / torch 1f1b, cli 2bw / twice the faster single process of that round, and cli 2bw / the
     two single processes run side by side in that round (what this machine gave two processes that never wait), and
-    cli 2bw / in-process 2bw (what the command line costs on top of the executor)."""
-    two, tt = seen["cli 2bw"], seen["torch 1f1b"]
+    cli 2bw / in-process 2bw (what the command line costs on top of the executor), and each pipeline against the
+    stages computing alone side by side (what any schedule at this split can reach on this machine)."""
+    two, tt, alone = seen["cli 2bw"], seen["torch 1f1b"], seen["stages alone"]
     singles = [max(a, b) for a, b in zip(seen["cli single"], seen["in-process single"])]
     return {"2bw / torch": [a / b for a, b in zip(two, tt)],
             "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)],
@@ -198,7 +206,11 @@ def per_round(seen: dict) -> dict[str, list[float]]:
             "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)],
             "cli 2bw / in-process 2bw": [a / b for a, b in zip(two, seen["in-process 2bw"])],
             "in-process 2bw / torch": [a / b for a, b in zip(seen["in-process 2bw"], tt)],
-            "cli 2bw / cli 2bw, recv_wait block": [a / b for a, b in zip(two, seen["cli 2bw, recv_wait block"])]}
+            "cli 2bw / cli 2bw, recv_wait block": [a / b for a, b in zip(two, seen["cli 2bw, recv_wait block"])],
+            "stages alone / limit": [a / (2 * s) for a, s in zip(alone, singles)],
+            "cli 2bw / stages alone": [a / b for a, b in zip(two, alone)],
+            "in-process 2bw / stages alone": [a / b for a, b in zip(seen["in-process 2bw"], alone)],
+            "torch 1f1b / stages alone": [a / b for a, b in zip(tt, alone)]}
 
 
 def tables(best: dict, seen: dict, args) -> str:
@@ -209,6 +221,7 @@ def tables(best: dict, seen: dict, args) -> str:
     for key, (tps, _) in best.items():
         lines.append(f"| {key} | {tps:,.0f} | {min(seen[key]):,.0f}-{max(seen[key]):,.0f} | {tps / limit:.2f} |")
     t2, t1, tt = best["cli 2bw"][0], best["cli 1f1b"][0], best["torch 1f1b"][0]
+    alone, alone_ms = best["stages alone"]
     bubble = 1 / M  # (p-1)/m of 1F1B's step at p = 2: removing it gives (m+p-1)/m
     lines += ["", f"- no-bubble limit = 2 x the faster single process ({limit_single:,.0f} tokens/s) = {limit:,.0f} tokens/s",
               f"- cli 2bw / torch Schedule1F1B = {t2 / tt:.2f} (target >= 1.2; removing 1F1B's bubble alone gives "
@@ -224,7 +237,12 @@ def tables(best: dict, seen: dict, args) -> str:
               f"- cli 2bw with recv_wait block (each rank sleeps in its waits) / no-bubble limit = "
               f"{best['cli 2bw, recv_wait block'][0] / limit:.2f}; cli 2bw (polling) / that = "
               f"{t2 / best['cli 2bw, recv_wait block'][0]:.2f}",
-              f"- cli 2bw / cli 1f1b = {t2 / t1:.2f}; cli 1f1b / torch Schedule1F1B = {t1 / tt:.2f}"]
+              f"- cli 2bw / cli 1f1b = {t2 / t1:.2f}; cli 1f1b / torch Schedule1F1B = {t1 / tt:.2f}",
+              f"- the stages computing alone side by side (each its own forwards, backwards and AdamW on local inputs, "
+              f"no transfer, no schedule; the slower stage's rate) reach {alone / limit:.2f} of the limit: what any "
+              f"schedule can reach at this split on this machine (stage 0 / stage 1 ms per step in that round: "
+              f"{' / '.join(f'{x:.0f}' for x in alone_ms)}); cli 2bw / that = {t2 / alone:.2f}; in-process 2bw / "
+              f"that = {best['in-process 2bw'][0] / alone:.2f}; torch Schedule1F1B / that = {tt / alone:.2f}"]
     p2, p1 = best["cli 2bw"][1], best["cli 1f1b"][1]
     if p2 and p1:
         a2, a1 = per_action(p2), per_action(p1)
