@@ -24,9 +24,10 @@ Arms, each once per round with the order rotated every round, best round reporte
   outputs (bench/throughput.py): what the command line costs on top of the schedule.
 - ``stages alone``: each of the two processes computes its own stage's steps (m forwards and
   backwards, AdamW) on local inputs, with no transfer and no schedule, both at once for the same wall time
-  (``bench/throughput.py``'s ``_stages_alone``); the slower stage's rate. It is the most any schedule can reach at
-  this split on this machine, measured rather than simulated: the split's balance and two busy cores are in it,
-  the pipeline is not. Each pipeline against it is what its schedule and transport cost.
+  (``bench/throughput.py``'s ``_stages_alone``); the slower stage's rate: the split's balance and two busy cores,
+  measured rather than simulated, the pipeline left out. Each pipeline against it is what its schedule and
+  transport cost (2BW can beat it a little: its lighter stage waits part of each step, which leaves the busier one
+  a less loaded machine).
 
 The no-bubble limit is twice the faster of the two single-process rates. Then the attribution the issue asks for:
 per-action costs (ms per forward, backward, step, receive wait) of 2BW against our 1F1B and against one process,
@@ -239,8 +240,8 @@ def tables(best: dict, seen: dict, args) -> str:
               f"{t2 / best['cli 2bw, recv_wait block'][0]:.2f}",
               f"- cli 2bw / cli 1f1b = {t2 / t1:.2f}; cli 1f1b / torch Schedule1F1B = {t1 / tt:.2f}",
               f"- the stages computing alone side by side (each its own forwards, backwards and AdamW on local inputs, "
-              f"no transfer, no schedule; the slower stage's rate) reach {alone / limit:.2f} of the limit: what any "
-              f"schedule can reach at this split on this machine (stage 0 / stage 1 ms per step in that round: "
+              f"no transfer, no schedule; the slower stage's rate) reach {alone / limit:.2f} of the limit: the split's "
+              f"balance and two busy cores, the pipeline left out (stage 0 / stage 1 ms per step in that round: "
               f"{' / '.join(f'{x:.0f}' for x in alone_ms)}); cli 2bw / that = {t2 / alone:.2f}; in-process 2bw / "
               f"that = {best['in-process 2bw'][0] / alone:.2f}; torch Schedule1F1B / that = {tt / alone:.2f}"]
     p2, p1 = best["cli 2bw"][1], best["cli 1f1b"][1]

@@ -147,13 +147,10 @@ def _torch_pipelining(rank, world, schedule, steps, m, split=None, fused=None):
     return {"tokens_per_s": steps * m * MBS * SEQ / (time.perf_counter() - t0)}
 
 
-def _stages_alone(rank, world, seconds, m, split=None):
-    """Each rank computes its own stage's steps (m forwards and backwards, then AdamW) on local inputs, with no
-    transfer and no schedule, for ``seconds`` of wall time after a common start, so that every rank computes
-    throughout and the machine is as loaded as under a pipeline that never waits. Stage 0 reads ids and its
-    backward takes a random output gradient; a later stage reads random hidden states and computes their gradient
-    (as it would to send it back). The slowest rank's step rate is what any schedule on this split can reach
-    here: the split's balance and two busy cores, measured rather than simulated."""
+def stage_alone_step(rank, world, m, split=None):
+    """One step of this rank's stage computing alone (``_stages_alone``): m forwards and backwards on local inputs,
+    then AdamW. Stage 0 reads ids and its backward takes a random output gradient; a later stage reads random
+    hidden states and computes their gradient (as it would to send it back)."""
     from hf_asyncpp.partition import partition_model
 
     r = recipe("1f1b", world, m)
@@ -166,20 +163,24 @@ def _stages_alone(rank, world, seconds, m, split=None):
 
     def one_step():
         for i in range(m):
-            if rank == 0:
-                out = stage(ids[i], labels=ids[i]) if last else stage(ids[i])
-            else:
-                x = hidden[i].requires_grad_()
-                out = stage(x, labels=ids[i]) if last else stage(x)
+            x = ids[i] if rank == 0 else hidden[i].detach().requires_grad_()
+            out = stage(x, labels=ids[i]) if last else stage(x)
             if last:
                 out.backward()
             else:
-                out.backward(hidden[i].detach())  # a stand-in for the next stage's gradient, of the same shape
-            if rank:
-                x.grad = None
+                out.backward(hidden[i])  # a stand-in for the next stage's gradient, of the same shape
         opt.step()
         opt.zero_grad()
 
+    return one_step
+
+
+def _stages_alone(rank, world, seconds, m, split=None):
+    """Each rank computes its own stage's steps (``stage_alone_step``), with no transfer and no schedule, for
+    ``seconds`` of wall time after a common start, so that every rank computes throughout and the machine is as
+    loaded as under a pipeline that never waits. The slowest rank's step rate: the split's balance and two busy
+    cores, measured rather than simulated, with no pipeline."""
+    one_step = stage_alone_step(rank, world, m, split)
     one_step()  # warm-up
     dist.barrier()
     t0 = time.perf_counter()
@@ -193,8 +194,8 @@ def _stages_alone(rank, world, seconds, m, split=None):
 
 
 def stages_alone(seconds: float, m: int, split=None, world: int = 2) -> tuple[float, list[float]]:
-    """(tokens/s of the slowest stage computing alone beside the others (``_stages_alone``): the split's ceiling,
-    each stage's ms per step)."""
+    """(tokens/s of the slowest stage computing alone beside the others (``_stages_alone``), each stage's ms per
+    step)."""
     res = spawn(_stages_alone, world, seconds, m, split)
     return min(r["tokens_per_s"] for r in res), [1e3 * r["wall"] / r["steps"] for r in res]
 
