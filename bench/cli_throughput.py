@@ -198,7 +198,7 @@ def per_round(seen: dict) -> dict[str, list[float]]:
     """Per round: cli 2bw / torch 1f1b, cli 2bw / twice the faster single process of that round, and cli 2bw / the
     two single processes run side by side in that round (what this machine gave two processes that never wait), and
     cli 2bw / in-process 2bw (what the command line costs on top of the executor), and each pipeline against the
-    stages computing alone side by side (what any schedule at this split can reach on this machine)."""
+    stages computing alone side by side (the split's balance and two busy cores, no pipeline)."""
     two, tt, alone = seen["cli 2bw"], seen["torch 1f1b"], seen["stages alone"]
     singles = [max(a, b) for a, b in zip(seen["cli single"], seen["in-process single"])]
     return {"2bw / torch": [a / b for a, b in zip(two, tt)],

@@ -110,7 +110,7 @@ def main():
              "|---|---|---|---|---|---|---|"]
     for i, (a, b, c) in enumerate(rows, 1):
         lines.append(f"| {i} | {a:,.0f} | {b:,.0f} | {c:,.0f} | {a / c:.3f} | {b / c:.3f} | {a / b:.3f} |")
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     r_lim, r_alone, r_eff = ([x[0] / x[2] for x in rows], [x[1] / x[2] for x in rows], [x[0] / x[1] for x in rows])
     lines += ["", f"- 2bw / no-bubble limit: median {med(r_lim):.3f} ({min(r_lim):.3f}-{max(r_lim):.3f}; target >= 0.9)",
               f"- stages alone / no-bubble limit: median {med(r_alone):.3f} ({min(r_alone):.3f}-{max(r_alone):.3f}): the "
