@@ -278,12 +278,26 @@ def tables(best: dict, seen: dict, args) -> str:
     return "\n".join(lines)
 
 
+def pick(only: str, names: list[str]) -> list[str]:
+    """The arms named in ``--only``, comma-separated, where a name may itself hold a comma ("cli 2bw, recv_wait
+    block"): at each point the longest run of pieces that spells an arm; one that spells none is an error naming
+    the arms."""
+    parts, out, i = only.split(","), [], 0
+    while i < len(parts):
+        j = next((j for j in range(len(parts), i, -1) if ",".join(parts[i:j]).strip() in names), None)
+        if j is None:
+            raise SystemExit(f"--only: no arm {parts[i].strip()!r}; the arms: {', '.join(repr(n) for n in names)}")
+        out.append(",".join(parts[i:j]).strip())
+        i = j
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="steps per command-line run (the rate is read past its first third)")
     ap.add_argument("--inproc-steps", type=int, default=8, help="timed steps per in-process arm")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default=None, help="comma-separated arms (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated arms, names with a comma included (default: all)")
     ap.add_argument("--fused", action="store_true", help="AdamW's fused kernel on every arm (its own section)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
@@ -292,7 +306,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         todo = arms(args.steps, args.inproc_steps, Path(d))
         if args.only:
-            todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+            todo = {k: todo[k] for k in pick(args.only, list(todo))}
         keys = list(todo)
         for rnd in range(args.rounds):
             order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
