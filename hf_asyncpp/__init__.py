@@ -9,8 +9,12 @@ def __getattr__(name):
         from . import partition
 
         return getattr(partition, name)
-    if name in ("load_recipe", "Recipe", "RecipeError"):
-        from . import config
+    if name in ("load_recipe", "Recipe"):
+        from .config import recipe
 
-        return getattr(config, name)
+        return getattr(recipe, name)
+    if name == "RecipeError":
+        from .errors import RecipeError
+
+        return RecipeError
     raise AttributeError(name)

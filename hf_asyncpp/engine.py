@@ -16,16 +16,18 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
-from .config import Recipe
-from .export import shard_file, write_shard
-from .lr import build_scheduler, continue_schedule
-from .modeling import enable_activation_checkpointing
-from .nll import nll_per_block
+from .config.recipe import Recipe
+from .errors import NonFiniteError
+from .model.build import enable_activation_checkpointing
+from .model.export import shard_file, write_shard
+from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .optim.ef import LEARNED, learned_lambda
+from .optim.lr import build_scheduler, continue_schedule
 from .partition import partition_plan
-from .pipeline.schedules import get_simulated_delay
+from .schedules.records import get_simulated_delay
+from .storage import files as ckpt
+from .storage.names import MODEL_FILE, OPTIMIZER_FILE
 from .topology import Topology, local_device
 
 
@@ -38,10 +40,6 @@ class StepResult:
     applied: bool
     skipped_nonfinite: bool = False
     ef_lambda: float | None = None  # ``ef_lambda: learned``: its value after the step (the mean over stages)
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient under ``training.on_nonfinite: stop``."""
 
 
 def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | None = None) -> bool:
@@ -266,9 +264,9 @@ class LocalEngine:
     def save(self, tmp: Path) -> None:
         """Write this engine's part of a checkpoint (only dp rank 0 writes shared state)."""
         if self.topo.dp_rank == 0:
-            ckpt.save_tensors(tmp / ckpt.MODEL_FILE, _dedup_tied(self.model))
+            ckpt.save_tensors(tmp / MODEL_FILE, _dedup_tied(self.model))
             ckpt.save_state(
-                tmp / ckpt.OPTIMIZER_FILE,
+                tmp / OPTIMIZER_FILE,
                 {
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
@@ -278,13 +276,13 @@ class LocalEngine:
             )
 
     def load(self, path: Path) -> None:
-        weights = ckpt.load_tensors(path / ckpt.MODEL_FILE)
+        weights = ckpt.load_tensors(path / MODEL_FILE)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = set(_tied_names(self.model))
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path}: missing {missing[:5]} unexpected {unexpected[:5]}")
-        state = ckpt.load_state(path / ckpt.OPTIMIZER_FILE)
+        state = ckpt.load_state(path / OPTIMIZER_FILE)
         recipe_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])  # the moments; the hyperparameters stay the recipe's:
         for group, mine in zip(self.optimizer.param_groups, recipe_groups, strict=True):

@@ -17,8 +17,8 @@ import os
 import sys
 import threading
 import time
+from .errors import EXIT_ORPHANED
 
-EXIT_ORPHANED = 7
 _PARENT_AT_IMPORT = os.getppid()  # imported early by the trainer: narrows the window before watch_parent runs
 _watched: list[int] = []
 

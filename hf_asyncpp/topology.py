@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .pipeline.channels import all_channels
+from .schedules.channels import all_channels
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Write docs/recipes.md: every recipe field with its type, default and meaning, read from hf_asyncpp/config.py.
+"""Write docs/recipes.md: every recipe field with its type, default and meaning, read from hf_asyncpp/config/.
 
     python scripts/recipe_reference.py [--out docs/recipes.md]
 """
@@ -29,16 +29,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/recipes.md")
     args = ap.parse_args()
-    from hf_asyncpp import config as C
+    from hf_asyncpp.config import recipe as C
 
     hints_root = typing.get_type_hints(C.Recipe)
-    docs = {}  # a section may live in another module (config_sources.py: model, data; config_optimizer.py)
+    docs = {}  # a section may live in another module (config/sources.py: model, data; config/optimizer.py)
     for path in {inspect.getsourcefile(hints_root[s.name]) for s in dataclasses.fields(C.Recipe)}:
         with open(path) as fh:
             docs.update(field_docs(fh.read()))
     lines = ["# Recipe reference", "",
-             "A recipe is YAML with the sections below, loaded into typed dataclasses (`hf_asyncpp/config.py`; model and data: "
-             "`hf_asyncpp/config_sources.py`; optimizer: `hf_asyncpp/config_optimizer.py`). Unknown keys, "
+             "A recipe is YAML with the sections below, loaded into typed dataclasses (`hf_asyncpp/config/recipe.py`; model and data: "
+             "`hf_asyncpp/config/sources.py`; optimizer: `hf_asyncpp/config/optimizer.py`). Unknown keys, "
              "wrong types and out-of-range values are errors that name the dotted field. Override any field on the command "
              "line: `--training.max_steps=50`. The resolved recipe is saved as `recipe.yaml` in `training.output_dir`.", "",
              "Of two alternative fields (`model.config` or `model.name_or_path`, `data.dataset` or `data.train_files`), "

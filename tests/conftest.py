@@ -1,6 +1,5 @@
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
@@ -13,12 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from support import TASK_FILES  # noqa: E402
 
 torch.set_num_threads(1)
-
-TASK_DIR = Path(__file__).resolve().parent / "fixtures" / "tasks"
-TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challenge", "mmlu", "piqa", "hellaswag")}
-"""Local task files in each Hub dataset's record format (tests/test_downstream.py, tests/test_lm_eval_parity.py)."""
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +22,8 @@ def folders(tmp_path_factory):
     """Three exported models: one trained on the fixtures' correct answers, one half-trained (step 60: its acc_norm
     picks differ from the old with-delimiter definition on arc_easy, arc_challenge and hellaswag), one untrained."""
     from hf_asyncpp.eval.tasks import load_items
-    from hf_asyncpp.export import export_hf_model
-    from hf_asyncpp.tokenizer import train_tokenizer
+    from hf_asyncpp.model.export import export_hf_model
+    from hf_asyncpp.data.tokenizer import train_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("models")
@@ -69,7 +65,7 @@ def folders(tmp_path_factory):
 def _recipe_warnings_said_afresh():
     """A recipe warning is said once per process (the process that starts the ranks loads the recipe twice); each
     test is a run of its own, so each starts with nothing said."""
-    from hf_asyncpp import config
+    from hf_asyncpp.config import recipe as config
 
     config._SAID.clear()
     yield

@@ -16,6 +16,10 @@ import yaml
 
 from dist_utils import free_port
 
+TASK_DIR = Path(__file__).resolve().parent / "fixtures" / "tasks"
+TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challenge", "mmlu", "piqa", "hellaswag")}
+"""Local task files in each Hub dataset's record format (tests/test_downstream.py, tests/test_lm_eval_parity.py)."""
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE = FIXTURES / "sotu_slice.jsonl"  # 41 documents of the default corpus (~100 KB)
@@ -165,7 +169,7 @@ ZAMBA = {"model_type": "zamba", **DIMS, "num_hidden_layers": 4, "num_key_value_h
 
 
 def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5, lam=1.0, start=0):
-    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.config.recipe import recipe_from_dict
 
     return recipe_from_dict({
         "model": {"config": dict(arch)},
@@ -187,7 +191,7 @@ def make_batches(n, m, mbs, seed):
 
 
 def build(recipe):
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
 
     torch.manual_seed(0)
     return build_model(recipe.model)
@@ -235,7 +239,7 @@ def scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, cli
 
 def check_export(sd, recipe, tmp_dir):
     """The merged pipeline weights export to an HF folder whose from_pretrained logits equal the stages' chain."""
-    from hf_asyncpp.export import export_hf_model
+    from hf_asyncpp.model.export import export_hf_model
 
     out = export_hf_model(sd, build(recipe).config, tmp_dir)
     assert_reload_equals_stages(out, recipe, sd)
@@ -311,7 +315,7 @@ def truncate(path: Path) -> None:
 def assert_each_damage_is_named(good, kinds, tmp_path) -> None:
     """A byte flip and a truncation of each file kind in a copy of ``good``: verification reports exactly that file
     (and says "truncated" only for the truncation)."""
-    from hf_asyncpp import checkpoint as ckpt
+    from hf_asyncpp.storage import files as ckpt
 
     for kind in kinds:
         for damage in (flip, truncate):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hf_asyncpp.config import recipe_from_dict
+from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.partition import MeasuredCosts, measure_costs
 from hf_asyncpp.pipeline.autosplit import auto_split
 from support import tiny_llama

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hf_asyncpp import checkpoint as ckpt
 from hf_asyncpp.cli import main
-from hf_asyncpp.config import load_recipe
-from hf_asyncpp.data import prepare_default_corpus
-from hf_asyncpp.tokenizer import train_tokenizer
+from hf_asyncpp.config.recipe import load_recipe
+from hf_asyncpp.data.stream import prepare_default_corpus
+from hf_asyncpp.data.tokenizer import train_tokenizer
+from hf_asyncpp.storage.names import TOKENIZER_DIR, checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "bring-your-own.md"
@@ -149,8 +149,8 @@ def test_the_page_shows_each_way_to_bring_your_own():
 def test_a_command_of_the_page_trains_what_it_says(command, workspace, hub):
     assert main(command[1:] + FAST) == 0
     r = load_recipe(command[2], command[3:] + FAST)
-    saved = Path(r.training.output_dir) / ckpt.checkpoint_name(2)  # its HF files: the config and the tokenizer
-    got = AutoTokenizer.from_pretrained(str(saved / ckpt.TOKENIZER_DIR))
+    saved = Path(r.training.output_dir) / checkpoint_name(2)  # its HF files: the config and the tokenizer
+    got = AutoTokenizer.from_pretrained(str(saved / TOKENIZER_DIR))
     source = r.model.tokenizer_name_or_path or r.model.name_or_path  # the page's rule, else a BPE trained here
     assert got.get_vocab() == AutoTokenizer.from_pretrained(source or str(saved.parent / "tokenizer")).get_vocab()
     if source is None:

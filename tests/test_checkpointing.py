@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dist_utils import run_distributed
-from hf_asyncpp.modeling import build_model, enable_activation_checkpointing
+from hf_asyncpp.model.build import build_model, enable_activation_checkpointing
 from hf_asyncpp.partition import partition_model
 from hf_asyncpp.pipeline.planner import plan_memory
 from support import LLAMA, MIXTRAL, ZAMBA, check_against_reference, make_batches, make_recipe, pipeline_worker, reference, scenario

@@ -4,8 +4,9 @@ import logging
 import pytest
 import yaml
 
-from hf_asyncpp import config
-from hf_asyncpp.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict, save_recipe
+from hf_asyncpp.config import recipe as config
+from hf_asyncpp.config.recipe import apply_overrides, load_recipe, recipe_from_dict, save_recipe
+from hf_asyncpp.errors import RecipeError
 
 BASE = {"model": {"config": {"model_type": "llama", "hidden_size": 32}}}
 

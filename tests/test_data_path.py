@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.config import DataConfig, ModelConfig
-from hf_asyncpp.data import BlockStream, DataError, is_held_out, next_batch
-from hf_asyncpp.prefetch import Prefetcher
-from hf_asyncpp.resumable import ShuffledDocuments
-from hf_asyncpp.tokenizer import load_or_train_tokenizer
+from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+from hf_asyncpp.data.prefetch import Prefetcher
+from hf_asyncpp.data.shuffle import ShuffledDocuments
+from hf_asyncpp.data.stream import BlockStream, next_batch
+from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
+from hf_asyncpp.errors import DataError
+from hf_asyncpp.storage import files as ckpt
 from support import FIXTURE, launch, losses, write_recipe
+from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +129,10 @@ def test_middle_stages_never_open_the_training_stream(tmp_path):
     rc, log = launch(write_recipe(tmp_path / "a.yaml", straight, max_steps=4, save_steps=2), *stages, procs=4)
     assert rc == 0, log[-3000:]
     for step in (2, 4):
-        data = ckpt.load_json(straight / ckpt.checkpoint_name(step) / ckpt.RUN_STATE)["data"]
+        data = ckpt.load_json(straight / checkpoint_name(step) / RUN_STATE)["data"]
         assert data[1] is None and data[2] is None
         assert data[0] == data[3] and data[0]["blocks"] > 0
     rc, log = launch(write_recipe(tmp_path / "b.yaml", resumed, max_steps=4, save_steps=2), *stages,
-                     f"--training.resume_from_checkpoint={straight / ckpt.checkpoint_name(2)}", procs=4)
+                     f"--training.resume_from_checkpoint={straight / checkpoint_name(2)}", procs=4)
     assert rc == 0, log[-3000:]
     assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)[2:]

@@ -13,7 +13,8 @@ from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, plot_re
                                         score_task)
 from hf_asyncpp.eval.tasks import Item, load_items, load_task
 
-from conftest import TASK_FILES as FILES
+from support import TASK_FILES as FILES
+from hf_asyncpp.storage.names import checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,8 +90,8 @@ def test_bad_inputs(tmp_path, folders):
 def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     import json
 
-    from hf_asyncpp.config import recipe_from_dict
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.run.trainer import train
     from support import tiny
 
     out = tmp_path / "run"
@@ -106,10 +107,10 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     # ... equal to scoring step 1's checkpointed weights directly
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp import checkpoint as ckpt
+    from hf_asyncpp.storage import files as ckpt
 
     model = AutoModelForCausalLM.from_pretrained(out / "export").eval()
-    missing, unexpected = model.load_state_dict(ckpt.load_tensors(out / ckpt.checkpoint_name(1) / "model.safetensors"),
+    missing, unexpected = model.load_state_dict(ckpt.load_tensors(out / checkpoint_name(1) / "model.safetensors"),
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     step1 = score_task(model, AutoTokenizer.from_pretrained(out / "export"), load_items("arc_easy", FILES["arc_easy"]))
@@ -171,7 +172,7 @@ def test_evaluation_runs_on_the_model_device(folders, device):
 def test_re_evaluating_replaces_card_results(tmp_path):
     from huggingface_hub import ModelCard
 
-    from hf_asyncpp.model_card import add_eval_results
+    from hf_asyncpp.run.model_card import add_eval_results
 
     first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"},
              "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
@@ -201,8 +202,8 @@ def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_o
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_asyncpp.cli.evaluate import main
-    from hf_asyncpp.export import export_hf_model
-    from hf_asyncpp.tokenizer import train_tokenizer
+    from hf_asyncpp.model.export import export_hf_model
+    from hf_asyncpp.data.tokenizer import train_tokenizer
 
     a = tmp_path / "runs" / "sync" / "export"
     shutil.copytree(folders["trained"], a)
@@ -233,7 +234,7 @@ def staged_scoring_worker(rank, world, folder, num_stages, task_files, limit):
     through its stages: with its newest weights, and with the tensors each stage reads from the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.eval.downstream import score_tasks
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology

@@ -79,7 +79,7 @@ def test_forward_only_in_eval_mode_and_mode_restored():
 
 
 def test_evaluate_model_dir_matches_the_in_memory_model(tmp_path):
-    from hf_asyncpp.export import export_from_model
+    from hf_asyncpp.model.export import export_from_model
 
     model = make_model("qwen3_moe").eval()
     blocks = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))

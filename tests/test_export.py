@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.export import StateDictMismatchError, export_from_model, export_hf_model, load_checkpoint_state
-from hf_asyncpp.model_card import card_writer, render_model_card
+from hf_asyncpp.model.export import StateDictMismatchError, export_from_model, export_hf_model, load_checkpoint_state
+from hf_asyncpp.run.model_card import card_writer, render_model_card
 from support import DIMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,8 +196,8 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
     from huggingface_hub import ModelCard
     from safetensors.torch import save_file
 
-    from hf_asyncpp.config import DataConfig, recipe_from_dict, save_recipe
-    from hf_asyncpp.data import eval_blocks
+    from hf_asyncpp.config.recipe import DataConfig, recipe_from_dict, save_recipe
+    from hf_asyncpp.data.stream import eval_blocks
     from hf_asyncpp.eval.perplexity import evaluate_model_dir
     from hf_asyncpp.partition import partition_model
 
@@ -274,7 +274,7 @@ def test_buffers_unknown_to_init_weights_are_rebuilt_or_named():
 
     AutoConfig.register(ScalerConfig.model_type, ScalerConfig, exist_ok=True)
     AutoModelForCausalLM.register(ScalerConfig, ScalerModel, exist_ok=True)
-    from hf_asyncpp.export import assemble_model
+    from hf_asyncpp.model.export import assemble_model
 
     cfg = ScalerConfig(scale=2.5)
     sd = {"embed.weight": torch.randn(16, 8)}
@@ -289,8 +289,8 @@ def test_the_card_of_a_run_continued_from_weights(tmp_path):
     """A local ``model.name_or_path`` is named in the text by its folder name and is not ``base_model`` (Hub
     metadata: the Hub would link a local path as a model id); a Hub id is both. The model is named by the run's
     folder, never by an absolute path."""
-    from hf_asyncpp.config import recipe_from_dict
-    from hf_asyncpp.model_card import card_from_recipe
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.run.model_card import card_from_recipe
 
     local = tmp_path / "my-base"
     local.mkdir()

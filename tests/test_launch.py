@@ -18,8 +18,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import TASK_FILES
-from hf_asyncpp.launch import NO_SPAWN
+from support import TASK_FILES
+from hf_asyncpp.launch.spawn import NO_SPAWN
 from support import ROOT, launch, losses, write_recipe
 
 # Newton-Schulz in float32 (auto's choice on a CPU, named so a GPU run is exact too): bfloat16 would amplify the
@@ -86,10 +86,10 @@ def test_data_parallel_replicas_read_their_own_shards(tmp_path):
     would be shard 0's loss alone."""
     from transformers import AutoTokenizer
 
-    from hf_asyncpp.checkpointer import set_seed
-    from hf_asyncpp.config import load_recipe
-    from hf_asyncpp.data import BlockStream, next_batch, resolve_data_files, train_hold_out
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.run.seeds import set_seed
+    from hf_asyncpp.config.recipe import load_recipe
+    from hf_asyncpp.data.stream import BlockStream, next_batch, resolve_data_files, train_hold_out
+    from hf_asyncpp.model.build import build_model
 
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "r.yaml", out, max_steps=1, logging_steps=1, save_steps=0)

@@ -1,26 +1,45 @@
-"""The package's import graph keeps its shape: no cycle, and the core never reaches evaluation, the card or the Hub.
+"""The package's import graph keeps its floors: no cycle, no import that climbs, and a pure schedule floor.
 
 The graph is read from the source with ``ast`` (every ``import`` and ``from ... import``, function-local ones
-included, relative ones resolved), so an import hidden in a function to dodge a cycle counts like any other. The
-core (the engines, the pipeline, the optimizers, the partitioner, the checkpoint layout) must not reach, directly
-or through any chain of imports, the modules that evaluate a model, write its card, push it, or call the export:
-``export.py`` sits under the engines only because it writes folders and nothing else.
+included, relative ones resolved), so an import hidden in a function to dodge a cycle counts like any other. Each
+top-level module and folder of ``hf_asyncpp/`` is a unit on one floor of ``LAYERS`` (docs/how-it-works.md draws
+the same tree); a unit imports only units on lower floors. So the core (storage, the model, the partitioner, the
+optimizers, the engines, the pipeline) never reaches evaluation, a run's components, the launcher or the CLI.
 """
 from __future__ import annotations
 
 import ast
 import shutil
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_asyncpp"
-CORE = ("hf_asyncpp.pipeline", "hf_asyncpp.optim", "hf_asyncpp.partition", "hf_asyncpp.engine", "hf_asyncpp.checkpoint")
-ABOVE_CORE = ("hf_asyncpp.eval", "hf_asyncpp.evaluator", "hf_asyncpp.model_card", "hf_asyncpp.hub",
-              "hf_asyncpp.trainer", "hf_asyncpp.checkpointer", "hf_asyncpp.cli")
-"""Evaluation, the card, the Hub, and export's callers (the trainer, the checkpointer, the CLI)."""
+LAYERS = (
+    ("errors", "schedules"),  # leaves: every user-facing error; schedules as data and their simulator (no torch)
+    ("storage", "topology", "supervision"),  # the disk; where a process sits; a rank never outlives its launcher
+    ("config",),  # the recipe
+    ("data", "model", "launch"),  # files -> blocks; the model built, scored, exported; starting processes, one error line
+    ("partition", "optim"),  # stages of any causal LM; Muon, AdamW, EF, the delay references
+    ("engine",),  # the engine protocol and the single-process engine
+    ("pipeline",),  # the runtime: one stage's executor and its helpers
+    ("eval",),  # perplexity and zero-shot tasks
+    ("run",),  # one training run: the trainer, the components it wires, the checks before it starts
+    ("testing",),  # the worker-process helper of the tests and benchmarks: imported by nothing in the package
+    ("cli",),  # the commands; cli/train.py is the one entry point of a training process
+    ("__main__",),
+)
+"""Floors of the package, lowest first. The root ``hf_asyncpp/__init__.py`` (the version and three lazy names) is
+no floor: any unit may read ``__version__``."""
+FLOOR = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+PURE = "schedules"
+PURE_ALLOWED = {"matplotlib"}  # the timeline's drawing, imported where it draws
+"""The schedule floor is pure Python: the recipe's checks, the planner and ``hf-asyncpp timeline`` import it cheaply."""
 
 
-def _within(name: str, prefixes) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def unit(module: str) -> str:
+    """``hf_asyncpp.pipeline.executor`` -> ``pipeline``; the root package -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -94,39 +113,54 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def core_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every chain of imports from a core module to a module above it, as ``a -> b -> ... -> z``."""
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a unit to one on its own floor or above, as ``a -> b``."""
     out = []
-    for start in sorted(m for m in graph if _within(m, CORE)):
-        seen, todo = {start: [start]}, [start]
-        while todo:
-            v = todo.pop()
-            for w in sorted(graph.get(v, ())):
-                if w not in seen:
-                    seen[w] = seen[v] + [w]
-                    todo.append(w)
-        out += [" -> ".join(chain) for m, chain in sorted(seen.items()) if _within(m, ABOVE_CORE)]
+    for a, targets in sorted(graph.items()):
+        ua = unit(a)
+        if ua == "__init__":
+            continue
+        for b in sorted(targets):
+            ub = unit(b)
+            if ub not in (ua, "__init__") and FLOOR[ub] >= FLOOR[ua]:
+                out.append(f"{a} -> {b}")
     return out
+
+
+def third_party_imports(root: Path, folder: str) -> set[str]:
+    """Top-level names of what the modules of ``folder`` import from outside the package and the standard library."""
+    found = set()
+    for path in sorted((root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found.update(n.split(".")[0] for n in names if n and n.split(".")[0] not in sys.stdlib_module_names)
+    return found - {"hf_asyncpp", "__future__"}
+
+
+def test_every_unit_has_a_floor():
+    units = {unit(m) for m in import_graph()} - {"__init__"}
+    assert units <= set(FLOOR), f"place these in LAYERS (and in docs/how-it-works.md): {sorted(units - set(FLOOR))}"
+    assert set(FLOOR) <= units, f"LAYERS names units that no longer exist: {sorted(set(FLOOR) - units)}"
 
 
 def test_the_package_has_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_the_core_never_reaches_evaluation_the_card_or_the_hub():
+def test_no_import_climbs_a_floor():
     graph = import_graph()
     assert "hf_asyncpp.eval.tasks" in graph and "hf_asyncpp.pipeline.executor" in graph  # the walk sees the package
-    assert core_violations(graph) == []
+    assert upward_imports(graph) == []
 
 
-def test_export_writes_folders_and_imports_nothing_above_it():
-    reach = import_graph()["hf_asyncpp.export"]
-    assert not [m for m in reach if _within(m, ABOVE_CORE + ("hf_asyncpp.reporting",))], reach
+def test_the_schedule_floor_is_pure_python():
+    assert third_party_imports(PACKAGE, PURE) <= PURE_ALLOWED
 
 
-def _copy_with(tmp_path: Path, module: str, line: str) -> dict[str, set[str]]:
-    """The graph of a copy of the package with ``line`` added to ``module`` as a function-local import (at the top
-    of its first function or method)."""
+def _copy_with(tmp_path: Path, module: str, line: str) -> tuple[Path, dict[str, set[str]]]:
+    """A copy of the package with ``line`` added to ``module`` as a function-local import (at the top of its first
+    function or method), and the copy's graph."""
     root = tmp_path / "hf_asyncpp"
     shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
     path = root / module
@@ -135,16 +169,19 @@ def _copy_with(tmp_path: Path, module: str, line: str) -> dict[str, set[str]]:
     lines.insert(first.lineno - 1, " " * first.col_offset + line + "\n")
     path.write_text("".join(lines))
     ast.parse(path.read_text())  # still Python
-    return import_graph(root)
+    return root, import_graph(root)
 
 
-def test_the_checks_catch_a_reintroduced_cycle_and_a_core_import(tmp_path):
-    """The old shape comes back in three ways, each hidden in a function: the scorer reaching for the end of the run
-    (a cycle), an engine importing the evaluator, and the folder writer importing the card (which pulls evaluation
-    under every engine)."""
-    graph = _copy_with(tmp_path / "a", "eval/downstream.py", "from ..evaluator import Evaluator  # noqa")
-    assert any({"hf_asyncpp.eval.downstream", "hf_asyncpp.evaluator"} <= set(c) for c in cycles(graph))
-    graph = _copy_with(tmp_path / "b", "pipeline/executor.py", "from ..evaluator import Evaluator  # noqa")
-    assert "hf_asyncpp.pipeline.executor -> hf_asyncpp.evaluator" in core_violations(graph)
-    graph = _copy_with(tmp_path / "c", "export.py", "from .model_card import card_writer  # noqa")
-    assert "hf_asyncpp.engine -> hf_asyncpp.export -> hf_asyncpp.model_card" in core_violations(graph)
+def test_the_checks_catch_a_cycle_a_climb_and_torch_in_the_schedules(tmp_path):
+    """The old shapes come back, each hidden in a function: the scorer reaching for the end of the run (a cycle and
+    a climb), the executor importing the evaluator (a climb), the recipe reaching into the launcher (a climb), and
+    torch in the schedule floor."""
+    _, graph = _copy_with(tmp_path / "a", "eval/downstream.py", "from ..run.evaluator import Evaluator  # noqa")
+    assert any({"hf_asyncpp.eval.downstream", "hf_asyncpp.run.evaluator"} <= set(c) for c in cycles(graph))
+    assert "hf_asyncpp.eval.downstream -> hf_asyncpp.run.evaluator" in upward_imports(graph)
+    _, graph = _copy_with(tmp_path / "b", "pipeline/executor.py", "from ..run.evaluator import Evaluator  # noqa")
+    assert upward_imports(graph) == ["hf_asyncpp.pipeline.executor -> hf_asyncpp.run.evaluator"]
+    _, graph = _copy_with(tmp_path / "c", "launch/spawn.py", "from ..run import trainer  # noqa")
+    assert upward_imports(graph) == ["hf_asyncpp.launch.spawn -> hf_asyncpp.run.trainer"]
+    root, _ = _copy_with(tmp_path / "d", "schedules/records.py", "import torch  # noqa")
+    assert third_party_imports(root, PURE) - PURE_ALLOWED == {"torch"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TASK_FILES
+from support import TASK_FILES
 from hf_asyncpp.eval.downstream import choice_logliks, evaluate_models, predictions
 from hf_asyncpp.eval.lm_eval import LOCAL_PREFIX, evaluate_with_lm_eval
 from hf_asyncpp.eval.tasks import load_task

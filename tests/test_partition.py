@@ -7,8 +7,8 @@ import weakref
 import pytest
 import torch
 
-from hf_asyncpp.partition import (VERIFIED_MODEL_TYPES, PartitionError, merge_state_dicts, partition_model, partition_plan,
-                                  run_stages, tied_parameters)
+from hf_asyncpp.partition import (PartitionError, VERIFIED_MODEL_TYPES, merge_state_dicts, partition_model,
+                                  partition_plan, run_stages, tied_parameters)
 from support import ARCHS, BASE, MODEL_TYPE, MOE_AUX, make_config, make_model
 
 

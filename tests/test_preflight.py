@@ -1,6 +1,6 @@
 """Runs a user can trust: what can be checked before training is checked before the processes start
-(hf_asyncpp/preflight.py), and a failure in any process ends the run with one ``error:`` line naming the field
-(hf_asyncpp/failures.py). The self-starting launcher is run for real (`hf-asyncpp train` as one process); the
+(hf_asyncpp/run/preflight.py), and a failure in any process ends the run with one ``error:`` line naming the field
+(hf_asyncpp/launch/failures.py). The self-starting launcher is run for real (`hf-asyncpp train` as one process); the
 Hub is replaced by a stand-in HfApi (the network edge) only in-process."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_asyncpp.launch import NO_SPAWN
+from hf_asyncpp.launch.spawn import NO_SPAWN
 from dist_utils import free_port
 from support import launch, tiny, write_recipe
 
@@ -86,8 +86,8 @@ def test_an_unknown_tracker_is_printed_once(tmp_path, recipe):
 
 SHARED_ERROR = """
 import os, sys, time
-from hf_asyncpp.config import RecipeError
-from hf_asyncpp.failures import report
+from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.launch.failures import report
 if os.environ["LOCAL_RANK"] == "0":
     time.sleep(float(sys.argv[1]))  # the first process is the slow one: it runs checks the others skip
 try:
@@ -191,7 +191,7 @@ def test_a_killed_rank_is_named_not_the_survivor_torchrun_stopped(tmp_path):
     stopped with SIGTERM, nor one that only saw its peer's connection close."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from hf_asyncpp.failures import first_error
+    from hf_asyncpp.launch.failures import first_error
 
     (tmp_path / "rank-2.json").write_text('{"line": "error: PeerFailure: ...", "code": 3, "peer_gone": true, "time": 1}')
     failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, ""), 1: ProcessFailure(1, 101, -signal.SIGKILL, ""),

@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp import checkpointer
-from hf_asyncpp.engine import NonFiniteError, finite_step
+from hf_asyncpp.engine import finite_step
+from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.optim import install_error_feedback
 from hf_asyncpp.pipeline import stage_state
-from hf_asyncpp.pipeline.schedules import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS
 from hf_asyncpp.pipeline.versions import Versions
+from hf_asyncpp.run import checkpointer
+from hf_asyncpp.schedules.records import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS
+from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import (FINAL_EVAL, LOSS_CURVE, MANIFEST, METRICS, MODEL_FILE, OPTIMIZER_FILE, PROFILE,
+                                      RECIPE_FILE, RUN_STATE, TIMELINE, TRAINER_STATE)
 
-PACKAGE = Path(ckpt.__file__).resolve().parent
+PACKAGE = Path(ckpt.__file__).resolve().parent.parent
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -38,15 +41,14 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 # ---------------------------------------------------------------------------- 1. file names in one home
 
-HOMES = {v: "checkpoint.py" for v in (ckpt.MANIFEST, ckpt.RUN_STATE, ckpt.TRAINER_STATE, ckpt.MODEL_FILE,
-                                        ckpt.OPTIMIZER_FILE, ckpt.RECIPE_FILE, ckpt.METRICS, ckpt.FINAL_EVAL,
-                                        ckpt.LOSS_CURVE, ckpt.PROFILE, ckpt.TIMELINE)}
-"""The names of a checkpoint's files and of the run folder's outputs live in checkpoint.py (``reporting.METRICS`` is
-the same constant). Not here: ``config.json`` and ``tokenizer.json`` (transformers' and tokenizers' own names, also
+HOMES = {v: "storage/names.py" for v in (MANIFEST, RUN_STATE, TRAINER_STATE, MODEL_FILE,
+                                        OPTIMIZER_FILE, RECIPE_FILE, METRICS, FINAL_EVAL,
+                                        LOSS_CURVE, PROFILE, TIMELINE)}
+"""The names of a checkpoint's files and of the run folder's outputs live in storage/names.py. Not here: ``config.json`` and ``tokenizer.json`` (transformers' and tokenizers' own names, also
 in exported folders), and folder names."""
 NAME_EXCEPTIONS = {
-    ("export.py", ckpt.MODEL_FILE): "an exported HF folder's weights: transformers' SAFE_WEIGHTS_NAME, which "
-                                    "checkpoint.MODEL_FILE happens to equal",
+    ("model/export.py", MODEL_FILE): "an exported HF folder's weights: transformers' SAFE_WEIGHTS_NAME, which "
+                                    "names.MODEL_FILE happens to equal",
 }
 
 
@@ -65,17 +67,17 @@ def test_file_names_are_spelled_only_in_their_home():
     bad = _name_literals({"engine.py": ast.parse('ckpt.save_tensors(tmp / "model.safetensors", sd)')})
     assert bad == {("engine.py", "model.safetensors")}  # the detector sees a stray name
     found = _name_literals(_sources())
-    stray = {(p, v) for p, v in found if (Path(p).name, v) not in NAME_EXCEPTIONS}
+    stray = {(p, v) for p, v in found if (p, v) not in NAME_EXCEPTIONS}
     assert not stray, f"spell these through their home's constant ({HOMES}): {sorted(stray)}"
-    unused = set(NAME_EXCEPTIONS) - {(Path(p).name, v) for p, v in found}
+    unused = set(NAME_EXCEPTIONS) - {(p, v) for p, v in found}
     assert not unused, f"allowed exceptions no longer needed; remove them from NAME_EXCEPTIONS: {sorted(unused)}"
 
 
 # ---------------------------------------------------------------------------- 2. every write through storage
 
 WRITE_EXCEPTIONS = {
-    ("storage.py", "open"): "the edge itself: open_for_write, which write_file writes through (and tests fake)",
-    ("preflight.py", "write_text"): "a probe of whether training.output_dir is writable: its failure is the answer, "
+    ("storage/write.py", "open"): "the edge itself: open_for_write, which write_file writes through (and tests fake)",
+    ("storage/write.py", "write_text"): "a probe of whether training.output_dir is writable: its failure is the answer, "
                                     "turned into a RecipeError naming the field",
     ("cli/compare.py", "open"): "a log file handed to a child process as its stdout: the child writes the bytes",
 }
@@ -161,7 +163,7 @@ def test_no_module_outside_pipeline_switches_on_a_schedule_or_delay_name():
                         'lags = {"pipedream": a, "1": b}.get(mode)\nif env.get("RANK") == "0": pass')
     assert len(_vocabulary_switches({"x.py": snippet})) == 3
     found = [f for f in _vocabulary_switches(_sources()) if Path(f[0]).name not in VOCABULARY_EXCEPTIONS]
-    assert not found, ("ask the records in pipeline/schedules.py (pipelined, processes_per_pipeline, "
+    assert not found, ("ask the records in schedules/records.py (pipelined, processes_per_pipeline, "
                        f"get_simulated_delay) instead of comparing names: {sorted(found)}")
 
 
@@ -241,7 +243,7 @@ def test_one_non_finite_rule():
 
 
 def test_one_resume_resolver():
-    assert not hasattr(ckpt, "resolve_resume")  # checkpointer.choose_resume verifies and picks
+    assert not hasattr(ckpt, "resolve_resume")  # folder.choose_resume verifies and picks
     assert not hasattr(checkpointer, "resume")  # Checkpointer.resume restores
     defined = [n.name for tree in _sources().values() for n in ast.walk(tree)
                if isinstance(n, ast.FunctionDef) and n.name in ("choose_resume", "resolve_resume", "resume")]

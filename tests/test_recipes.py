@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.config import load_recipe
+from hf_asyncpp.config.recipe import load_recipe
 from hf_asyncpp.partition import partition_plan
-from hf_asyncpp.pipeline.planner import StageMemory, meta_model, plan_memory
+from hf_asyncpp.pipeline.planner import meta_model, plan_memory
 from support import GEMMA3N, ZAMBA
 
 RECIPES = sorted(Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"))
@@ -47,7 +47,7 @@ def test_planner_memory_matches_the_executor_for_cpu_tiny():
 
 def _measure_stage_bytes(rank, world, recipe):
     from hf_asyncpp.topology import Topology
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
     from hf_asyncpp.pipeline.executor import PipelineEngine
 
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def _measure_stage_bytes(rank, world, recipe):
 def test_planner_counts_shared_copies_and_received_side_inputs():
     """A block shared by layers on two stages is held (and counted) on both; a stage after the first keeps what it
     receives besides the hidden state (Gemma-3n's per-layer embeddings) for its backward."""
-    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.pipeline.planner import received_values_per_token
 
     zamba = {k: v for k, v in ZAMBA.items() if k != "max_position_embeddings"}  # tied: the block too (untied, transformers unties it)

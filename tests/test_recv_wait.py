@@ -53,7 +53,8 @@ def test_polling_and_blocking_waits_train_the_same_bits():
 
 def _silent_peer(rank, world):
     """Rank 1 never sends: rank 0's polled receive must end in PeerFailure after the timeout, naming rank 1."""
-    from hf_asyncpp.pipeline.p2p import P2P, PeerFailure
+    from hf_asyncpp.pipeline.p2p import P2P
+    from hf_asyncpp.errors import PeerFailure
     from hf_asyncpp.topology import Topology
 
     groups = {ch: dist.new_group([0, 1]) for ch in (("act", 0), ("grad", 0))}
@@ -91,7 +92,8 @@ def test_auto_polls_on_cpu_with_a_core_per_rank_only(monkeypatch):
 
 
 def test_the_recipe_field_names_its_values():
-    from hf_asyncpp.config import RecipeError, recipe_from_dict
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.config.recipe import recipe_from_dict
 
     with pytest.raises(RecipeError, match=r"pipeline\.recv_wait.*auto.*poll.*block"):
         recipe_from_dict({"pipeline": {"recv_wait": "spin"}})

@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.checkpointer import choose_resume
-from hf_asyncpp import storage
-from hf_asyncpp.config import RecipeError, recipe_from_dict
-from hf_asyncpp.reporting import read_metrics
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.run.folder import choose_resume
+from hf_asyncpp.run.reporting import read_metrics
+from hf_asyncpp.storage import files as ckpt, write as storage
 from hf_asyncpp.topology import Topology
 from support import FIXTURE, assert_each_damage_is_named, flip, tiny, truncate
+from hf_asyncpp.errors import CheckpointError
+from hf_asyncpp.run.folder import list_checkpoints
+from hf_asyncpp.storage.names import MANIFEST, RUN_STATE, checkpoint_name
 
 
 def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
@@ -33,7 +36,7 @@ def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
 
 
 def run_main(capsys, *argv) -> tuple[int, str]:
-    from hf_asyncpp.trainer import main
+    from hf_asyncpp.cli.train import main
 
     code = main(list(argv))
     return code, capsys.readouterr().err
@@ -109,8 +112,8 @@ def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resum
     [line] = error_lines(err)
     assert f"{name}: no space left on device (0 B free" in line, line
     assert "checkpoint-0000003 stays the latest" in line or name != "optimizer.pt"
-    assert choose_resume(out, "latest", Topology()) == out / ckpt.checkpoint_name(latest)
-    assert ckpt.verify(out / ckpt.checkpoint_name(latest)) == []
+    assert choose_resume(out, "latest", Topology()) == out / checkpoint_name(latest)
+    assert ckpt.verify(out / checkpoint_name(latest)) == []
     if name == "metrics.jsonl":  # the fault left half a line behind
         assert not (out / "metrics.jsonl").read_text().endswith("\n")
     monkeypatch.undo()  # space freed: resume
@@ -128,7 +131,7 @@ def test_too_little_space_stops_before_writing_a_checkpoint(tmp_path, monkeypatc
     [line] = error_lines(err)
     assert "not enough space for checkpoint-0000006" in line and "50.0 KB are free" in line
     assert "checkpoint-0000003 stays the latest" in line
-    assert [s for s, _ in ckpt.list_checkpoints(out)] == [3] and not list(out.glob(".tmp-checkpoint-*"))
+    assert [s for s, _ in list_checkpoints(out)] == [3] and not list(out.glob(".tmp-checkpoint-*"))
 
 
 # ---------------------------------------------------------------------------- damaged checkpoints
@@ -140,7 +143,7 @@ SINGLE_KINDS = ["model.safetensors", "optimizer.pt", "run_state.json", "trainer_
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path_factory.mktemp("ckpts") / "run"
     train(recipe_from_dict(tiny(out, training__max_steps=6, training__save_steps=3)))
@@ -148,26 +151,26 @@ def two_checkpoints(tmp_path_factory):
 
 
 def test_each_damaged_file_kind_is_named(two_checkpoints, tmp_path):
-    good = two_checkpoints / ckpt.checkpoint_name(6)
-    manifest = ckpt.load_json(good / ckpt.MANIFEST)
+    good = two_checkpoints / checkpoint_name(6)
+    manifest = ckpt.load_json(good / MANIFEST)
     assert set(SINGLE_KINDS) <= set(manifest["files"]) and {"torch", "transformers", "safetensors"} <= set(manifest["versions"])
     assert all(set(rec) == {"size", "sha256"} for rec in manifest["files"].values())
     assert ckpt.verify(good) == []
     assert_each_damage_is_named(good, SINGLE_KINDS, tmp_path)
-    from hf_asyncpp.export import load_checkpoint_state  # scripts/export.py: a damaged checkpoint is not exported
+    from hf_asyncpp.model.export import load_checkpoint_state  # scripts/export.py: a damaged checkpoint is not exported
 
-    with pytest.raises(ckpt.CheckpointError, match=r"flip-model.safetensors/model.safetensors: its sha256 differs"):
+    with pytest.raises(CheckpointError, match=r"flip-model.safetensors/model.safetensors: its sha256 differs"):
         load_checkpoint_state(tmp_path / "flip-model.safetensors")
 
 
 def test_a_manifest_without_hashes_is_checked_for_presence_and_says_so(two_checkpoints, tmp_path):
     old = tmp_path / "old"
-    shutil.copytree(two_checkpoints / ckpt.checkpoint_name(6), old)
-    manifest = ckpt.load_json(old / ckpt.MANIFEST)
-    ckpt.save_json(old / ckpt.MANIFEST, {**manifest, "files": sorted(manifest["files"])})  # the format before hashes
+    shutil.copytree(two_checkpoints / checkpoint_name(6), old)
+    manifest = ckpt.load_json(old / MANIFEST)
+    ckpt.save_json(old / MANIFEST, {**manifest, "files": sorted(manifest["files"])})  # the format before hashes
     truncate(old / "model.safetensors")
     assert ckpt.verify(old) == []  # presence only: the contents were never recorded
-    with pytest.raises(ckpt.CheckpointError, match=r"old/model.safetensors: cannot be read \(SafetensorError"):
+    with pytest.raises(CheckpointError, match=r"old/model.safetensors: cannot be read \(SafetensorError"):
         ckpt.load_tensors(old / "model.safetensors")
     (old / "optimizer.pt").unlink()
     assert ckpt.verify(old) == [f"{old / 'optimizer.pt'}: missing"]
@@ -176,9 +179,9 @@ def test_a_manifest_without_hashes_is_checked_for_presence_and_says_so(two_check
 def test_resume_latest_falls_back_to_the_newest_checkpoint_that_verifies(two_checkpoints, tmp_path, capsys, caplog):
     out = tmp_path / "run"
     shutil.copytree(two_checkpoints, out)
-    flip(out / ckpt.checkpoint_name(6) / "model.safetensors")  # plausible floats: it would load
+    flip(out / checkpoint_name(6) / "model.safetensors")  # plausible floats: it would load
     recipe = recipe_file(tmp_path, out, training__max_steps=8, training__save_steps=3)
-    code, err = run_main(capsys, recipe, f"--training.resume_from_checkpoint={out / ckpt.checkpoint_name(6)}")
+    code, err = run_main(capsys, recipe, f"--training.resume_from_checkpoint={out / checkpoint_name(6)}")
     assert code == 5
     [line] = error_lines(err)
     assert "checkpoint-0000006/model.safetensors: its sha256 differs" in line and "checkpoint-0000003" in line
@@ -186,7 +189,7 @@ def test_resume_latest_falls_back_to_the_newest_checkpoint_that_verifies(two_che
     code, err = run_main(capsys, recipe, "--training.resume_from_checkpoint=latest")
     assert code == 0, err
     assert "skipped 1 damaged checkpoint(s): checkpoint-0000006 (" in caplog.text and "model.safetensors" in caplog.text
-    assert f"resumed from {out / ckpt.checkpoint_name(3)} at step 3" in caplog.text
+    assert f"resumed from {out / checkpoint_name(3)} at step 3" in caplog.text
     assert train_steps(out) == list(range(1, 9))
 
 
@@ -206,9 +209,9 @@ def other_corpus(path: Path) -> Path:
 
 
 def test_resume_into_a_new_folder_uses_the_checkpoints_tokenizer(two_checkpoints, tmp_path, capsys, caplog):
-    from hf_asyncpp.tokenizer import train_tokenizer
+    from hf_asyncpp.data.tokenizer import train_tokenizer
 
-    saved = two_checkpoints / ckpt.checkpoint_name(3) / "tokenizer"
+    saved = two_checkpoints / checkpoint_name(3) / "tokenizer"
     other = other_corpus(tmp_path / "other.jsonl")
     assert train_tokenizer([str(other)], 320).get_vocab() != json.loads((saved / "tokenizer.json").read_text())["model"]["vocab"]
     new = tmp_path / "new"
@@ -224,7 +227,7 @@ def test_resume_into_a_new_folder_uses_the_checkpoints_tokenizer(two_checkpoints
     # a recipe that contradicts the checkpoint's model: one line naming the field, and nothing written
     before = (two_checkpoints / "recipe.yaml").read_bytes()
     with pytest.raises(RecipeError, match=r"model.config.hidden_size: the checkpoint has 32, the recipe 64"):
-        from hf_asyncpp.trainer import train
+        from hf_asyncpp.run.trainer import train
 
         conf = tiny(two_checkpoints, training__resume_from_checkpoint="latest")["model"]["config"]
         train(recipe_from_dict(tiny(two_checkpoints, training__resume_from_checkpoint="latest",
@@ -265,7 +268,7 @@ def test_a_file_without_read_permission_is_named_as_such(tmp_path):
     secret = tmp_path / "secret.jsonl"
     secret.write_text(FIXTURE.read_text())
     secret.chmod(0)
-    probe = [sys.executable, "-c", "import sys; from hf_asyncpp.datafiles import problem_of; print(problem_of(sys.argv[1], 'text'))",
+    probe = [sys.executable, "-c", "import sys; from hf_asyncpp.data.files import problem_of; print(problem_of(sys.argv[1], 'text'))",
              str(secret)]
     if os.geteuid() == 0:
         probe = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
@@ -276,7 +279,7 @@ def test_a_file_without_read_permission_is_named_as_such(tmp_path):
 
 
 def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, caplog):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     data = tmp_path / "data"
     reasons = bad_files(data)
@@ -289,12 +292,12 @@ def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, 
     assert skips, caplog.text
     for name, why in reasons.items():  # each reason is one "; "-separated part of the message
         assert any(str(data / name) in part and why in part for m in skips for part in m.split("; ")), (name, skips)
-    state = ckpt.load_json(out / ckpt.checkpoint_name(2) / ckpt.RUN_STATE)
+    state = ckpt.load_json(out / checkpoint_name(2) / RUN_STATE)
     assert state["data"][0]["stats"]["skipped_files"] == len(reasons)
 
     # the same in a text corpus: a binary file among text files
-    from hf_asyncpp.config import DataConfig
-    from hf_asyncpp.data import BlockStream
+    from hf_asyncpp.config.recipe import DataConfig
+    from hf_asyncpp.data.stream import BlockStream
     from transformers import AutoTokenizer
 
     (data / "good.txt").write_text(FIXTURE.read_text().replace('"}', '"}\n\n'))
@@ -324,7 +327,7 @@ def test_a_corpus_with_nothing_usable_is_one_error_line(tmp_path, capsys):
 @pytest.mark.parametrize("token", ["hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567", "hf_oauth_AbCdEfGhIjKlMnOpQrStUvWxYz0123",
                                    "api_org_AbCdEfGhIjKlMnOpQrStUvWxYz"])
 def test_every_hub_token_form_is_scrubbed(token, monkeypatch):
-    from hf_asyncpp.hub import _scrub
+    from hf_asyncpp.run.hub import _scrub
 
     text = f"401 for {token}: Authorization: Bearer {token}; see hf_asyncpp docs"
     assert token not in _scrub(text) and "hf_asyncpp docs" in _scrub(text)

@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.storage import files as ckpt
 from support import assert_each_damage_is_named, launch, losses, truncate, write_recipe
+from hf_asyncpp.storage.names import checkpoint_name
 
 
 def _ppid_and_state(pid: int) -> tuple[int, str] | None:
@@ -85,7 +86,7 @@ def test_pipelined_checkpoint_damage_is_named_and_latest_falls_back(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", out, max_steps=8, save_steps=4)
     rc, log = launch(recipe)
     assert rc == 0, log[-3000:]
-    good = out / ckpt.checkpoint_name(8)
+    good = out / checkpoint_name(8)
     kinds = ["stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors",
              "stage-01-optimizer.pt", "rng-rank001.pt"]
     assert_each_damage_is_named(good, kinds, tmp_path)
@@ -94,7 +95,7 @@ def test_pipelined_checkpoint_damage_is_named_and_latest_falls_back(tmp_path):
     rc, log = launch(recipe, "--training.resume_from_checkpoint=latest")
     assert rc == 0, log[-3000:]
     assert "skipped 1 damaged checkpoint(s): checkpoint-0000008 (" in log and "stage-01.safetensors" in log
-    assert f"resumed from {out / ckpt.checkpoint_name(4)} at step 4" in log
+    assert f"resumed from {out / checkpoint_name(4)} at step 4" in log
     assert losses(out) == reference  # steps 5-8 again, from checkpoint 4: bitwise the same
     assert ckpt.verify(good) == []  # checkpoint 8 written anew
 
@@ -103,7 +104,7 @@ def test_every_rank_entry_point_notes_its_launcher_before_the_slow_imports():
     """``supervision`` notes the launcher's pid when it is imported; a launcher that dies during the seconds that
     torch and transformers take to import must still be noticed, so every entry point a rank runs imports it
     before torch (the order of ``sys.modules`` is the order of first import)."""
-    for entry in ("hf_asyncpp.cli.train", "hf_asyncpp.trainer"):
+    for entry in ("hf_asyncpp.cli.train", "hf_asyncpp.run.trainer"):
         code = (f"import sys, {entry}; names = list(sys.modules); "
                 "print(names.index('hf_asyncpp.supervision') < names.index('torch'))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

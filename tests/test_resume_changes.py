@@ -10,13 +10,14 @@ import logging
 import torch
 from transformers import AutoTokenizer, get_scheduler
 
-from hf_asyncpp.config import recipe_from_dict
+from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.engine import LocalEngine
-from hf_asyncpp.modeling import build_model
-from hf_asyncpp.resume_report import changed_fields
+from hf_asyncpp.model.build import build_model
+from hf_asyncpp.run.resume_report import changed_fields
+from hf_asyncpp.run.trainer import train
 from hf_asyncpp.topology import Topology
-from hf_asyncpp.trainer import train
 from support import FIXTURE, tiny
+from hf_asyncpp.storage.names import RUN_STATE, rng_file
 
 
 def _lrs(out) -> dict[int, float]:
@@ -76,7 +77,7 @@ def test_only_fields_that_change_numbers_are_reported():
 
 
 class _StubEngine:
-    """What :func:`hf_asyncpp.checkpointer.resume` needs of an engine: ``load`` and the scheduler's position."""
+    """What :meth:`hf_asyncpp.run.checkpointer.Checkpointer.resume` needs of an engine: ``load`` and the scheduler's position."""
 
     def __init__(self):
         self.loaded, self.scheduler = [], type("Scheduler", (), {"last_epoch": 0})()
@@ -90,11 +91,12 @@ def test_a_data_parallel_resize_continues_after_the_blocks_the_replicas_read(tmp
     stream that skips the 10 blocks read (its next block is block 10 of a fresh single stream), and one stream that
     read 10 resumes as 2 replicas that each skip 5 of their own shard. The references are fresh
     ``BlockStream(rank, world_size)``s (tests/test_data.py checks those shard the stream)."""
-    from hf_asyncpp import checkpoint as ckpt
-    from hf_asyncpp.checkpointer import Checkpointer, rng_state
-    from hf_asyncpp.config import DataConfig, ModelConfig
-    from hf_asyncpp.data import BlockStream
-    from hf_asyncpp.tokenizer import load_or_train_tokenizer
+    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.run.checkpointer import Checkpointer
+    from hf_asyncpp.run.seeds import rng_state
+    from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+    from hf_asyncpp.data.stream import BlockStream
+    from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
 
     tok = load_or_train_tokenizer(ModelConfig(config={"model_type": "llama"}, vocab_size=400), [str(FIXTURE)], "text",
                                   tmp_path / "tokenizer")
@@ -111,10 +113,10 @@ def test_a_data_parallel_resize_continues_after_the_blocks_the_replicas_read(tmp
     def checkpoint(name, states):
         path = tmp_path / name
         path.mkdir()
-        ckpt.save_json(path / ckpt.RUN_STATE, {"step": 5, "tokens": 0, "run_id": "k4", "data": states, "data_files": None,
+        ckpt.save_json(path / RUN_STATE, {"step": 5, "tokens": 0, "run_id": "k4", "data": states, "data_files": None,
                                                "world_size": len(states), "num_stages": 1,
                                                "schedule": recipe.pipeline.schedule})
-        ckpt.save_state(path / ckpt.rng_file(0), rng_state())
+        ckpt.save_state(path / rng_file(0), rng_state())
         return path
 
     def read(s, n):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from hf_asyncpp.config import recipe_from_dict
+from hf_asyncpp.config.recipe import recipe_from_dict
 from support import (LLAMA, LLAMA_UNTIED, MIXTRAL, MIXTRAL_NO_AUX, assert_reload_equals_stages, build, check_against_reference,
                      make_batches, make_recipe, pipeline_worker, scenario)
 
@@ -91,7 +91,7 @@ NAN_STEP = 2
 
 
 def _skip_nonfinite(recipe):
-    from hf_asyncpp.config import recipe_to_dict
+    from hf_asyncpp.config.recipe import recipe_to_dict
 
     d = recipe_to_dict(recipe)
     d["training"]["on_nonfinite"] = "skip"
@@ -101,7 +101,7 @@ def _skip_nonfinite(recipe):
 def nan_worker(rank, world, recipe, batches):
     """2BW with step NAN_STEP's loss made NaN on the last stage (so its gradient is NaN on every stage)."""
     from hf_asyncpp.pipeline.executor import PipelineEngine
-    from hf_asyncpp.pipeline.schedules import ActionType
+    from hf_asyncpp.schedules.records import ActionType
     from hf_asyncpp.topology import Topology
 
     eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
@@ -151,7 +151,7 @@ def export_worker(rank, world, recipe, batches, out_dir):
     """Train a few steps, then export: every stage writes its own shard; record what the gather carried."""
     import torch.distributed as dist
 
-    from hf_asyncpp.export import export_engine
+    from hf_asyncpp.model.export import export_engine
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology
 
@@ -249,7 +249,7 @@ def test_checkpoint_from_before_the_split_resumes_the_split_group_on_schedule(tm
     """A pipelined MoE checkpoint written with fused experts in the "muon" group (muon_split_fused: false, or before
     the option) resumes with muon_split_fused: true: the new "muon_split" group takes the lr the schedule had
     reached, its split from the recipe."""
-    from hf_asyncpp.config import recipe_to_dict
+    from hf_asyncpp.config.recipe import recipe_to_dict
 
     d = recipe_to_dict(make_recipe(MIXTRAL, "2bw", 2, 2, 2, "muon"))
     d["optimizer"]["muon_split_fused"] = False

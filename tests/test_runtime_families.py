@@ -20,7 +20,7 @@ FAMILIES = {"mamba": MAMBA, "gemma3n_text": GEMMA3N, "falcon": FALCON, "zamba": 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_stages_are_exact(name):
     """In one process first: the chained stages give the model's loss (cheap, and names the family that fails)."""
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
     from hf_asyncpp.partition import check_partition, partition_model
 
     torch.manual_seed(0)

@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.checkpointer import Checkpointer, choose_resume
-from hf_asyncpp.config import RecipeError, recipe_from_dict
-from hf_asyncpp.hub import push_folder
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.run.checkpointer import Checkpointer
+from hf_asyncpp.run.folder import choose_resume
+from hf_asyncpp.run.hub import push_folder
+from hf_asyncpp.storage import files as ckpt
 from hf_asyncpp.topology import Topology
 from support import tiny
+from hf_asyncpp.run.folder import list_checkpoints
+from hf_asyncpp.storage.names import MANIFEST, checkpoint_name, temp_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +65,7 @@ def hub(monkeypatch):
 def test_push_at_end_and_every_save(tmp_path, hub, caplog, strategy):
     """The Trainer's hub_strategy: every save pushes a loadable model (checkpoint: also the checkpoint to
     last-checkpoint/), in the background, and the end pushes the export; the card names license and versions."""
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     caplog.set_level(logging.INFO)
     out = tmp_path / "run"
@@ -85,7 +89,7 @@ def test_push_at_end_and_every_save(tmp_path, hub, caplog, strategy):
 
 
 def test_failed_push_is_retried_then_reported_and_the_export_kept(tmp_path, hub, caplog):
-    from hf_asyncpp.config import HubConfig
+    from hf_asyncpp.config.recipe import HubConfig
 
     folder = tmp_path / "export"
     folder.mkdir()
@@ -104,7 +108,7 @@ def test_a_refused_push_is_not_retried(tmp_path, hub, monkeypatch):
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
-    from hf_asyncpp.config import HubConfig
+    from hf_asyncpp.config.recipe import HubConfig
 
     def refuse(self, *, repo_id, folder_path, **kw):
         Recorder.calls.append(("upload_folder", repo_id, kw))
@@ -122,8 +126,8 @@ def test_a_refused_push_is_not_retried(tmp_path, hub, monkeypatch):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_steps(tmp_path, policy):
-    from hf_asyncpp.engine import NonFiniteError
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.errors import NonFiniteError
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     rec = recipe_from_dict(tiny(out, optimizer__name="sgd", optimizer__learning_rate=1e30, training__max_grad_norm=0.0,
@@ -142,7 +146,7 @@ def test_non_finite_steps(tmp_path, policy):
 
 
 def test_unwritable_output_dir_fails_before_training(tmp_path):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -154,17 +158,19 @@ WRITER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
-from hf_asyncpp import checkpoint as ckpt
+from hf_asyncpp.run.folder import prune
+from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import checkpoint_name, temp_dir
 out = Path(sys.argv[1])
 step = 0
 while True:
     step += 1
-    tmp = ckpt.temp_dir(out, step)
+    tmp = temp_dir(out, step)
     tmp.mkdir(parents=True)
     ckpt.save_tensors(tmp / "model.safetensors", {"w": torch.full((2_000_000,), float(step))})
     ckpt.save_json(tmp / "trainer_state.json", {"step": step})
-    ckpt.commit(tmp, out / ckpt.checkpoint_name(step), {"step": step})
-    ckpt.prune(out, 2)
+    ckpt.commit(tmp, out / checkpoint_name(step), {"step": step})
+    prune(out, 2)
 """
 
 
@@ -173,7 +179,7 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
         out = tmp_path / f"k{delay}"
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(ROOT)])
         deadline = time.time() + 60
-        while len(ckpt.list_checkpoints(out)) < 1 and time.time() < deadline:
+        while len(list_checkpoints(out)) < 1 and time.time() < deadline:
             time.sleep(0.02)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -187,21 +193,21 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
 def test_a_commit_called_off_after_its_manifest_leaves_no_checkpoint(tmp_path):
     """The launcher check runs after the manifest is on disk (hashing and fsync take time in which the launcher
     can die): a commit called off there leaves nothing a resume would take."""
-    tmp, final = ckpt.temp_dir(tmp_path, 3), tmp_path / ckpt.checkpoint_name(3)
+    tmp, final = temp_dir(tmp_path, 3), tmp_path / checkpoint_name(3)
     tmp.mkdir()
     ckpt.save_json(tmp / "trainer_state.json", {"step": 3})
 
     def launcher_gone():
-        assert (tmp / ckpt.MANIFEST).is_file()
+        assert (tmp / MANIFEST).is_file()
         raise SystemExit(7)
 
     with pytest.raises(SystemExit):
         ckpt.commit(tmp, final, {"step": 3}, before_move=launcher_gone)
-    assert not final.exists() and ckpt.list_checkpoints(tmp_path) == []
+    assert not final.exists() and list_checkpoints(tmp_path) == []
 
 
 def _bad(tmp_path, **kw):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     return lambda: train(recipe_from_dict(tiny(tmp_path / "run", **kw)))
 
@@ -224,7 +230,7 @@ def test_bad_runs_name_the_problem(tmp_path, kw, exc, msg):
 
 
 def test_bad_data_files(tmp_path):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
@@ -235,8 +241,8 @@ def test_bad_data_files(tmp_path):
     for f in mixed:
         Path(f).write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match=r"data files must all be (one of|of one kind)"):
-        from hf_asyncpp.config import DataConfig
-        from hf_asyncpp.data import load_stream
+        from hf_asyncpp.config.recipe import DataConfig
+        from hf_asyncpp.data.stream import load_stream
 
         load_stream(DataConfig(), mixed)
 

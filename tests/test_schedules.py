@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from hf_asyncpp.pipeline.schedules import (SCHEDULES, TWO_BW, Action, ActionType as T, format_actions, get_schedule, parse_actions,
-                                  schedule_actions, version_lag)
-from hf_asyncpp.pipeline.simulator import Costs, ScheduleError, simulate
-from hf_asyncpp.pipeline.timeline import plot_timeline
+from hf_asyncpp.schedules.records import (Action, ActionType as T, SCHEDULES, TWO_BW, format_actions, get_schedule,
+                                          parse_actions, schedule_actions, version_lag)
+from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
+from hf_asyncpp.schedules.timeline import plot_timeline
 
 
 def semantic_version(schedule, step, stage, p):
@@ -389,7 +389,7 @@ def test_nccl_mode_catches_what_the_plain_one_does():
 
 
 def _search_recipe(layers: int, **pipeline):
-    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.config.recipe import recipe_from_dict
 
     return recipe_from_dict({"model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                                                   "num_hidden_layers": layers, "num_attention_heads": 4,
@@ -475,7 +475,7 @@ def test_a_reduction_on_the_compute_stream_hands_2bw_s_gain_back():
     synchronous NCCL collective does): its STEP cannot start before stage 0 posted the same reduction. At p = 8: 24
     and 38 against 45. A reduction of 2 per step costs 2BW nothing off the stream."""
     from hf_asyncpp.pipeline.planner import steady_step_time
-    from hf_asyncpp.pipeline.schedules import ONE_F_ONE_B, TWO_BW
+    from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
 
     free, costly = Costs(forward=1, backward=2), Costs(forward=1, backward=2, reduce=2.0)
     step = lambda sched, p, c, on=False: steady_step_time(sched, p, 8, c, "global", reduce_on_compute_stream=on)[0]

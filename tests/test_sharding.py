@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from hf_asyncpp.config import RecipeError, recipe_from_dict
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.pipeline.sharding import assign_owners
 from support import LLAMA, MIXTRAL_NO_AUX, build, check_against_reference, scenario
 

@@ -11,15 +11,16 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from dist_utils import run_distributed
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.config import ModelConfig
-from hf_asyncpp.modeling import build_model, load_stage_pretrained, meta_model
+from hf_asyncpp.config.recipe import ModelConfig
+from hf_asyncpp.model.build import build_model, load_stage_pretrained, meta_model
+from hf_asyncpp.model.seeded_init import init_stage
 from hf_asyncpp.optim.ef import install_error_feedback
 from hf_asyncpp.partition import partition_model
 from hf_asyncpp.pipeline import stage_state
 from hf_asyncpp.pipeline.versions import Versions
-from hf_asyncpp.seeded_init import init_stage
+from hf_asyncpp.storage import files as ckpt
 from support import LLAMA, make_batches, make_config, make_model, make_recipe
+from hf_asyncpp.storage.names import stage_file, stage_optimizer_file, stage_versions_file
 
 
 def parts(stage):
@@ -59,7 +60,7 @@ def test_unchanged_split_reads_only_the_ranks_own_files_and_another_split_resume
     saved = trained_stages(2)
     for i, (stage, opt, sched, versions) in enumerate(saved):
         stage_state.save_stage(tmp_path, i, stage, opt, sched, versions, {"nonfinite_skipped": 0})
-    own = {i: [tmp_path / ckpt.stage_file(i), tmp_path / ckpt.stage_versions_file(i), tmp_path / ckpt.stage_optimizer_file(i)]
+    own = {i: [tmp_path / stage_file(i), tmp_path / stage_versions_file(i), tmp_path / stage_optimizer_file(i)]
            for i in range(2)}
     for i, (stage, opt, _, versions) in enumerate(saved):
         new, opt2, sched2, versions2 = fresh(stage)
@@ -196,7 +197,7 @@ def reload_worker(rank, world, recipe, batches, blocks, out_dir):
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
-    from hf_asyncpp.export import export_engine
+    from hf_asyncpp.model.export import export_engine
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology
     from support import build

@@ -16,25 +16,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp import checkpoint as ckpt
-from hf_asyncpp.checkpointer import choose_resume
-from hf_asyncpp.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
-from hf_asyncpp.lr import build_scheduler, warmup_steps
+from hf_asyncpp.config.recipe import apply_overrides, load_recipe, recipe_from_dict
+from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.optim.lr import build_scheduler, warmup_steps
+from hf_asyncpp.run.folder import choose_resume
+from hf_asyncpp.storage import files as ckpt
 from hf_asyncpp.topology import Topology
 from support import losses, tiny, tiny_llama
+from hf_asyncpp.run.folder import list_checkpoints, prune
+from hf_asyncpp.storage.names import MANIFEST, RUN_STATE, TRAINER_STATE, checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def weights(out: Path, step: int) -> dict:
-    return ckpt.load_tensors(out / ckpt.checkpoint_name(step) / "model.safetensors")
+    return ckpt.load_tensors(out / checkpoint_name(step) / "model.safetensors")
 
 
 # the dropout case makes the RNG state part of the computation: a resume that does not restore it draws other masks
 @pytest.mark.parametrize("opt,delay,ef,dropout", [("adamw", "0", "none", 0.0), ("muon", "1", "error_feedback", 0.0),
                                                   ("adamw", "0", "none", 0.1)])
 def test_resume_equals_uninterrupted(tmp_path, opt, delay, ef, dropout):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     common = dict(optimizer__name=opt, optimizer__simulate_delay=delay, optimizer__delay_correction=ef)
     if dropout:
@@ -43,7 +46,7 @@ def test_resume_equals_uninterrupted(tmp_path, opt, delay, ef, dropout):
     train(recipe_from_dict(tiny(straight, **common)))
     summary = train(recipe_from_dict(tiny(split, training__stop_after_steps=3, **common)))
     assert summary.get("stopped_early") and summary["step"] == 3
-    assert not (split / ckpt.checkpoint_name(6)).exists()
+    assert not (split / checkpoint_name(6)).exists()
     train(recipe_from_dict(tiny(split, training__resume_from_checkpoint="latest", **common)))
     a, b = losses(straight), losses(split)
     assert len(a) == 6 and a == b  # bitwise: same data position, RNG, optimizer, EF and delay state
@@ -53,19 +56,19 @@ def test_resume_equals_uninterrupted(tmp_path, opt, delay, ef, dropout):
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out, training__max_steps=8, training__save_steps=2, training__save_total_limit=2)))
-    steps = [s for s, _ in ckpt.list_checkpoints(out)]
+    steps = [s for s, _ in list_checkpoints(out)]
     assert steps == [6, 8]
-    manifest = ckpt.load_json(out / ckpt.checkpoint_name(8) / "manifest.json")
+    manifest = ckpt.load_json(out / checkpoint_name(8) / "manifest.json")
     assert {"model.safetensors", "run_state.json", "trainer_state.json"} <= set(manifest["files"])
     # a half-written checkpoint (no manifest) is never resumed from
-    broken = out / ckpt.checkpoint_name(10)
+    broken = out / checkpoint_name(10)
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"garbage")
-    assert choose_resume(out, "latest", Topology()) == out / ckpt.checkpoint_name(8)
+    assert choose_resume(out, "latest", Topology()) == out / checkpoint_name(8)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 9))
@@ -81,12 +84,12 @@ def test_a_checkpoints_trainer_state_json_is_transformers_own(tmp_path):
     log (an entry per logging interval with its mean loss, as the Trainer logs, and the evaluations)."""
     from transformers import TrainerState
 
-    from hf_asyncpp.reporting import read_metrics
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.reporting import read_metrics
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out, training__eval_steps=4)))  # 6 steps, logged every 2, checkpoints at 3 and 6
-    state = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(6) / ckpt.TRAINER_STATE))
+    state = TrainerState.load_from_json(str(out / checkpoint_name(6) / TRAINER_STATE))
     assert (state.global_step, state.max_steps, state.logging_steps, state.save_steps, state.eval_steps) == (6, 6, 2, 3, 4)
     assert state.num_input_tokens_seen == 6 * 2 * 2 * 32 and state.train_batch_size == 2
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
@@ -95,7 +98,7 @@ def test_a_checkpoints_trainer_state_json_is_transformers_own(tmp_path):
     assert [e["loss"] for e in logs] == pytest.approx([(rows[i]["loss"] + rows[i + 1]["loss"]) / 2 for i in (0, 2, 4)])
     assert [e["learning_rate"] for e in logs] == [rows[i]["learning_rate"] for i in (1, 3, 5)]
     assert [e["step"] for e in state.log_history if "eval_loss" in e] == [0, 4]
-    earlier = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(3) / ckpt.TRAINER_STATE))
+    earlier = TrainerState.load_from_json(str(out / checkpoint_name(3) / TRAINER_STATE))
     assert earlier.global_step == 3 and [e["step"] for e in earlier.log_history] == [0, 2]
 
 
@@ -104,17 +107,17 @@ def test_a_run_of_an_earlier_version_resumes(tmp_path, caplog):
     and ``tokens``: such a run resumes, and its records read under today's names."""
     from transformers import TrainerState
 
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out, training__stop_after_steps=3)))
-    old = out / ckpt.checkpoint_name(3)
-    (old / ckpt.RUN_STATE).replace(old / ckpt.TRAINER_STATE)  # the layout before: our record under that name
-    manifest = ckpt.load_json(old / ckpt.MANIFEST)
-    del manifest["files"][ckpt.RUN_STATE]
-    manifest["files"][ckpt.TRAINER_STATE] = {"size": (old / ckpt.TRAINER_STATE).stat().st_size,
-                                             "sha256": ckpt.sha256_of(old / ckpt.TRAINER_STATE)}
-    ckpt.save_json(old / ckpt.MANIFEST, manifest)
+    old = out / checkpoint_name(3)
+    (old / RUN_STATE).replace(old / TRAINER_STATE)  # the layout before: our record under that name
+    manifest = ckpt.load_json(old / MANIFEST)
+    del manifest["files"][RUN_STATE]
+    manifest["files"][TRAINER_STATE] = {"size": (old / TRAINER_STATE).stat().st_size,
+                                             "sha256": ckpt.sha256_of(old / TRAINER_STATE)}
+    ckpt.save_json(old / MANIFEST, manifest)
     renamed = {"learning_rate": "lr", "num_input_tokens_seen": "tokens"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     (out / "metrics.jsonl").write_text("".join(json.dumps({renamed.get(k, k): v for k, v in r.items()}) + "\n" for r in rows))
@@ -123,7 +126,7 @@ def test_a_run_of_an_earlier_version_resumes(tmp_path, caplog):
     assert f"resumed from {old} at step 3" in caplog.text
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all("learning_rate" in r and "lr" not in r for r in rows)
-    state = TrainerState.load_from_json(str(out / ckpt.checkpoint_name(6) / ckpt.TRAINER_STATE))
+    state = TrainerState.load_from_json(str(out / checkpoint_name(6) / TRAINER_STATE))
     assert [(e["step"], e["learning_rate"]) for e in state.log_history if "loss" in e] == [
         (s, rows[s - 1]["learning_rate"]) for s in (2, 4, 6)]
 
@@ -133,8 +136,8 @@ def test_without_a_terminal_each_logging_interval_is_a_log_line(tmp_path, monkey
     with the Trainer's numbers instead; a terminal keeps the bar and gets no lines."""
     from types import SimpleNamespace
 
-    from hf_asyncpp import reporting
-    from hf_asyncpp.checkpointer import RunState
+    from hf_asyncpp.run import reporting
+    from hf_asyncpp.run.checkpointer import RunState
     from hf_asyncpp.engine import StepResult
 
     class Terminal(io.StringIO):
@@ -170,7 +173,7 @@ def test_without_a_terminal_each_logging_interval_is_a_log_line(tmp_path, monkey
 def test_export_and_perplexity_at_the_end(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     summary = train(recipe_from_dict(tiny(out, training__export=True, training__max_steps=20, optimizer__learning_rate=0.01)))
@@ -178,7 +181,7 @@ def test_export_and_perplexity_at_the_end(tmp_path):
     assert (export / "config.json").exists() and (export / "README.md").exists()
     model = AutoModelForCausalLM.from_pretrained(export)
     ids = torch.randint(0, 300, (1, 16))
-    ref = ckpt.load_tensors(out / ckpt.checkpoint_name(20) / "model.safetensors")
+    ref = ckpt.load_tensors(out / checkpoint_name(20) / "model.safetensors")
     for k, v in ref.items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
     assert summary["export_eval_ppl"] < summary["untrained_eval_ppl"]
@@ -231,15 +234,15 @@ def test_renamed_recipe_values_name_the_new_ones(caplog):
 def test_scheduler_names_are_transformers_own():
     from transformers.trainer_utils import SchedulerType
 
-    from hf_asyncpp.config import SchedulerName
+    from hf_asyncpp.config.recipe import SchedulerName
 
     needs_a_metric = {"reduce_lr_on_plateau", "greedy"}
     assert set(typing.get_args(SchedulerName)) == {s.value for s in SchedulerType} - needs_a_metric
 
 
 def test_too_few_processes_prints_the_command_that_works():
-    from hf_asyncpp.config import RecipeError
-    from hf_asyncpp.trainer import check_topology
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.run.trainer import check_topology
 
     r = recipe_from_dict(tiny(Path("/tmp/x"), pipeline__schedule="2bw", pipeline__num_stages=2))
     with pytest.raises(RecipeError, match=r"2 stages need a multiple of 2 processes, but 1 was started[\s\S]*recipes/accelerate/cpu-2proc.yaml"):
@@ -248,7 +251,7 @@ def test_too_few_processes_prints_the_command_that_works():
 
 
 def test_only_evaluations_checkpoints_and_the_end_drain_the_pipeline():
-    from hf_asyncpp.trainer import drain_points
+    from hf_asyncpp.run.trainer import drain_points
 
     for every in (1, 7, 1000):
         r = recipe_from_dict(tiny(Path("/tmp/x"), training__max_steps=20, training__logging_steps=every,
@@ -262,15 +265,15 @@ def test_trackers_get_trainer_keys_and_a_resume_continues_the_run(tmp_path):
     its folder under logs/), one tracker run continued by a resume."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     common = dict(training__report_to=["tensorboard"], training__logging_steps=2, training__run_name="tiny-run",
                   training__project="tiny-project")
     train(recipe_from_dict(tiny(out, training__stop_after_steps=4, **common)))
-    first = ckpt.load_json(out / ckpt.checkpoint_name(4) / ckpt.RUN_STATE)["run_id"]
+    first = ckpt.load_json(out / checkpoint_name(4) / RUN_STATE)["run_id"]
     train(recipe_from_dict(tiny(out, training__resume_from_checkpoint="latest", **common)))
-    assert ckpt.load_json(out / ckpt.checkpoint_name(6) / ckpt.RUN_STATE)["run_id"] == first
+    assert ckpt.load_json(out / checkpoint_name(6) / RUN_STATE)["run_id"] == first
     runs = {p.parent for p in (out / "logs").rglob("events.out.tfevents.*") if p.parent.parent.name == "logs"}
     assert runs == {out / "logs" / "tiny-project"}  # one tracker run (one directory), continued by the resume
     events = EventAccumulator(str(runs.pop())).Reload()
@@ -281,7 +284,7 @@ def test_trackers_get_trainer_keys_and_a_resume_continues_the_run(tmp_path):
 
 
 def test_a_tracker_that_cannot_run_is_an_error_naming_it():
-    from hf_asyncpp.reporting import check_trackers
+    from hf_asyncpp.run.reporting import check_trackers
 
     assert check_trackers(["tensorboard", "none"]) == ["tensorboard"]
     with pytest.raises(RecipeError, match=r"report_to: 'clearml' needs the package clearml, which is not installed"):
@@ -295,7 +298,7 @@ def test_report_to_all_and_resume_from_checkpoint_true_are_the_trainers_values()
     checkpoint, from a recipe or the command line."""
     from accelerate.tracking import get_available_trackers
 
-    from hf_asyncpp.reporting import check_trackers
+    from hf_asyncpp.run.reporting import check_trackers
 
     assert check_trackers(["all"]) == [str(t) for t in get_available_trackers()] and "tensorboard" in check_trackers(["all"])
     assert recipe_from_dict(tiny(Path("/tmp/x"), training__resume_from_checkpoint=True)).training.resume_from_checkpoint == "latest"
@@ -305,7 +308,7 @@ def test_report_to_all_and_resume_from_checkpoint_true_are_the_trainers_values()
 
 
 def test_an_unset_project_is_the_trackers_own_variable(monkeypatch):
-    from hf_asyncpp.reporting import tracker_project
+    from hf_asyncpp.run.reporting import tracker_project
 
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
     assert tracker_project(None, ["tensorboard", "wandb"]) == "from-env"  # as the Trainer's wandb callback reads it
@@ -318,7 +321,7 @@ def test_an_unset_project_is_the_trackers_own_variable(monkeypatch):
 def test_each_stage_and_replica_draws_its_own_random_stream():
     """Same initial weights everywhere (training.seed), then per-rank dropout streams: rank (0, 0) keeps the seed (a
     single-process run is unchanged), every other (stage, replica) its own, reproducibly."""
-    from hf_asyncpp.checkpointer import rank_seed, set_seed
+    from hf_asyncpp.run.seeds import rank_seed, set_seed
 
     assert rank_seed(42, 0, 0) == 42
     seeds = {(s, r): rank_seed(42, s, r) for s in range(8) for r in range(4)}
@@ -334,7 +337,7 @@ def test_each_stage_and_replica_draws_its_own_random_stream():
 def test_rng_state_round_trip_includes_cuda(monkeypatch):
     """The CPU generators round-trip; where CUDA is available its generator is saved and restored too (faked on a
     CPU-only machine: the calls and the state handed back are what is checked)."""
-    from hf_asyncpp.checkpointer import rng_state, set_rng_state
+    from hf_asyncpp.run.seeds import rng_state, set_rng_state
 
     torch.manual_seed(5)
     saved = rng_state()
@@ -364,8 +367,8 @@ def test_train_s_excludes_the_time_between_a_drain_and_the_next_step(tmp_path, m
     evaluation, a checkpoint) is in ``elapsed_s`` but not in ``train_s``."""
     from types import SimpleNamespace
 
-    from hf_asyncpp import reporting
-    from hf_asyncpp.checkpointer import RunState
+    from hf_asyncpp.run import reporting
+    from hf_asyncpp.run.checkpointer import RunState
     from hf_asyncpp.engine import StepResult
 
     now = [100.0]
@@ -416,8 +419,8 @@ def test_compare_reports_the_time_2bw_needs_to_reach_the_sync_loss(tmp_path):
 def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
     """A finished 6-step run's folder: a new run (no resume) stops before writing anything, naming both ways out;
     ``overwrite_output_dir`` replaces the old run; resuming it is untouched by the check."""
-    from hf_asyncpp.config import RecipeError
-    from hf_asyncpp.trainer import train
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.run.trainer import train
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out)))
@@ -427,7 +430,7 @@ def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
         train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0)))
     assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
     train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0, training__overwrite_output_dir=True)))
-    assert [p.name for _, p in ckpt.list_checkpoints(out)] == [ckpt.checkpoint_name(2)]
+    assert [p.name for _, p in list_checkpoints(out)] == [checkpoint_name(2)]
     assert len(losses(out)) == 2  # the new run's 2 steps, none of the old run's 6
 
 
@@ -435,9 +438,9 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     """Resumed from an earlier checkpoint, a run's new checkpoint is older-numbered than the others: save_total_limit
     must not delete it."""
     for step in (3, 6, 9):
-        (tmp_path / ckpt.checkpoint_name(step)).mkdir()
-        (tmp_path / ckpt.checkpoint_name(step) / ckpt.MANIFEST).write_text("{}")
-    ckpt.prune(tmp_path, 2, keep=tmp_path / ckpt.checkpoint_name(3))
-    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3), ckpt.checkpoint_name(9)]
-    ckpt.prune(tmp_path, 1, keep=tmp_path / ckpt.checkpoint_name(3))
-    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3)]
+        (tmp_path / checkpoint_name(step)).mkdir()
+        (tmp_path / checkpoint_name(step) / MANIFEST).write_text("{}")
+    prune(tmp_path, 2, keep=tmp_path / checkpoint_name(3))
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == [checkpoint_name(3), checkpoint_name(9)]
+    prune(tmp_path, 1, keep=tmp_path / checkpoint_name(3))
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == [checkpoint_name(3)]

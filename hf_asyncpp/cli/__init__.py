@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from hf_asyncpp import __version__
+from .. import __version__
 
 COMMANDS = {
     "train": ("hf_asyncpp.cli.train", "pretrain a causal LM from a recipe (starts the stage processes itself)"),

@@ -25,9 +25,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_asyncpp.config import RecipeError, load_recipe
-from hf_asyncpp.reporting import METRICS, read_metrics
-from hf_asyncpp.storage import write_file
+from ..config.recipe import load_recipe
+from ..errors import RecipeError
+from ..run.reporting import read_metrics
+from ..storage.names import METRICS
+from ..storage.write import write_file
 
 ARMS = {
     "sync": ("synchronous 1F1B + Muon", ["--pipeline.schedule=1f1b", "--optimizer.name=muon",

@@ -14,11 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from hf_asyncpp.config import DataConfig
-from hf_asyncpp.data import eval_blocks, expand_files
-from hf_asyncpp.eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
-from hf_asyncpp.model_card import add_eval_results
-from hf_asyncpp.storage import write_file
+from ..config.recipe import DataConfig
+from ..data.stream import eval_blocks, expand_files
+from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
+from ..run.model_card import add_eval_results
+from ..storage.write import write_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,9 @@ them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.model_
 import argparse
 import sys
 
-from hf_asyncpp.checkpoint import CheckpointError
-from hf_asyncpp.export import export_hf_model, load_checkpoint_state
-from hf_asyncpp.model_card import card_from_checkpoint, card_writer
-from hf_asyncpp.storage import WriteError
+from ..errors import CheckpointError, WriteError
+from ..model.export import export_hf_model, load_checkpoint_state
+from ..run.model_card import card_from_checkpoint, card_writer
 
 
 def main(argv: list[str] | None = None) -> int:

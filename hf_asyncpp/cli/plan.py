@@ -24,12 +24,12 @@ import sys
 
 import torch
 
-from hf_asyncpp.config import load_recipe
-from hf_asyncpp.modeling import build_model
-from hf_asyncpp.optim import apply_delay_correction, build_optimizer
-from hf_asyncpp.partition import measure_costs
-from hf_asyncpp.pipeline.planner import plan_memory, reduction_stall, search_plans, simulate_schedules
-from hf_asyncpp.pipeline.timeline import plot_timeline
+from ..config.recipe import load_recipe
+from ..model.build import build_model
+from ..optim import apply_delay_correction, build_optimizer
+from ..partition import measure_costs
+from ..pipeline.planner import plan_memory, reduction_stall, search_plans, simulate_schedules
+from ..schedules.timeline import plot_timeline
 
 
 def parse_bytes(text: str) -> float:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_asyncpp.corpus import prepare_default_corpus
+from ..data.corpus import prepare_default_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,9 @@ import argparse
 import os
 import sys
 
-from hf_asyncpp.pipeline.schedules import SCHEDULES, format_actions, schedule_actions
-from hf_asyncpp.pipeline.simulator import Costs, simulate
-from hf_asyncpp.pipeline.timeline import plot_timeline
+from ..schedules.records import SCHEDULES, format_actions, schedule_actions
+from ..schedules.simulator import Costs, simulate
+from ..schedules.timeline import plot_timeline
 
 
 def main(argv: list[str] | None = None) -> int:

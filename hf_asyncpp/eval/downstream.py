@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
-from ..nll import continuation_logprobs, request_batches
+from ..model.nll import continuation_logprobs, request_batches
 from .perplexity import evaluate_perplexity, load_metric, resolve_device
 from .tasks import SCORER, TARGET_DELIMITER, load_task, task_spec
 

@@ -22,7 +22,7 @@ import yaml
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from ..storage import write_file
+from ..storage.write import write_file
 from .perplexity import resolve_device
 from .tasks import task_spec
 

@@ -2,7 +2,7 @@
 
 Hub metric scripts cannot be fetched here, so the package ships its metrics under
 ``hf_asyncpp/eval/metrics/<name>/<name>.py`` and loads them by path. A pipeline runtime computes per-block
-NLL sums on its last stage (``nll.py``, the one definition) and hands them to :func:`perplexity_from_sums`; a plain
+NLL sums on its last stage (``model/nll.py``, the one definition) and hands them to :func:`perplexity_from_sums`; a plain
 model goes through :func:`evaluate_perplexity`. Both end in the same metric.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
-from ..nll import nll_per_block
+from ..model.nll import nll_per_block
 
 __all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
            "perplexity_from_sums", "resolve_device"]

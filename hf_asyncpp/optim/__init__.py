@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .builder import KINDS, build_optimizer, classify_parameters
-from .delay import MODES, DelaySimulator
+from .delay import DelaySimulator, MODES
 from .ef import apply_delay_correction, auto_lambda, install_error_feedback
 from .muon import Muon, adjusted_lr, zeropower_via_newtonschulz
 

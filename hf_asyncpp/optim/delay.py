@@ -46,11 +46,11 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from ..pipeline.schedules import SIMULATED_DELAYS, get_simulated_delay
+from ..schedules.records import SIMULATED_DELAYS, get_simulated_delay
 
 __all__ = ["MODES", "DelaySimulator"]
 
-MODES = tuple(SIMULATED_DELAYS)  # the names; what each means is its record in pipeline.schedules
+MODES = tuple(SIMULATED_DELAYS)  # the names; what each means is its record in schedules.records
 
 
 @torch.no_grad()

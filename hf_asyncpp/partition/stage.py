@@ -20,10 +20,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from ..model.seeded_init import initializers
 from .aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
-from ..seeded_init import initializers
 
 # Model types whose stages the test suite compares with the whole model (loss, logits, every gradient) in
 # tests/test_partition.py; tests/test_partition_sweep.py covers every decoder-only type transformers ships.

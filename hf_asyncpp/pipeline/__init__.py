@@ -1,25 +1,23 @@
-"""Everything that is the pipeline, in one place.
+"""The pipeline at run time: one stage's process running its schedule's action list (``schedules/`` holds the
+records and the simulator; this is what executes them).
 
-=================  ===========================================================================================
-``schedules``      ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``GPIPE``, ``PIPEDREAM``) and their action lists
-``simulator``      runs action lists without processes: deadlocks, order, versions, timelines, bubbles
-``timeline``       draws a simulated or measured timeline
-``versions``       the weight versions a stage holds (2BW: two buffers)
-``p2p``            transfers between adjacent stages; ``PeerFailure``
-``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
+=================  ======================================================================================
 ``executor``       ``PipelineEngine``: one stage running its action list as a stream of steps
+``versions``       the weight versions a stage holds (2BW: two buffers)
+``p2p``            transfers between adjacent stages; a dead peer becomes ``PeerFailure``
+``nccl_order``     NCCL's point-to-point ordering rule enforced on gloo: the test transport of CPU runs
+``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
+``sharding``       ZeRO-1 across a stage's data-parallel replicas
+``reports``        per-step results delivered to the trainer without blocking a stage
 ``stage_state``    a stage's checkpoint files, by parameter name
+``forward_only``   forward passes through the stages: held-out loss, the export read back
+``memtrack``       the executor's memory accounting, term by term
+``gpu_timer``      GPU time per action kind (CUDA)
 ``planner``        will it fit, how fast: memory and simulated step time without allocating; the layout search
 ``autosplit``      ``layers_per_stage: auto``: the split from costs measured at start, cached
 ``profile``        a run's measured per-stage times and the timeline they imply
-=================  ===========================================================================================
+=================  ======================================================================================
 
 2BW in one place: ``schedules.TWO_BW`` (version rule, late STEP, m >= p) and ``versions.Versions`` (its two
-buffers). Importing this package stays cheap: the executor (torch.distributed, the partitioner) is imported from
-``hf_asyncpp.pipeline.executor`` where it is needed.
+buffers).
 """
-from .schedules import GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, Action, ActionType, Schedule, get_schedule, schedule_actions
-from .simulator import Costs, ScheduleError, SimResult, simulate
-
-__all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
-           "Action", "ActionType", "Costs", "ScheduleError", "SimResult", "simulate"]

@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import Recipe, recipe_to_dict
+from ..config.recipe import Recipe, recipe_to_dict
 from ..engine import autocast
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import MeasuredCosts, measure_costs
-from ..storage import write_file
+from ..storage.write import write_file
 
 log = logging.getLogger("hf_asyncpp")
 

@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..config import Recipe
+from ..config.recipe import Recipe
 from ..engine import StepResult, autocast, finite_step
-from ..lr import build_scheduler
-from ..modeling import enable_activation_checkpointing, materialise_stage
+from ..model.build import enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
+from ..optim.lr import build_scheduler
 from ..partition import partition_model, shared_tensors
+from ..schedules.records import Action, ActionType, get_schedule, with_sync_start
 from ..topology import Topology, local_device, make_groups
 from . import forward_only, profile, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
@@ -44,7 +45,6 @@ from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, stor
 from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .reports import StepReports
-from .schedules import Action, ActionType, get_schedule, with_sync_start
 from .sharding import assign_owners, keep_owned, merge_optimizer_states
 from .versions import Hold, Versions, find_casts
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..engine import autocast
-from ..modeling import read_stage_tensors
-from ..nll import continuation_logprobs, nll_per_block, request_batches
+from ..model.build import read_stage_tensors
+from ..model.nll import continuation_logprobs, nll_per_block, request_batches
 
 
 @torch.no_grad()

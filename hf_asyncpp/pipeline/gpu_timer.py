@@ -11,7 +11,7 @@ from collections import defaultdict, deque
 
 import torch
 
-from .schedules import ActionType
+from ..schedules.records import ActionType
 
 DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.STEP})
 

@@ -23,16 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import PeerFailure
+from ..schedules.channels import Channel, channel
 from ..topology import Topology
-from .channels import Channel, channel
 from .nccl_order import transport_from_env
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.float64]
 _HEADER = 64
-
-
-class PeerFailure(RuntimeError):
-    """A pipeline peer died, stalled past the timeout, or closed its connection."""
 
 
 def polls(mode: str, device: torch.device, ranks_here: int) -> bool:

@@ -52,12 +52,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Recipe
-from ..modeling import build_config
+from ..config.recipe import Recipe
+from ..model.build import build_config
 from ..optim import classify_parameters
 from ..partition import partition_plan
-from .schedules import ONE_F_ONE_B, SCHEDULES, get_schedule
-from .simulator import Costs, simulate
+from ..schedules.records import ONE_F_ONE_B, SCHEDULES, get_schedule
+from ..schedules.simulator import Costs, simulate
 
 
 @dataclass

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
-from ..config import PipelineConfig
-from .schedules import get_schedule
-from .simulator import Costs, simulate
-from .timeline import plot_timeline
+from ..config.recipe import PipelineConfig
+from ..schedules.records import get_schedule
+from ..schedules.simulator import Costs, simulate
+from ..schedules.timeline import plot_timeline
+from ..storage import files as ckpt
+from ..storage.names import PROFILE, TIMELINE
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -48,8 +49,8 @@ def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad
                    reduce_scope=sched.reduce_scope(max_grad_norm))
     report = {"schedule": sched.name, "stages": stages, "simulated_bubble": sim.bubble,
               "simulated_steady_bubble": sim.steady_bubble}
-    ckpt.save_json(out / ckpt.PROFILE, report)
-    plot_timeline(sim, str(out / ckpt.TIMELINE),
+    ckpt.save_json(out / PROFILE, report)
+    plot_timeline(sim, str(out / TIMELINE),
                   f"{sched.name} on {pipeline.num_stages} stages: measured per-action means ({steps} steps)")
     log.info("pipeline: %s; simulated steady-state bubble %.1f%% (pipeline_timeline.png)", ", ".join(
         f"stage {s['stage']} busy {s['busy_share']:.0%} (F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms), "

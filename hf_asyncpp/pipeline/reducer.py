@@ -39,8 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..errors import PeerFailure
 from ..topology import Groups, Topology
-from .p2p import PeerFailure
 
 
 class _Job:

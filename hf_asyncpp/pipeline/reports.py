@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import StepResult
-from .p2p import PeerFailure
+from ..errors import PeerFailure
 
 
 @dataclass

@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
-from ..export import shard_file, write_shard
-from ..lr import continue_schedule
+from ..model.export import shard_file, write_shard
 from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
+from ..optim.lr import continue_schedule
 from ..partition import merge_state_dicts
+from ..storage import files as ckpt
+from ..storage.names import (optimizer_of, stage_file, stage_optimizer_file, stage_versions_file, stage_weight_files,
+                             versions_of)
 from .versions import Versions
 
 
@@ -29,11 +31,11 @@ def param_names(stage: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
                extra: dict, optimizer_state: dict | None = None) -> None:
     """``optimizer_state``: the state dict to write instead of ``optimizer.state_dict()`` (ZeRO-1: the replicas')."""
-    ckpt.save_tensors(tmp / ckpt.stage_file(stage_index), stage.state_dict())
+    ckpt.save_tensors(tmp / stage_file(stage_index), stage.state_dict())
     older = versions.state()
     if older:
-        ckpt.save_tensors(tmp / ckpt.stage_versions_file(stage_index), older)
-    ckpt.save_state(tmp / ckpt.stage_optimizer_file(stage_index), {
+        ckpt.save_tensors(tmp / stage_versions_file(stage_index), older)
+    ckpt.save_state(tmp / stage_optimizer_file(stage_index), {
         "optimizer": optimizer_state or optimizer.state_dict(), "param_names": param_names(stage, optimizer),
         "scheduler": scheduler.state_dict(), "latest_version": versions.latest, **extra,
     })
@@ -49,11 +51,11 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     past their header. ``stage_index`` (this rank's stage) is tried first, so on an unchanged split a rank reads
     its own three files and nothing else (at 16 ranks x a 165 GB checkpoint, the difference is the point)."""
     weights, older, by_name, ef_by_name = {}, {}, {}, {}
-    files = ckpt.stage_weight_files(path)
+    files = stage_weight_files(path)
     if not files:
         raise FileNotFoundError(f"{path}: no stage-XX.safetensors; it was not written by a pipelined run "
                                 "(resume it with pipeline.schedule: none)")
-    own = Path(path) / ckpt.stage_file(stage_index) if stage_index is not None else None
+    own = Path(path) / stage_file(stage_index) if stage_index is not None else None
     mine, params = stage.state_dict(), dict(stage.named_parameters())
     meta: dict = {}
     for f in sorted(files, key=lambda f: f != own):  # our own stage's file first: on the same split, the only one
@@ -64,13 +66,13 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
         if not wanted:
             continue
         weights.update(tf.get(wanted))
-        v = ckpt.versions_of(f)
+        v = versions_of(f)
         if v.exists():
             vf = ckpt.TensorFile(v)
             older.update(vf.get([k for k in vf.names if k.split("/", 1)[1] in wanted]))
         if not any(n in params for n in wanted):
             continue  # buffers only: no optimizer state of ours in this stage's file
-        meta = ckpt.load_state(ckpt.optimizer_of(f))
+        meta = ckpt.load_state(optimizer_of(f))
         osd, names = meta["optimizer"], meta["param_names"]
         for i, n in enumerate(names):
             if i in osd["state"] and n in wanted:

@@ -1,0 +1,146 @@
+"""Local data files: which exist, which kind they are, and which of them can be read at all.
+
+A corpus is often a folder of files of uneven quality. One unreadable, binary, non-JSON or wrong-column file
+among good ones must not stop a run, and must not pass silently either: :func:`screen_files` looks at the start
+of each file (the first 64 KiB, and the first JSON line) and sets aside the files that cannot be used, each with
+its reason; the data stream and the tokenizer read only the rest, and log and count what was skipped. A file
+that goes bad only after its start is still met by the reader, whose error names the file list.
+
+A user's data mistake is a :class:`DataError` (one ``error:`` line from the trainer, no traceback).
+"""
+from __future__ import annotations
+
+import bz2
+import glob
+import gzip
+import json
+import lzma
+import os
+from pathlib import Path
+from ..errors import DataError, DataFileNotFound
+
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+PROBE_BYTES = 1 << 16
+_FIRST_LINE_LIMIT = 1 << 26  # a first JSON line longer than this is not judged here
+_NOT_TEXT_SHARE = 0.25  # more undecodable characters than this in the probe: the file is not UTF-8 text
+
+
+def expand_files(patterns: list[str], field: str) -> list[str]:
+    """Paths and globs (``**`` allowed) -> sorted, de-duplicated files; a pattern that matches nothing is an error.
+    A glob keeps broken links, so that :func:`screen_files` reports them instead of dropping them unseen."""
+    files: list[str] = []
+    for p in patterns:
+        if os.path.isdir(p):
+            raise DataFileNotFound(f"{field}: {p!r} is a directory; name its files, e.g. {os.path.join(p, '*.jsonl')!r}")
+        hits = sorted(glob.glob(p, recursive=True)) if any(c in p for c in "*?[") else ([p] if os.path.exists(p) else [])
+        hits = [h for h in hits if os.path.isfile(h) or (os.path.islink(h) and not os.path.exists(h))]
+        if not hits:
+            raise DataFileNotFound(f"{field}: {p!r} matches no file")
+        files.extend(h for h in hits if h not in files)
+    return files
+
+
+def builder(files: list[str]) -> str:
+    """The datasets builder of the files (``text``, ``json`` or ``parquet``); they must all be of one kind."""
+    kinds = {kind_of(f) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise DataError(f"data files must all be of one kind: text ({', '.join(k for k, v in BUILDERS.items() if v == 'text')}), "
+                        f"jsonl (.jsonl, .json) or parquet (.parquet), optionally compressed ({', '.join(COMPRESSION)}); "
+                        f"got {files[:5]}")
+    return kinds.pop()
+
+
+def kind_of(path: str) -> str | None:
+    name = path.lower()
+    for c in COMPRESSION:
+        name = name.removesuffix(c)
+    return BUILDERS.get(Path(name).suffix)
+
+
+def _open(path: str):
+    for suffix, opener in _OPENERS.items():
+        if path.lower().endswith(suffix):
+            return opener(path, "rb")
+    return open(path, "rb")
+
+
+def _not_text(chunk: bytes) -> bool:
+    if b"\x00" in chunk:
+        return True
+    text = chunk.decode("utf-8", errors="replace")
+    return text.count("\ufffd") > _NOT_TEXT_SHARE * max(1, len(text))
+
+
+def _json_problem(path: str, f, text_column: str) -> str | None:
+    for number in range(1, 1000):
+        line = f.readline(_FIRST_LINE_LIMIT)
+        if not line:
+            return None  # only blank lines: an empty file, counted by the reader
+        if not line.strip():
+            continue
+        if not line.endswith(b"\n") and len(line) >= _FIRST_LINE_LIMIT:
+            return None
+        if line.lstrip().startswith(b"["):  # a .json array: not judged line by line
+            return None
+        try:
+            obj = json.loads(line.decode("utf-8", errors="replace"))
+        except ValueError as e:
+            return f"{path}: not JSON lines (line {number}: {e})"
+        if not isinstance(obj, dict):
+            return f"{path}: not JSON lines of objects (line {number} is a {type(obj).__name__})"
+        if text_column not in obj:
+            return f"data.text_column: {text_column!r} is not a column of {path} (columns: {sorted(obj)})"
+        return None
+    return None
+
+
+def _parquet_problem(path: str, text_column: str) -> str | None:
+    import pyarrow.parquet as pq  # only for parquet corpora
+
+    try:
+        names = pq.read_schema(path).names
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid and OSError for a file that is not parquet
+        return f"{path}: not a parquet file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if text_column not in names:
+        return f"data.text_column: {text_column!r} is not a column of {path} (columns: {sorted(names)})"
+    return None
+
+
+def problem_of(path: str, text_column: str) -> str | None:
+    """Why ``path`` cannot be used as a data file (None: it looks usable). An empty file is not a problem here."""
+    kind = kind_of(path)
+    try:
+        if kind == "parquet":
+            with open(path, "rb"):
+                pass
+            return _parquet_problem(path, text_column)
+        with _open(path) as f:
+            chunk = f.read(PROBE_BYTES)
+            if not chunk:
+                return None
+            if _not_text(chunk):
+                return f"{path}: not UTF-8 text (binary data in its first {len(chunk)} bytes)"
+            if kind == "json":
+                f.seek(0)
+                return _json_problem(path, f, text_column)
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e})"
+    except EOFError as e:  # a truncated compressed file
+        return f"{path}: cannot be read ({e})"
+    return None
+
+
+def screen_files(files: list[str], text_column: str) -> tuple[list[str], list[str], dict[str, str]]:
+    """(usable, empty, skipped): the files to read, the empty ones, and the unusable ones with their reasons."""
+    usable, empty, skipped = [], [], {}
+    for f in files:
+        reason = problem_of(f, text_column)
+        if reason is not None:
+            skipped[f] = reason
+        elif os.path.getsize(f) == 0:
+            empty.append(f)
+        else:
+            usable.append(f)
+    return usable, empty, skipped

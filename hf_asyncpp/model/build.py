@@ -1,0 +1,172 @@
+"""Build the model a recipe asks for: random init from a config dict, or from_pretrained.
+
+The vocabulary is reconciled with the tokenizer here, once, so that every later
+piece (partition, export, eval) can trust ``config.vocab_size >= len(tokenizer)``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config.recipe import ModelConfig
+from ..errors import RecipeError, StageLocalError
+from ..storage import files as ckpt
+from .seeded_init import init_stage, seeded_init
+
+log = logging.getLogger("hf_asyncpp.modeling")
+
+
+def build_config(model_cfg: ModelConfig, tokenizer=None):
+    """The transformers config for the recipe, vocab and special ids set from the tokenizer."""
+    from transformers import AutoConfig
+
+    if model_cfg.config is not None:
+        kw = dict(model_cfg.config)
+        model_type = kw.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **kw)
+        except (ValueError, KeyError) as e:
+            raise RecipeError(f"model.config.model_type: {model_type!r} is not a model type transformers knows ({e})") from None
+    else:
+        config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+    if (tokenizer is None and model_cfg.config is not None and "vocab_size" not in model_cfg.config
+            and model_cfg.tokenizer_name_or_path is None):
+        config.vocab_size = model_cfg.vocab_size  # planning without the tokenizer: the size it will be trained to
+    if tokenizer is not None:
+        n = len(tokenizer)
+        if model_cfg.config is not None and ("vocab_size" not in model_cfg.config or config.vocab_size < n):
+            config.vocab_size = n
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            tok_id = getattr(tokenizer, attr, None)
+            if tok_id is not None and model_cfg.config is not None and attr not in model_cfg.config:
+                setattr(config, attr, tok_id)
+    if model_cfg.attn_implementation:
+        config._attn_implementation = model_cfg.attn_implementation
+    return config
+
+
+def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.device = "cpu"):
+    """Random init (seeded by the caller: ``torch.initial_seed()``) or pretrained weights; always fp32 master
+    weights. A random init is per module (``seeded_init``): a stage built alone gets the same values."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_cfg, tokenizer)
+    kw = {}
+    if model_cfg.attn_implementation:
+        kw["attn_implementation"] = model_cfg.attn_implementation
+    if model_cfg.config is not None:
+        cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+        with torch.device(device), torch.random.fork_rng(devices=cuda):  # its draws are replaced below
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+        seeded_init(model, model._init_weights, torch.initial_seed())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, config=config, dtype=torch.float32, **kw)
+        if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters", config.model_type, n_params / 1e6)
+    return model
+
+
+def meta_model(model_cfg: ModelConfig, tokenizer=None):
+    """The recipe's model on the meta device: modules, names and shapes without storage, built by transformers'
+    own ``from_config`` under ``torch.device("meta")``. A rank partitions it and materialises only its stage
+    (:func:`load_stage_pretrained`), so the fp32 weights of the other stages never sit in its memory."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_cfg, tokenizer)
+    kw = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+    if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
+        # resize_token_embeddings initialises the new rows from the loaded ones: it needs the whole embedding
+        raise StageLocalError(f"model.name_or_path: its {model.get_input_embeddings().num_embeddings} embeddings are "
+                              f"fewer than the tokenizer's {len(tokenizer)}: a stage-local load cannot resize them")
+    return model
+
+
+def load_stage_pretrained(stage: torch.nn.Module, name_or_path: str, device: str | torch.device = "cpu") -> None:
+    """Materialise a stage partitioned from :func:`meta_model` with its own tensors of a local safetensors
+    checkpoint (:func:`read_stage_tensors`)."""
+    tensors = read_stage_tensors(stage, name_or_path)
+    stage.to_empty(device=device)  # and the non-persistent buffers (rotary frequencies) recomputed
+    stage.load_state_dict({n: t.float() for n, t in tensors.items()}, strict=True)
+
+
+def read_stage_tensors(stage: torch.nn.Module, name_or_path: str) -> dict[str, torch.Tensor]:
+    """A stage's own tensors (its ``state_dict`` names) from a local safetensors checkpoint (``save_pretrained``'s
+    single file or its sharded index), read by name: each file's header says what it holds and only this stage's
+    tensors are read. A tied head the checkpoint leaves out (saved once, as the embedding) is read under its
+    partner's name (the stage's ``tied_pairs``). KeyError when the checkpoint names a tensor otherwise (a layout
+    transformers converts on load, such as MoE experts saved one by one): such a stage cannot be read alone."""
+    import json
+    from pathlib import Path
+
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    folder, opened = Path(name_or_path), {}
+    if (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        where = {n: folder / f for n, f in json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text())["weight_map"].items()}
+    else:
+        opened[folder / SAFE_WEIGHTS_NAME] = single = ckpt.TensorFile(folder / SAFE_WEIGHTS_NAME)
+        where = {n: single.path for n in single.names}
+    partner = {}
+    for a, b in getattr(stage, "tied_pairs", ()):
+        partner.update({a: b, b: a})
+    wanted = {}  # stage name -> name in the checkpoint
+    for name in stage.state_dict():
+        source = name if name in where else partner.get(name)
+        if source not in where:
+            raise KeyError(f"{folder}: no tensor {name!r} for this stage; was it saved for another model?")
+        wanted[name] = source
+    by_file: dict[Path, list[str]] = {}
+    for source in dict.fromkeys(wanted.values()):
+        by_file.setdefault(where[source], []).append(source)
+    read = {}
+    for f, names in by_file.items():
+        read.update((opened.get(f) or ckpt.TensorFile(f)).get(names))
+    return {n: read[s] for n, s in wanted.items()}
+
+
+def local_weights(name_or_path: str):
+    """The local folder of a pretrained model's safetensors: the path itself, or the Hub's cached snapshot of the
+    weights and config only (``huggingface_hub.snapshot_download``)."""
+    from pathlib import Path
+
+    from huggingface_hub import snapshot_download
+
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json"]))
+    if not any(folder.glob("*.safetensors")):
+        raise StageLocalError(f"{name_or_path}: no safetensors weights (a stage-local load reads tensors by name)")
+    return folder
+
+
+def materialise_stage(stage: torch.nn.Module, full_meta: torch.nn.Module, model_cfg: ModelConfig) -> None:
+    """Give a stage partitioned from :func:`meta_model` its weights on the CPU, reading or drawing only its own:
+    a pretrained model's tensors by name, or the random init :func:`build_model` gives the whole model (same seed,
+    ``torch.initial_seed()``; ``seeded_init``). Raises :class:`StageLocalError` where that is not possible."""
+    if model_cfg.config is None:
+        load_stage_pretrained(stage, str(local_weights(model_cfg.name_or_path)))
+        return
+    left = init_stage(stage, full_meta, torch.initial_seed(), torch.device("cpu"))
+    if left:
+        raise StageLocalError(f"the model's initializer leaves {left[:3]} unset when a stage is built alone")
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Turn on the model's own activation checkpointing: each decoder layer (a ``GradientCheckpointingLayer``)
+    recomputes its activations in the backward, so a microbatch in flight keeps only the layers' inputs.
+
+    Non-reentrant ``torch.utils.checkpoint``: it accepts keyword tensor arguments (position embeddings, masks),
+    restores autocast and the RNG state (dropout) for the recomputation, and lets the pipeline send activations
+    that require grad. Call it before partitioning: a stage's layers copy the flags when they are built.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the older name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

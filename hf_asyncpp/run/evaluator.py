@@ -1,0 +1,139 @@
+"""When a run is evaluated, and what its end leaves behind: the ``Evaluator``, beside the ``Checkpointer``.
+
+The trainer cuts its stream of steps at evaluation points; this module says what happens there. :meth:`Evaluator.at_step`
+measures held-out perplexity through the engine (forward only, through the stages, so a pipelined run needs no
+gather) and, with ``eval.during_training``, scores ``eval.tasks`` on the newest weights; both are recorded by the
+run's ``RunLog``, the one writer of ``metrics.jsonl``. :meth:`Evaluator.finish` is the end of a run: the HF folder
+(``model/export.py``), its perplexity read back from the folder (the proof that the export is the trained model: through the
+pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in one process), the downstream tasks
+(through the pipeline too, on the tensors each stage reads from the export), the card's results, the final Hub push
+and ``final_eval.json``.
+
+The evaluation itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
+"""
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..eval.downstream import evaluate_models, results_table, score_tasks
+from ..eval.perplexity import evaluate_model_dir, perplexity_from_sums
+from ..eval.tasks import load_task
+from ..model.export import assemble_model, export_engine
+from ..storage import files as ckpt
+from ..storage.names import EXPORT_DIR, FINAL_EVAL, METRICS
+from .hub import Pusher
+from .model_card import add_eval_results, card_from_recipe, card_writer
+from .reporting import RunLog, read_metrics
+
+log = logging.getLogger("hf_asyncpp")
+
+
+@lru_cache(maxsize=None)
+def _cached_task(task: str, path: str | None, limit: int | None):
+    return load_task(task, path, limit)  # read once per run, scored at every evaluation
+
+
+class Evaluator:
+    """The evaluation points of a run and its end. Every rank calls every method (the engine's evaluation and
+    gathers are collective); only the main process records."""
+
+    def __init__(self, out: Path, recipe, engine, tokenizer, accelerator, runlog: RunLog, held_out: torch.Tensor,
+                 pusher: Pusher | None = None):
+        self.out, self.recipe, self.engine, self.tokenizer = Path(out), recipe, engine, tokenizer
+        self.accelerator, self.runlog, self.held_out, self.pusher = accelerator, runlog, held_out, pusher
+
+    def perplexity(self, step: int) -> dict:
+        """Held-out loss and perplexity of the newest weights, through the engine, recorded (``eval_loss``,
+        ``eval_ppl``, ``eval_tokens``); the shipped ``evaluate`` metric computes them."""
+        nll, n = self.engine.eval_nll(self.held_out, self.recipe.pipeline.microbatch_size)  # forward-only, through the stages
+        return self.runlog.eval(step, nll, n, perplexity_from_sums([nll], [n]))
+
+    def at_step(self, step: int) -> dict:
+        """An evaluation point during training: :meth:`perplexity`, then :meth:`tasks`. Returns the perplexity record."""
+        rec = self.perplexity(step)
+        self.tasks(step)
+        return rec
+
+    def tasks(self, step: int) -> dict | None:
+        """``eval.tasks`` on the newest weights, when ``eval.during_training`` is set.
+
+        Under the pipeline the tasks are scored through the stages (``engine.scorer()``: collective, each rank its
+        stage's weights, forward only); in one process the weights are gathered (``engine.full_state_dict``) into a
+        model on the main process's training device. Either way with this package's scorer, recorded as
+        ``eval/<task>/<metric>``. Returns the results on the main process, None elsewhere or when there is nothing to do.
+        """
+        ev = self.recipe.eval
+        tasks = [t for t in ev.tasks if t != "perplexity"]
+        if not (ev.during_training and tasks):
+            return None
+        task_items = {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}
+        scorer = self.engine.scorer()
+        if scorer is not None:  # every rank: the batches go through the stages
+            res = score_tasks(scorer, self.tokenizer, task_items, limit=ev.limit)
+            if not self.accelerator.is_main_process:
+                return None
+        else:
+            weights = self.engine.full_state_dict()  # collective under data parallelism: on the main process only
+            if not self.accelerator.is_main_process:
+                return None
+            model = assemble_model(weights, self.engine.config).to(self.accelerator.device)  # shares the weights
+            res = score_tasks(model, self.tokenizer, task_items, limit=ev.limit)
+        self.runlog.record(step, {f"eval/{t}/{m}": r[m] for t, r in res.items() for m in ("acc", "acc_norm") if m in r})
+        return res
+
+    def finish(self, step: int, tokens: int, loss_curve: Path | None) -> dict:
+        """The end of a training run: ``out/export`` written by every stage (``export_engine``, collective), its
+        perplexity read back (``engine.reload_nll``, collective: through the pipeline, each stage its own tensors;
+        else a ``from_pretrained`` reload on the main process), the downstream tasks when the recipe asks (through
+        the stages where they can read the export, else on the main process), then on the main process the Hub push
+        and ``final_eval.json`` (other ranks return {})."""
+        out, recipe = self.out, self.recipe
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        metrics = read_metrics(out / METRICS) if main else []
+        card = card_writer(card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None)) \
+            if main else None
+        export_dir = export_engine(self.engine, out / EXPORT_DIR, tokenizer=self.tokenizer, card=card)
+        # read back through the pipeline, each stage its own tensors (collective): the whole model never sits on one
+        # device beside a stage; None where a stage cannot be read alone, or in one process
+        sums = self.engine.reload_nll(out / EXPORT_DIR, self.held_out, self.recipe.pipeline.microbatch_size)
+        ev = recipe.eval
+        tasks = [t for t in ev.tasks if t != "perplexity"]
+        # the downstream tasks of the export through the stages too (collective), each stage scoring with the
+        # tensors it reads from the folder; None in one process, with lm-eval's backend, or for a folder a stage
+        # cannot read alone: then the main process loads the folder whole (evaluate_models)
+        scorer = self.engine.scorer(out / EXPORT_DIR) if tasks and ev.backend == "hf_asyncpp" else None
+        staged = None
+        if scorer is not None:
+            staged = score_tasks(scorer, self.tokenizer,
+                                 {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}, limit=ev.limit)
+            del scorer
+        if not main:
+            return {}
+        evals = [m for m in metrics if "eval_loss" in m]
+        if sums is not None:
+            reloaded = perplexity_from_sums([sums[0]], [sums[1]])
+        else:  # the whole folder with from_pretrained, on this process's training device (resolve_device)
+            reloaded = evaluate_model_dir(export_dir, self.held_out)
+        result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
+                  "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+        if ev.tasks:
+            if staged is not None:
+                res = {**staged, **({"perplexity": reloaded} if "perplexity" in ev.tasks else {})}
+            else:
+                res = evaluate_models([str(export_dir)], ev.tasks, task_files=ev.task_files, limit=ev.limit,
+                                      perplexity_blocks=self.held_out, backend=ev.backend)[str(export_dir)]
+            add_eval_results(export_dir, res)
+            result["downstream"] = res
+            log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
+        if self.pusher is not None:  # the final model, after the pushes already queued; wait for all of them
+            self.pusher.push(export_dir, commit_message=f"hf_asyncpp export after {step} steps")
+            result["hub_commit"] = self.pusher.wait()[-1]
+        ckpt.save_json(out / FINAL_EVAL, result)
+        log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"],
+                 result["untrained_eval_ppl"] or float("nan"))
+        return result

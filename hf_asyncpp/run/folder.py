@@ -1,0 +1,146 @@
+"""The run folder: its checkpoints, which one a resume takes, and whether a fresh run may start in it."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, MissingCheckpoint, RecipeError
+from ..storage import files as ckpt
+from ..storage.names import CHECKPOINT_DIR, MANIFEST, RUN_OUTPUTS
+from ..topology import Topology
+
+log = logging.getLogger("hf_asyncpp")
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (with a manifest), oldest first."""
+    out = []
+    root = Path(output_dir)
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        m = CHECKPOINT_DIR.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
+    """The checkpoints a resume may use, in the order to try them: for ``latest`` every complete one, newest
+    first (a damaged one falls back to the next); for an explicit path only that one. Completeness only: the one
+    resolver, ``checkpointer.choose_resume``, verifies them in this order and picks.
+
+    Raises:
+        MissingCheckpoint: an explicit path without a manifest.
+    """
+    if resume is None:
+        return []
+    if resume == "latest":
+        return [p for _, p in reversed(list_checkpoints(output_dir))]
+    path = Path(resume)
+    if not (path / MANIFEST).is_file():
+        raise MissingCheckpoint(
+            f"training.resume_from_checkpoint: {resume!r} is not a complete checkpoint (no {MANIFEST}); "
+            f"complete ones: {[str(p) for _, p in list_checkpoints(output_dir)]}"
+        )
+    return [path]
+
+
+def previous_run(output_dir: str | Path) -> list[Path]:
+    """What an earlier run left in ``output_dir``: its checkpoints (complete or not) and run outputs; [] if none."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = sorted(p for p in root.iterdir() if CHECKPOINT_DIR.match(p.name) or p.name.startswith(".tmp-checkpoint-"))
+    return found + [root / n for n in RUN_OUTPUTS if (root / n).exists()]
+
+
+def clear_stale(output_dir: str | Path) -> None:
+    """Remove temp dirs of checkpoints that were never committed (a crash or a full disk left them)."""
+    for p in Path(output_dir).glob(".tmp-checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(output_dir: str | Path, limit: int | None, keep: Path | None = None) -> None:
+    """Keep the newest ``limit`` complete checkpoints, ``keep`` (the one just written) always among them, even when
+    older-numbered than others (a run resumed from an earlier checkpoint); also clear stale temp dirs."""
+    root = Path(output_dir)
+    clear_stale(root)
+    if not limit:
+        return
+    ckpts = [p for _, p in list_checkpoints(root) if keep is None or p.resolve() != Path(keep).resolve()]
+    kept = limit - 1 if keep is not None else limit
+    for p in ckpts[:len(ckpts) - kept] if kept > 0 else ckpts:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _verify_shared(path: Path, topo: Topology) -> list[str]:
+    """``ckpt.verify`` with the files dealt out over the ranks; every rank gets every problem."""
+    try:
+        names = sorted(ckpt.manifest_files(path))
+    except CheckpointError as e:
+        return [str(e)]
+    mine = ckpt.verify(path, names[topo.rank::topo.world_size])
+    if topo.world_size == 1:
+        return mine
+    parts = [None] * topo.world_size
+    dist.all_gather_object(parts, mine)
+    return sorted(p for part in parts for p in part)
+
+
+def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None = None) -> None:
+    """A run that resumes nothing must not write into another run's folder: its metrics would be appended to the old
+    ones, ``save_total_limit`` would prune its checkpoints in favour of the old higher-numbered ones, and ``latest``
+    would resume the old run. Refused, naming both ways out; ``overwrite`` (``training.overwrite_output_dir``, the
+    Trainer's name) removes the old run first (main process; called before anything of the new run is written)."""
+    found = previous_run(out)
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        way = ("it has no complete checkpoint to resume" if resume == "latest" else
+               "continue it with --training.resume_from_checkpoint=latest")
+        raise RecipeError(f"training.output_dir: {out} holds another run ({names}); {way}; start over there with "
+                          "--training.overwrite_output_dir=true (removes that run), or choose another output_dir")
+    if main:
+        log.warning("training.overwrite_output_dir: removing the previous run in %s (%s)", out,
+                    ", ".join(p.name for p in found))
+        for p in found:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None:
+    """The checkpoint to resume (collective): ``training.resume_from_checkpoint`` verified against its manifest.
+
+    ``latest`` falls back to the newest checkpoint that verifies, with a warning naming what was skipped and why;
+    an explicit path that fails is an error naming the file. None: nothing to resume.
+    """
+    candidates = resume_candidates(out, setting)
+    skipped = []
+    for path in candidates:
+        problems = _verify_shared(path, topo)
+        if not problems:
+            files = ckpt.manifest_files(path)
+            if skipped:
+                log.warning("skipped %d damaged checkpoint(s): %s; resuming from %s instead", len(skipped),
+                            "; ".join(skipped), path.name)
+            if any(rec is None for rec in files.values()):
+                log.warning("%s predates verified checkpoints: its %d files are present, their contents were not "
+                            "checked", path, len(files))
+            else:
+                log.info("%s verified: its %d files have the sizes and sha256 of its manifest", path, len(files))
+            return path
+        detail = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        if setting != "latest":
+            others = [p.name for _, p in list_checkpoints(out) if p != path]
+            raise CheckpointError(f"training.resume_from_checkpoint: {path} does not match its manifest: {detail}; "
+                                       f"resume from another checkpoint ({', '.join(others) or 'none in ' + str(out)}) "
+                                       "or start afresh")
+        skipped.append(f"{path.name} ({detail})")
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {out} matches its manifest: {'; '.join(skipped)}; move them "
+                                   "aside to start afresh")
+    return None

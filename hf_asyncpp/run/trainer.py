@@ -1,0 +1,210 @@
+"""The training loop: one loop for the single-process and the pipelined run.
+
+Read it top to bottom: set up (accelerate, threads, output dir, recipe), data and tokenizer, model, engine,
+resume; then the stream of steps, cut only where the numbers need a drained pipeline (an evaluation, a
+checkpoint, the end); then the run profile, export and a final perplexity. The engine (``LocalEngine`` or the
+pipeline's ``PipelineEngine``) does the steps, ``Checkpointer`` the checkpoints, ``Evaluator`` the evaluations and
+the end of the run (export, its evaluation, the final push), ``RunLog`` the reporting;
+this file only wires them together.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+from .. import supervision  # first: it notes the launcher's pid before the slow imports below
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+from ..config.recipe import Recipe, save_recipe
+from ..data.prefetch import Prefetcher
+from ..data.stream import BlockStream, eval_blocks, resolve_data_files, train_hold_out
+from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
+from ..engine import Engine, LocalEngine
+from ..errors import RecipeError, StageLocalError
+from ..launch.spawn import launch_command, processes_needed
+from ..model.build import build_model, meta_model
+from ..pipeline.autosplit import auto_split
+from ..pipeline.executor import PipelineEngine
+from ..pipeline.profile import write_report
+from ..schedules.records import pipelined
+from ..storage.names import LOGS_DIR, RECIPE_FILE, TOKENIZER_DIR
+from ..storage.write import check_output_dir, writing
+from ..topology import Topology, local_device
+from .checkpointer import Checkpointer, RunState, check_model
+from .evaluator import Evaluator
+from .folder import check_fresh_run, choose_resume
+from .hub import Pusher
+from .reporting import RunLog, check_trackers, model_flops_per_token
+from .seeds import rank_seed, set_seed
+
+log = logging.getLogger("hf_asyncpp")
+
+# ---------------------------------------------------------------------------- setup
+
+
+def make_accelerator(recipe: Recipe):
+    """Accelerator on CPU or GPU; on CPU it must be told ``cpu=True`` or it reports one process."""
+    report_to = check_trackers(recipe.training.report_to)
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        log_with=report_to or None,
+        project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / LOGS_DIR)),
+        # the default group carries checkpoint and export gathers: a slow replica must not time it out
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.collective_timeout_s))],
+    )
+
+
+def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
+    p = processes_needed(recipe)
+    if world_size % p != 0:
+        raise RecipeError(
+            f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} started. Run:\n{launch_command(recipe, recipe_path)}")
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def make_engine(recipe: Recipe, tokenizer, topo: Topology) -> Engine:
+    """The engine with its model: a pipeline stage builds only its own part (a meta model, partitioned, then its
+    stage's weights drawn or read: ``modeling.materialise_stage``), so no rank holds the whole model; where that
+    is not possible (a tokenizer that outgrows a pretrained embedding, weights without safetensors, an initializer
+    that leaves a tensor unset), the whole model, as a single process builds it. Seeded by the caller."""
+    if not pipelined(recipe.pipeline.schedule):
+        return LocalEngine(recipe, build_model(recipe.model, tokenizer), topo, log=log.info)
+    try:
+        return PipelineEngine(recipe, meta_model(recipe.model, tokenizer), topo, log=log.info)
+    except StageLocalError as e:
+        log.warning("rank %d builds the whole model, then keeps its stage: %s", topo.rank, e)
+        return PipelineEngine(recipe, build_model(recipe.model, tokenizer), topo, log=log.info)
+
+
+def measured_split(recipe: Recipe, tokenizer, main: bool) -> list[int]:
+    """``pipeline.layers_per_stage: auto``: the main process measures (or finds its cache) and every rank gets its
+    split, so all build the same stages whatever the timing noise on each."""
+    box = [auto_split(recipe, lambda: build_model(recipe.model, tokenizer), local_device()) if main else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def drain_points(start: int, recipe: Recipe) -> list[int]:
+    """Steps after which the pipeline drains: an evaluation and a checkpoint need every update of the steps so far
+    applied (and nothing in flight), and the run ends. Logging is not one of them: results stream out as they
+    come, so a 2BW run never flushes between these points, whatever ``logging_steps`` is."""
+    t = recipe.training
+    stop = min(t.max_steps, t.stop_after_steps or t.max_steps)
+    ends = {stop}
+    for every in (t.eval_steps, t.save_steps):
+        if every:
+            ends.update(range(every, t.max_steps, every))
+    return sorted(e for e in ends if start < e <= stop)
+
+
+def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
+    """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
+    t, rp = recipe.training, recipe.pipeline
+    supervision.watch_parent()  # a rank never outlives its launcher
+    accelerator = make_accelerator(recipe)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    check_topology(recipe, world, recipe_path)
+    threads = t.torch_threads or (1 if world > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    out = check_output_dir(t.output_dir)
+    topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
+    resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
+    if resume is None:  # a fresh run: never into another run's folder unless told to replace it
+        with accelerator.main_process_first():
+            check_fresh_run(out, t.overwrite_output_dir, accelerator.is_main_process, t.resume_from_checkpoint)
+
+    # data and tokenizer (a resumed run's own, from its checkpoint): the main process prepares, the others reuse
+    with accelerator.main_process_first():
+        train_files, eval_files = resolve_data_files(recipe.data)
+        if resume is not None:
+            tokenizer = checkpoint_tokenizer(resume / TOKENIZER_DIR, recipe.model)
+            check_model(resume, recipe, tokenizer)  # before anything is written
+            if accelerator.is_main_process:
+                adopt_tokenizer(resume / TOKENIZER_DIR, out / TOKENIZER_DIR)
+        else:
+            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / TOKENIZER_DIR)
+        held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
+
+    if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
+        rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
+    set_seed(t.seed)  # the same initial weights on every rank
+    engine = make_engine(recipe, tokenizer, topo)
+    set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
+    stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
+    if topo.first or topo.last:  # the last stage reads the same stream as the first (same replica, seed): its labels
+        stream = Prefetcher(BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size,
+                                        seed=t.seed, hold_out=train_hold_out(recipe.data, eval_files)),
+                            rp.num_microbatches, rp.microbatch_size, recipe.data.prefetch_batches,
+                            pin=torch.cuda.is_available())
+    pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None
+    checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, train_files, pusher)
+    state = RunState()
+    if resume is not None:
+        state = checkpointer.resume(resume, engine, stream)
+        log.info("resumed from %s at step %d", resume, state.step)
+    if accelerator.is_main_process:  # only now: a run that failed to start leaves the folder's recipe as it was
+        with writing(out / RECIPE_FILE):
+            save_recipe(recipe, out / RECIPE_FILE)
+    tokens_per_step = recipe.tokens_per_step * topo.dp_size
+    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
+
+    evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher)
+    if state.step == 0 and resume is None:
+        first_eval = evaluator.perplexity(0)
+        log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
+
+    batches = stream  # None on a middle stage
+    runlog.restart_clock()
+    try:
+        for end in drain_points(state.step, recipe):
+            for r in engine.run(batches, state.step, end - state.step):  # one stream; results arrive as known
+                state.step, state.tokens = r.step + 1, state.tokens + tokens_per_step
+                runlog.step(r, state.tokens)
+            if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
+                evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
+            if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
+                checkpointer.save(state, engine, stream)
+            runlog.restart_clock()
+    except BaseException:
+        runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
+        raise
+    finally:
+        if stream is not None:
+            stream.close()  # the worker stops reading ahead: nothing after this point trains
+    runlog.close()
+    if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
+        if pusher is not None:
+            pusher.wait()
+        engine.close()
+        accelerator.end_training()
+        if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
+            pusher.raise_failures(out)
+        return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
+    last_eval = evaluator.perplexity(state.step)
+    summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
+               **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
+    prof = engine.profile()  # collective under the pipeline; None in one process
+    if prof is not None:
+        summary["pipeline_profile"] = write_report(out, prof, rp, t.max_grad_norm)
+    if t.export:  # collective: every stage writes its own shard of the HF folder
+        curve = runlog.plot_loss() if accelerator.is_main_process else None
+        summary.update(evaluator.finish(state.step, state.tokens, curve))
+    elif pusher is not None:
+        pusher.wait()
+    accelerator.wait_for_everyone()
+    engine.close()
+    accelerator.end_training()
+    if pusher is not None:  # every file is written: now a push that never landed fails the run
+        pusher.raise_failures(out)
+    return summary

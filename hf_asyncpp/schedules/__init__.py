@@ -1,0 +1,19 @@
+"""Pipeline schedules as data, and everything that reasons about them without a process: pure Python, no torch.
+
+=============  ==========================================================================================
+``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``GPIPE``, ``PIPEDREAM``) and their action lists
+``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles
+``nccl_rule``  NCCL's point-to-point ordering rule, as the simulator applies it
+``channels``   which communicator a transfer between two stages travels on
+``timeline``   draws a simulated or measured timeline
+=============  ==========================================================================================
+
+The recipe's checks, the planner, ``hf-asyncpp timeline`` and the runtime (``pipeline/``) read these; importing
+them stays cheap.
+"""
+from .records import (GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, Action, ActionType, Schedule, get_schedule,
+                      schedule_actions)
+from .simulator import Costs, ScheduleError, SimResult, simulate
+
+__all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
+           "Action", "ActionType", "Costs", "ScheduleError", "SimResult", "simulate"]

@@ -1,0 +1,456 @@
+"""Run schedule action lists without processes: deadlocks, FIFO order, coverage, timelines, bubbles, memory.
+
+Model (one clock per stage, each stage runs its list in order; an action starts when the stage is free and
+its inputs are ready):
+
+- ``F``, ``B``, ``STEP`` take their cost on the stage.
+- A send costs the sender nothing (``isend``). A receive waits until the matching send happened plus the
+  ``comm`` latency. Messages between two stages are matched in FIFO order per (source, destination) pair
+  -- type, step and microbatch must equal the head of the queue -- so an executor needs no tags.
+  ``blocking_sends=True`` models a send that is waited for in place (gloo completes a large ``isend``
+  only when the peer receives): the sender also waits until the receiver reaches the matching receive.
+- ``REDUCE{k}`` costs the stage nothing: it posts step k's reduction, a collective of all stages (global
+  grad norm, tied embeddings, data parallel) that runs off the compute stream, starts when the last stage
+  posts it and takes ``reduce``. Every stage must post the reductions in the same step order.
+  ``STEP{k}`` waits for that reduction to finish.
+
+NCCL (``nccl=True``). gloo matches a receive with its send whatever else is in flight, so the model above is
+all it needs. NCCL does not: the point-to-point operations a rank posts on one communicator to one peer run on
+one stream and complete one at a time, in the order they were posted, in both directions. A receive at the head
+of that FIFO holds back every later send and receive behind it until its data arrives, and a send completes only
+together with the receive at the head of the peer's FIFO (no buffering: the strict case of large messages). So
+``nccl=True`` keeps one FIFO of posted operations per (rank, communicator, peer), the communicator being
+``channel(src, dst)`` (``channels.channel``: one per direction between adjacent stages), and posts in the
+executor's order: a send at its SEND action (the program goes on); a receive at its RECV action unless posted
+already, and with ``prefetch`` the stage's next receive of the same kind right after a receive completed (at the
+RECV action, before the next action), so it sits in front of every send the stage posts after it. The head send
+of one FIFO and the head receive of the peer's FIFO on the same communicator complete together at
+max(both posts, the previous completion on either FIFO) + ``comm``; a stage blocks at a RECV until its receive
+completed (and, with ``blocking_sends``, at a SEND until its send completed). With everything on one communicator
+(``channel=lambda s, d: "world"``, the executor before ``channels``) a prefetched receive stands in front of the
+stage's next send while the peer's stands in front of its own: a deadlock gloo never shows (without the prefetch
+1F1B still hangs there: two unbuffered sends meet at the heads). With the per-direction channels each FIFO holds
+only sends or only receives, and for the schedules' lists the rule costs nothing (same timeline at comm = 0).
+
+Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action, ``<-- ERROR HERE``; with
+``nccl`` also the FIFO the blocked transfer sits in, what stands in front of it and the peer's head), a
+receive out of send order, a message never received, a microbatch not forwarded and backwarded exactly
+once on every stage, a backward with another version than its forward, microbatches of one step on
+different versions at one stage, a forward on a version not produced yet, a step's REDUCE before its last
+backward, STEPs out of order or missing, collectives out of order; with ``schedule``, also every forward's
+version against the schedule record's ``version`` rule.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field, fields
+from typing import Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
+
+from . import channels
+from .nccl_rule import NcclFifos, NcclRule, SEND_OF
+from .records import Action, ActionType, get_schedule
+
+__all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate"]
+
+T = ActionType
+Number = Union[float, Sequence[float]]
+
+
+class ScheduleError(RuntimeError):
+    """An action list that would hang, mismatch messages or compute the wrong thing."""
+
+
+@dataclass
+class Costs:
+    """Per-action costs in any time unit; a list gives one value per stage."""
+
+    forward: Number = 1.0
+    backward: Number = 1.0
+    step: Number = 0.0
+    """Optimizer update, on the stage."""
+    reduce: Number = 0.0
+    """Latency of a step's gradient reduction (off the compute stream; STEP waits for it)."""
+    comm: Number = 0.0
+    """Latency of one transfer (send to matching receive)."""
+
+    _KEYS = {"F": "forward", "B": "backward", "STEP": "step", "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
+
+    def of(self, action: Action, stage: int) -> float:
+        name = self._KEYS.get(action.type.value)
+        if name is None:  # sends
+            return 0.0
+        v = getattr(self, name)
+        return float(v[stage] if isinstance(v, (list, tuple)) else v)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Number]) -> "Costs":
+        """``{"forward": 1, "backward": 2}`` or by action type: ``{"F": 1, "B": 2, "STEP": 0.1}``."""
+        names = {f.name for f in fields(cls)}
+        out = {}
+        for k, v in d.items():
+            name = cls._KEYS.get(k, k)
+            if name not in names:
+                raise ValueError(f"unknown cost {k!r}; use {sorted(names)} or {sorted(cls._KEYS)}")
+            out[name] = v
+        return cls(**out)
+
+    @classmethod
+    def from_measured(cls, seconds, counts, *, comm: Number = 0.0, reduce: Number = 0.0) -> "Costs":
+        """Mean seconds per F, B and STEP from a run (``PipelineEngine.action_seconds``/``action_counts``;
+        one dict per stage gives per-stage costs). A measured STEP includes any wait for its reduction and
+        a measured receive includes waiting for the peer, so ``comm`` and ``reduce`` are given, not measured."""
+        per_stage = isinstance(seconds, (list, tuple))
+        secs, cnts = (seconds, counts) if per_stage else ([seconds], [counts])
+        mean = lambda kind: [sc.get(kind, 0.0) / max(1, c.get(kind, 0)) for sc, c in zip(secs, cnts)]
+        vals = {name: (mean(kind) if per_stage else mean(kind)[0]) for kind, name in (("F", "forward"), ("B", "backward"), ("STEP", "step"))}
+        return cls(**vals, comm=comm, reduce=reduce)
+
+
+CostsLike = Union[Costs, Mapping[str, Number], Callable[[Action, int], float], None]
+
+
+def _cost_fn(costs: CostsLike) -> Callable[[Action, int], float]:
+    if costs is None:
+        return Costs().of
+    if isinstance(costs, Costs):
+        return costs.of
+    if isinstance(costs, Mapping):
+        return Costs.from_dict(costs).of
+    if callable(costs):
+        return costs  # (action, stage) -> cost; for a receive: its latency, for REDUCE: the reduction's
+    raise TypeError(f"costs must be Costs, a dict or a callable (action, stage) -> float, not {type(costs).__name__}")
+
+
+class Interval(NamedTuple):
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass
+class SimResult:
+    timeline: list[list[Interval]]
+    """Per stage, every action in list order; receives are points at the time their data is there."""
+    makespan: float
+    num_steps: int
+    num_microbatches: int
+    bubble: float
+    """Idle share of stage-time over the whole run: 1 - busy / (stages x makespan)."""
+    steady_bubble: float
+    """Idle share between every stage finishing the first step's F/B and the last step's first forward (nan if empty)."""
+    throughput: float
+    """Microbatches per unit time."""
+    peak_inflight: list[int] = field(default_factory=list)
+    """Per stage: most microbatches forwarded and not yet backwarded (activations held)."""
+    peak_versions: list[int] = field(default_factory=list)
+    """Per stage: most weight versions alive at once (the newest + older ones a later F/B of this list uses)."""
+
+    @property
+    def step_time(self) -> float:
+        return self.makespan / self.num_steps if self.num_steps else 0.0
+
+
+def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4) -> str:
+    """Each stage's last actions, the one it stands at in brackets, and why it cannot go on."""
+    lines = []
+    for s, acts in enumerate(actions):
+        words = (["..."] if ptr[s] > width else []) + [str(a) for a in acts[max(0, ptr[s] - width):ptr[s]]]
+        words.append(f"[{acts[ptr[s]]}]" if ptr[s] < len(acts) else "(done)")
+        if s in notes:
+            words.append(f" <-- ERROR HERE: {notes[s]}")
+        lines.append(f"stage {s} @{ptr[s]:>4}: " + " ".join(words))
+    return "\n".join(lines)
+
+
+def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Optional[str] = None,
+             num_microbatches: Optional[int] = None, *, blocking_sends: bool = False,
+             reduce_scope: str = "global", nccl: bool = False,
+             channel: Callable[[int, int], Hashable] = channels.channel, prefetch: bool = True,
+             reduce_on_compute_stream: bool = False) -> SimResult:
+    """Run one window's action lists (``actions[s]`` for stage s); raise ``ScheduleError`` on any defect.
+
+    Args:
+        actions: per stage, its actions in order (``schedules.schedule_actions``).
+        costs: ``Costs``, a dict (``{"forward": 1, "B": 2, ...}``) or a callable ``(action, stage) -> cost``.
+        schedule: a schedule name or record; if given, every forward's version is checked against its ``version``.
+        num_microbatches: if given, every step must have exactly these microbatches.
+        blocking_sends: a send waits until its receiver reaches the matching receive (with ``nccl``: until the
+            send completed, which a receive posted ahead by ``prefetch`` allows before the receiver's RECV action).
+        reduce_scope: ``"global"`` (the executor's: STEP{k} waits until every stage posted REDUCE{k}, for the
+            global grad norm) or ``"stage"`` (a stage's reduction only needs its own post, e.g. per-stage clipping).
+        nccl: also obey NCCL's ordering rule, which gloo forgives: per (rank, communicator, peer) the posted
+            sends and receives complete one at a time in post order, in both directions, and a send completes only
+            with the receive at the head of the peer's FIFO. A receive posted early (``prefetch``) therefore holds
+            back every send the stage posts after it on that communicator; lists and channels that make two
+            neighbours' heads wait on each other deadlock (module docstring). Timing: a pair completes at
+            max(its two posts, the previous completion on either FIFO) + ``comm``; the receiver's clock becomes
+            max(its clock, completion). Sends never block the program (with ``blocking_sends`` they wait for
+            their completion in place).
+        channel: ``(src, dst) -> communicator`` of a transfer (``nccl`` only); ``channels.channel`` by default, one
+            per direction between adjacent stages; ``lambda s, d: "world"`` is the old single communicator.
+        prefetch: (``nccl`` only) post a stage's next receive of a kind as soon as its previous one completed,
+            as the executor's ``_receive`` does; False: every receive is posted at its RECV action.
+        reduce_on_compute_stream: a stage computes nothing after its REDUCE{k} until step k's reduction has
+            finished: what a collective waited for on the compute stream does (a reduction issued with NCCL from
+            a thread that never selected a stream), against the default, a reduction off the compute stream that
+            only STEP{k} waits for.
+    """
+    if reduce_scope not in ("global", "stage"):
+        raise ValueError(f"reduce_scope must be 'global' or 'stage', got {reduce_scope!r}")
+    sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global",
+               NcclFifos(channel, prefetch) if nccl else None, reduce_on_compute_stream)
+    sim.run()
+    sim.check_complete(num_microbatches)
+    return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
+
+
+class _Message:
+    __slots__ = ("type", "step", "microbatch", "sent", "done")
+
+    def __init__(self, a: Action, sent: float):
+        self.type, self.step, self.microbatch, self.sent, self.done = a.type, a.step, a.microbatch, sent, None
+
+
+class _Run(NcclRule):
+    """The simulation state; ``run`` advances every stage as far as it can until all are done or stuck."""
+
+    def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[NcclFifos] = None,
+                 reduce_blocks: bool = False):
+        p = self.p = len(actions)
+        self.reduce_blocks, self.reduce_waiting = reduce_blocks, {}
+        self.nccl = nccl
+        if nccl is not None:
+            nccl.index(actions)
+        self.actions, self.cost = actions, cost
+        self.schedule = get_schedule(schedule) if schedule is not None else None
+        self.blocking_sends, self.global_reduce = blocking_sends, global_reduce
+        self.steps = sorted({a.step for acts in actions for a in acts})
+        self.k0 = self.steps[0] if self.steps else 0  # the window's first step: every stage holds version k0
+        self.ptr, self.clock, self.latest = [0] * p, [0.0] * p, [self.k0] * p
+        self.timeline: list[list[Interval]] = [[] for _ in range(p)]
+        self.chan: dict[tuple[int, int], deque[_Message]] = defaultdict(deque)  # (src, dst) -> in send order
+        self.sending: dict[int, _Message] = {}  # blocking sends: the message a stage waits on
+        self.reduce_at: dict[int, dict[int, float]] = defaultdict(dict)  # step -> stage -> time posted
+        self.reduce_seq: list[list[int]] = [[] for _ in range(p)]
+        self.reduce_idx: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of REDUCE
+        self.fwd: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]  # (k, i) -> version
+        self.bwd: list[set] = [set() for _ in range(p)]
+        self.step_version: list[dict[int, int]] = [{} for _ in range(p)]
+        self.last_b: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of its last B
+        self.inflight, self.peak_inflight = [0] * p, [0] * p
+
+    def fail(self, s: int, msg: str, note: str):
+        raise ScheduleError(f"stage {s}: {msg}\n" + _grid(self.actions, self.ptr, {s: note}))
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for s, acts in enumerate(self.actions):
+                while self.ptr[s] < len(acts) and self.execute(s, acts[self.ptr[s]]):
+                    self.ptr[s] += 1
+                    progress = True
+        stuck = {s: self.why_blocked(s, acts[self.ptr[s]]) for s, acts in enumerate(self.actions) if self.ptr[s] < len(acts)}
+        if stuck:
+            raise ScheduleError("deadlock: no stage can go on\n" + _grid(self.actions, self.ptr, stuck))
+
+    def execute(self, s: int, a: Action) -> bool:
+        """Run ``a`` on stage s if it can start now (False: blocked); record it on the timeline."""
+        t = a.type
+        if (t.is_send or t.is_recv) and (not 0 <= a.peer < self.p or a.peer == s):
+            self.fail(s, f"{a} names no other stage", "bad peer")
+        handler = {T.F: self.forward, T.B: self.backward, T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
+        if self.nccl is not None:
+            handler = handler or (self.nccl_recv if t.is_recv else self.nccl_send)
+        handler = handler or (self.recv if t.is_recv else self.send)
+        if not handler(s, a):
+            return False
+        dur = self.cost(a, s) if t in (T.F, T.B, T.STEP) else 0.0
+        self.timeline[s].append(Interval(self.clock[s] - dur, self.clock[s], a))
+        return True
+
+    def recv(self, s: int, a: Action) -> bool:
+        q = self.chan[(a.peer, s)]
+        if not q:
+            return False
+        msg = q[0]
+        if (SEND_OF[a.type], a.step, a.microbatch) != (msg.type, msg.step, msg.microbatch):
+            self.fail(s, f"{a}, but the next message from stage {a.peer} is {msg.type.value}{msg.step}.{msg.microbatch} "
+                         f"(receives out of send order)", "out of send order")
+        q.popleft()
+        self.clock[s] = msg.done = max(self.clock[s], msg.sent) + self.cost(a, s)
+        return True
+
+    def send(self, s: int, a: Action) -> bool:
+        if s not in self.sending:
+            self.sending[s] = _Message(a, self.clock[s])
+            self.chan[(s, a.peer)].append(self.sending[s])
+        if self.blocking_sends:
+            if self.sending[s].done is None:
+                return False
+            self.clock[s] = max(self.clock[s], self.sending[s].done)
+        del self.sending[s]
+        return True
+
+    def reduce(self, s: int, a: Action) -> bool:
+        if self.reduce_waiting.get(s) != a.step:  # not already posted and waiting (reduce_on_compute_stream)
+            n = len(self.reduce_seq[s])
+            for o, seq in enumerate(self.reduce_seq):
+                if len(seq) > n and seq[n] != a.step:
+                    self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on stage {o} "
+                                 f"(collectives out of order)", "collective out of order")
+            if a.step in self.reduce_idx[s]:
+                self.fail(s, f"{a} twice", "duplicate")
+            self.reduce_seq[s].append(a.step)
+            self.reduce_idx[s][a.step] = self.ptr[s]
+            self.reduce_at[a.step][s] = self.clock[s]
+        if not self.reduce_blocks:
+            return True
+        # on the compute stream: the stage computes nothing more until the reduction has finished
+        self.reduce_waiting[s] = a.step
+        ready = self._reduction_done(s, a.step)
+        if ready is None:
+            return False
+        del self.reduce_waiting[s]
+        self.clock[s] = max(self.clock[s], ready)
+        return True
+
+    def _reduction_done(self, s: int, k: int) -> Optional[float]:
+        """When step k's reduction finishes as seen from stage s (None: not every stage it needs has posted it)."""
+        posted = self.reduce_at[k] if self.global_reduce else {s: self.reduce_at[k][s]}
+        if len(posted) < (self.p if self.global_reduce else 1):
+            return None
+        return max(posted.values()) + max(self.cost(Action(T.REDUCE, k), o) for o in posted)
+
+    def step(self, s: int, a: Action) -> bool:
+        if a.step != self.latest[s]:
+            self.fail(s, f"{a} but the stage holds version {self.latest[s]}: STEP{self.latest[s]} must come next",
+                      "STEP out of order")
+        if a.step not in self.reduce_idx[s]:
+            self.fail(s, f"{a} before REDUCE{a.step}", "no reduction posted")
+        ready = self._reduction_done(s, a.step)
+        if ready is None:
+            return False
+        self.clock[s] = max(self.clock[s], ready) + self.cost(a, s)
+        self.latest[s] += 1
+        return True
+
+    def forward(self, s: int, a: Action) -> bool:
+        key, p = (a.step, a.microbatch), self.p
+        if key in self.fwd[s]:
+            self.fail(s, f"forward of {key} twice", "duplicate forward")
+        if a.version > self.latest[s]:
+            self.fail(s, f"{a} uses version {a.version}, only {self.latest[s]} exists yet", "future version")
+        if self.step_version[s].setdefault(a.step, a.version) != a.version:
+            self.fail(s, f"{a}: step {a.step} already uses version {self.step_version[s][a.step]} here "
+                         f"(gradients of one step accumulate in one version)", "mixed versions")
+        if self.schedule is not None and a.version != self.schedule.version(a.step, s, p):
+            self.fail(s, f"{a}: {self.schedule.name} prescribes version {self.schedule.version(a.step, s, p)}", "wrong version")
+        self.fwd[s][key] = a.version
+        self.inflight[s] += 1
+        self.peak_inflight[s] = max(self.peak_inflight[s], self.inflight[s])
+        self.clock[s] += self.cost(a, s)
+        return True
+
+    def backward(self, s: int, a: Action) -> bool:
+        key = (a.step, a.microbatch)
+        if key not in self.fwd[s]:
+            self.fail(s, f"backward of {key} before its forward", "no forward")
+        if key in self.bwd[s]:
+            self.fail(s, f"backward of {key} twice", "duplicate backward")
+        if self.fwd[s][key] != a.version:
+            self.fail(s, f"{a} but its forward used version {self.fwd[s][key]}", "version mismatch")
+        if a.step in self.reduce_idx[s]:
+            self.fail(s, f"{a} after REDUCE{a.step}", "backward after its step's reduction")
+        self.bwd[s].add(key)
+        self.last_b[s][a.step] = self.ptr[s]
+        self.inflight[s] -= 1
+        self.clock[s] += self.cost(a, s)
+        return True
+
+    def why_blocked(self, s: int, a: Action) -> str:
+        if self.nccl is not None and (a.type.is_recv or a.type.is_send):
+            return self.why_blocked_nccl(s, a)
+        if a.type.is_recv:
+            return f"waits for {SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {a.peer}"
+        if a.type.is_send:
+            return f"blocking send waits for stage {a.peer} to receive it"
+        missing = sorted(set(range(self.p)) - set(self.reduce_at[a.step]))
+        return f"waits for REDUCE{a.step} of stage(s) {missing}"
+
+    def check_complete(self, m: Optional[int]) -> None:
+        """After a run without deadlock: every message received, every microbatch done, one update per step."""
+        for (src, dst), q in self.chan.items():
+            if q:
+                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
+                                    f"{q[0].type.value}{q[0].step}.{q[0].microbatch}")
+        for (src, comm, dst), q in (self.nccl.fifo.items() if self.nccl is not None else ()):
+            if q:  # only sends can be left: a posted receive blocks its stage at its RECV
+                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
+                                    f"{q[0].action} (on {comm!r})")
+        ref = set(self.fwd[0]) if self.p else set()
+        sizes: dict[int, list[int]] = defaultdict(list)
+        for k, i in sorted(ref):
+            sizes[k].append(i)
+        counts = {len(v) for v in sizes.values()}
+        for k, v in sizes.items():
+            if v != list(range(len(v))) or len(counts) > 1 or (m is not None and len(v) != m):
+                raise ScheduleError(f"step {k} has microbatches {v} on stage 0, expected 0..{(m or max(counts)) - 1}")
+        for s in range(self.p):
+            for what, got in (("forwards", set(self.fwd[s])), ("backwards", self.bwd[s])):
+                if got != ref:
+                    raise ScheduleError(f"stage {s} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
+                                        f"extra {sorted(got - ref)[:4]}, missing {sorted(ref - got)[:4]}")
+            for k in sizes:
+                if k not in self.reduce_idx[s]:
+                    raise ScheduleError(f"stage {s}: step {k} has no REDUCE")
+                if self.reduce_idx[s][k] < self.last_b[s][k]:
+                    raise ScheduleError(f"stage {s}: REDUCE{k} comes before the step's last backward")
+            if self.latest[s] != self.k0 + len(sizes):
+                raise ScheduleError(f"stage {s} ends with version {self.latest[s]}, expected {self.k0 + len(sizes)} "
+                                    f"(one STEP per step, {len(sizes)} steps from step {self.k0})")
+
+
+def _peak_versions(acts: list[Action], k0: int) -> int:
+    """Most versions alive at once: the newest, plus older ones an F/B later in the list still uses."""
+    last_use: dict[int, int] = {}
+    for idx, a in enumerate(acts):
+        if a.type in (T.F, T.B):
+            last_use[a.version] = idx
+    latest = k0
+    live = lambda idx: len({latest} | {v for v, u in last_use.items() if v < latest and u >= idx})
+    peak = live(0)
+    for idx, a in enumerate(acts):
+        if a.type == T.STEP:
+            latest += 1
+            peak = max(peak, live(idx + 1))
+    return peak
+
+
+def _metrics(actions, timeline, fwd, peak_inflight, k0, steps) -> SimResult:
+    p = len(actions)
+    makespan = max((iv.end for tl in timeline for iv in tl), default=0.0)
+    busy = sum(iv.end - iv.start for tl in timeline for iv in tl)
+    n_mb = len(fwd[0]) if p else 0
+    m = n_mb // len(steps) if steps else 0
+    return SimResult(
+        timeline=timeline, makespan=makespan, num_steps=len(steps), num_microbatches=m,
+        bubble=1 - busy / (p * makespan) if makespan else 0.0,
+        steady_bubble=_steady_bubble(timeline, steps),
+        throughput=n_mb / makespan if makespan else 0.0,
+        peak_inflight=peak_inflight, peak_versions=[_peak_versions(acts, k0) for acts in actions])
+
+
+def _steady_bubble(timeline: list[list[Interval]], steps: list[int]) -> float:
+    """Idle share in [every stage has finished the first step's F/B, the last step's first forward anywhere]."""
+    if len(steps) < 3:
+        return math.nan
+    first, last = steps[0], steps[-1]
+    comp = [[iv for iv in tl if iv.action.type in (T.F, T.B)] for tl in timeline]
+    t0 = max(max(iv.end for iv in tl if iv.action.step == first) for tl in comp)
+    t1 = min(min(iv.start for iv in tl if iv.action.step == last) for tl in comp)
+    if t1 <= t0:
+        return math.nan
+    busy = sum(max(0.0, min(iv.end, t1) - max(iv.start, t0)) for tl in timeline for iv in tl)
+    return 1 - busy / ((t1 - t0) * len(timeline))

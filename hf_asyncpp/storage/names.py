@@ -1,0 +1,87 @@
+"""Every file name of a run folder and of a checkpoint in it, spelled here and nowhere else.
+
+The layout of a checkpoint::
+
+    checkpoint-0000100/
+      manifest.json                  written last: its presence makes the checkpoint complete
+      run_state.json                 step, tokens, data positions per rank, the data files, topology, schedule
+      trainer_state.json             transformers.TrainerState of the run (global_step, log_history): not read on resume
+      rng-rank000.pt ...             python/torch RNG per rank
+      config.json  tokenizer/  recipe.yaml
+      model.safetensors  optimizer.pt                                      single-process run
+      stage-00.safetensors  stage-00-optimizer.pt  [stage-00-versions.safetensors]   pipelined run, per stage
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+RUN_STATE = "run_state.json"
+TRAINER_STATE = "trainer_state.json"  # a Trainer's name: what tools for Trainer checkpoints read; our run state before
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_VERSIONS = "-versions.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_DIR = "tokenizer"
+RECIPE_FILE = "recipe.yaml"
+# the run folder's own outputs beside its checkpoints (run/reporting.py, run/evaluator.py, pipeline/profile.py)
+METRICS = "metrics.jsonl"
+FINAL_EVAL = "final_eval.json"
+LOSS_CURVE = "loss_curve.png"
+PROFILE = "pipeline_profile.json"
+TIMELINE = "pipeline_timeline.png"
+EXPORT_DIR = "export"
+LOGS_DIR = "logs"
+
+
+# what a finished or interrupted run leaves in its output_dir besides checkpoints (run/reporting.py, model/export.py and
+# pipeline/profile.py write them); a fresh run must not mix its own with these
+RUN_OUTPUTS = (METRICS, FINAL_EVAL, EXPORT_DIR, LOSS_CURVE, PROFILE, TIMELINE, LOGS_DIR, TOKENIZER_DIR, RECIPE_FILE)
+
+
+def run_state_file(path: Path) -> Path:
+    """A checkpoint's run state (what a resume restores): ``run_state.json``, or in a checkpoint written before the
+    Trainer's ``trainer_state.json`` was, that file, which then held the same record."""
+    new = Path(path) / RUN_STATE
+    return new if new.exists() else Path(path) / TRAINER_STATE
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:03d}.pt"
+
+
+def stage_file(stage: int) -> str:
+    """The stage's newest weights, by the model's parameter names."""
+    return f"stage-{stage:02d}.safetensors"
+
+
+def stage_versions_file(stage: int) -> str:
+    """Older weight versions the stage still holds (2BW: the one in use), ``v{version}/{name}``."""
+    return f"stage-{stage:02d}{_VERSIONS}"
+
+
+def stage_optimizer_file(stage: int) -> str:
+    return f"stage-{stage:02d}-optimizer.pt"
+
+
+def stage_weight_files(path: Path) -> list[Path]:
+    """The ``stage-XX.safetensors`` files of a pipelined checkpoint, in stage order."""
+    return sorted(p for p in Path(path).glob("stage-*.safetensors") if not p.name.endswith(_VERSIONS))
+
+
+def versions_of(weights_file: Path) -> Path:
+    return weights_file.with_name(weights_file.stem + _VERSIONS)
+
+
+def optimizer_of(weights_file: Path) -> Path:
+    return weights_file.with_name(weights_file.stem + "-optimizer.pt")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:07d}"
+
+
+def temp_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f".tmp-{checkpoint_name(step)}"

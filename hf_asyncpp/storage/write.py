@@ -1,0 +1,179 @@
+"""Where the run's files meet the disk: one write path, and errors that say what happened.
+
+Checkpoint files, ``metrics.jsonl`` and the run's JSON reports are written through :func:`write_file`, the only
+place their bytes leave the process (tests fake a full disk here, at the edge, and nowhere else). Files that
+libraries write themselves (``save_pretrained`` of the export and the tokenizer) are written inside
+:func:`writing`. Either way a failure becomes a :class:`WriteError` naming the file, the cause (no space left,
+permission, read-only file system, I/O error) and the free space, instead of torch's ``basic_ios::clear`` or
+safetensors' ``os error 28`` with no path.
+
+:func:`write_file` also hashes what it writes, so a checkpoint's manifest records each file's size and sha256
+without reading the file back.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import RecipeError, WriteError
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "I/O error",
+    errno.EFBIG: "file too large",
+}
+_TEXT_CAUSES = {"os error 28": errno.ENOSPC, "no space left": errno.ENOSPC, "permission denied": errno.EACCES,
+                "read-only file system": errno.EROFS, "input/output error": errno.EIO}
+NEARLY_FULL = 1 << 20  # below this many free bytes an unexplained write failure is reported as a full disk
+
+
+@dataclass
+class Written:
+    """What :func:`write_file` wrote: the manifest's record of a file."""
+
+    size: int
+    sha256: str
+
+
+class _HashingFile:
+    """A binary file that hashes and counts what goes through it, and keeps the OS error of a failed write
+    (torch's C++ writer turns it into a RuntimeError that no longer says "no space left")."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, data) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return n
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+
+def open_for_write(path: Path, append: bool = False):
+    """The file-write edge: the binary file every :func:`write_file` writes into."""
+    return open(path, "ab" if append else "wb")
+
+
+def write_file(path: str | os.PathLike, fill: Callable, *, append: bool = False, fsync: bool = True) -> Written:
+    """Create ``path`` (or append to it) with ``fill(f)`` writing its bytes, flushed (and fsynced: a checkpoint
+    must be on disk before its manifest; a metrics line need not).
+
+    Raises:
+        WriteError: naming the file, the cause and the free space.
+    """
+    path = Path(path)
+    hf = None
+    try:
+        with open_for_write(path, append) as raw:
+            hf = _HashingFile(raw)
+            fill(hf)
+            hf.flush()
+            if fsync:
+                os.fsync(raw.fileno())
+    except Exception as e:  # noqa: BLE001 - torch's C++ writer re-raises our OSError as a RuntimeError
+        cause = hf.error if hf is not None and hf.error is not None else e
+        if not isinstance(cause, OSError):
+            raise  # not the disk: a bug in what was being written keeps its traceback
+        raise write_error(path, cause) from e
+    return Written(hf.size, hf.sha.hexdigest())
+
+
+@contextmanager
+def writing(path: str | os.PathLike):
+    """Run a library's write of ``path`` (a file or a folder); its failure becomes a :class:`WriteError`."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except (OSError, RuntimeError) as e:  # SafetensorError is not an OSError; see _cause
+        raise write_error(Path(path), e) from e
+    except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "SafetensorError":
+            raise write_error(Path(path), e) from e
+        raise
+
+
+def disk_free(path: str | os.PathLike) -> int | None:
+    """Free bytes on the file system holding ``path`` (or its nearest existing parent); None if unknown."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _cause(exc: BaseException) -> str | None:
+    """The OS cause of a write failure, from its errno or (for errors that lost it) its text."""
+    seen = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _CAUSES:
+            return _CAUSES[e.errno]
+        text = str(e).lower()
+        for needle, code in _TEXT_CAUSES.items():
+            if needle in text:
+                return _CAUSES[code]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error(path: Path, exc: BaseException) -> WriteError:
+    free = disk_free(path)
+    cause = _cause(exc)
+    if cause is None and free is not None and free < NEARLY_FULL:
+        cause = "no space left on device"
+    if cause is None:
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'write failed'}"
+    return WriteError(f"cannot write {path}: {cause} ({human(free)} free on its file system)")
+
+
+def tree_size(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def check_output_dir(path: str) -> Path:
+    """The run's output folder, created; refused, naming the field, where this process cannot write."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RecipeError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
+    return out
