@@ -69,3 +69,44 @@ def _recipe_warnings_said_afresh():
 
     config._SAID.clear()
     yield
+
+
+# ---------------------------------------------------------------------------- tiers
+
+TIERS = {
+    "unit": ("test_autosplit", "test_bring_your_own", "test_config", "test_data", "test_delay", "test_evaluation",
+             "test_export", "test_failures", "test_layout", "test_optim", "test_partition", "test_partition_sweep",
+             "test_promises", "test_schedules"),
+    "distributed": ("test_bf16_versions", "test_checkpointing", "test_nccl_order", "test_recipes", "test_recv_wait",
+                    "test_reducer", "test_runtime", "test_runtime_families", "test_sharding", "test_stage_local"),
+    "e2e": ("test_cluster_launch", "test_data_path", "test_downstream", "test_gpu_bench", "test_launch",
+            "test_lm_eval_parity", "test_memory_plan", "test_packaging", "test_preflight", "test_reliability",
+            "test_reliability_launch", "test_resume_changes", "test_safety", "test_trainer"),
+}
+"""Each test file's tier, by what its tests start: ``unit`` starts no process and no training run (pure Python: the
+schedules, the recipe, the optimizers, the partitioner; the inner loop, ``pytest -m unit``), ``distributed`` spawns
+gloo ranks, ``e2e`` trains (in the test's process or launched), starts a launcher, a subprocess or pip. The README's
+test command runs them all."""
+TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier (tests/conftest.py TIERS)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m unit`` (one tier alone) does not even import the other tiers' files: collecting them costs half a minute."""
+    tier = TIER_OF.get(collection_path.stem)
+    chosen = (config.option.markexpr or "").strip()
+    if tier is not None and chosen in TIERS and tier != chosen:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.stem
+        if name not in TIER_OF:
+            raise pytest.UsageError(f"{item.path.name} has no tier: add it to TIERS in tests/conftest.py")
+        item.add_marker(getattr(pytest.mark, TIER_OF[name]))

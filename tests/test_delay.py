@@ -115,14 +115,6 @@ def test_delay_1_stashes_one_version_and_applies_every_step():
         assert sim.stored_tensors() == 2  # one stashed version of each parameter, no kept gradient
 
 
-def test_delay_1_refuses_a_checkpoint_of_the_old_reference():
-    """The old '1' kept the last gradient unapplied; its state cannot continue exactly under the stash design."""
-    a = torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(ValueError, match="old simulate_delay '1' reference"):
-        DelaySimulator("1", [a]).load_state_dict({"mode": "1", "steps": 3, "lags": [0], "kept": [torch.zeros(2)],
-                                                   "history": [[]]})
-
-
 def test_pipedream_tied_head_runs_at_lag_0_by_hand():
     """A weight used by stage 0 (embedding, p-1 versions stale) and by the last stage (tied head, current), as the
     executor's two copies: one gradient, the sum of both uses' at their own versions, applied to the one weight."""

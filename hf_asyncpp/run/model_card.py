@@ -17,7 +17,7 @@ from ..config.recipe import Recipe, load_recipe
 from ..eval.tasks import SCORER, task_spec
 from ..schedules.records import SCHEDULES, get_simulated_delay
 from ..storage.files import library_versions
-from ..storage.names import EXPORT_DIR, METRICS, RECIPE_FILE, run_state_file
+from ..storage.names import EXPORT_DIR, METRICS, RECIPE_FILE, RUN_STATE
 from ..storage.shipped import shipped_file
 from .reporting import read_metrics
 
@@ -246,12 +246,12 @@ def _continued_from(name_or_path: str | None) -> dict:
 
 def card_from_checkpoint(ckpt_dir) -> dict:
     """Model-card fields from what a checkpoint holds: ``recipe.yaml`` (training setup), ``run_state.json``
-    (steps, tokens; ``trainer_state.json`` in an older checkpoint) and the run's ``metrics.jsonl`` one level up (the
+    (steps, tokens) and the run's ``metrics.jsonl`` one level up (the
     last evaluation at or before the step). Whatever is absent is left out."""
     ckpt = Path(ckpt_dir)
     step, tokens = None, None
-    if run_state_file(ckpt).exists():
-        info = json.loads(run_state_file(ckpt).read_text())
+    if (ckpt / RUN_STATE).exists():
+        info = json.loads((ckpt / RUN_STATE).read_text())
         step, tokens = info.get("step"), info.get("tokens")
     recipe = load_recipe(ckpt / RECIPE_FILE) if (ckpt / RECIPE_FILE).exists() else None
     return card_from_recipe(recipe, step, tokens, read_metrics(ckpt.parent / METRICS))

@@ -33,8 +33,6 @@ PROJECT = "hf_asyncpp"
 PROJECT_ENV = {"wandb": "WANDB_PROJECT", "comet_ml": "COMET_PROJECT_NAME"}
 """Each tracker's own variable for its project, read when ``training.project`` is unset (the Trainer's wandb users
 set WANDB_PROJECT)."""
-OLD_KEYS = {"lr": "learning_rate", "tokens": "num_input_tokens_seen"}
-"""metrics.jsonl keys written before the Trainer's names were used, and their names now."""
 # peak dense bf16 TFLOP/s of one device, for train/mfu (training.peak_tflops overrides; no entry: no MFU)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 
@@ -101,14 +99,8 @@ def read_metrics(path: Path) -> list[dict]:
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             log.warning("%s line %d is not a whole record (a write cut short?); left out: %r", path, number, line[:80])
             continue
-        rows.append(current_keys(rec))
+        rows.append(rec)
     return rows
-
-
-def current_keys(rec: dict) -> dict:
-    """A record under today's key names: a metrics.jsonl written by an earlier version (``lr``, ``tokens``) reads
-    as one written now, so every reader names one key."""
-    return {(OLD_KEYS[k] if k in OLD_KEYS and OLD_KEYS[k] not in rec else k): v for k, v in rec.items()}
 
 
 def interval_log(rows: list[dict]) -> dict:

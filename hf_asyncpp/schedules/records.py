@@ -69,7 +69,7 @@ from typing import Callable, Iterator, Optional
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "TWO_BW", "PIPEDREAM", "get_schedule", "ActionType", "Action",
-    "schedule_actions", "version_of", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
+    "schedule_actions", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
     "processes_per_pipeline", "one_step_delay", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
 ]
 
@@ -412,10 +412,6 @@ def schedule_actions(name: str, num_stages: int, num_microbatches: int, num_step
     timing jitter when stages are nearly balanced; versions, and so numerics, do not change.
     """
     return get_schedule(name).actions(num_stages, num_microbatches, num_steps, first_step, extra_warmup)
-
-
-def version_of(schedule: str, step: int, stage: int, num_stages: int) -> int:
-    return get_schedule(schedule).version(step, stage, num_stages)
 
 
 def version_lag(schedule: str, stage: int, num_stages: int) -> int:

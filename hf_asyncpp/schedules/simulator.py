@@ -146,10 +146,6 @@ class SimResult:
     peak_versions: list[int] = field(default_factory=list)
     """Per stage: most weight versions alive at once (the newest + older ones a later F/B of this list uses)."""
 
-    @property
-    def step_time(self) -> float:
-        return self.makespan / self.num_steps if self.num_steps else 0.0
-
 
 def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4) -> str:
     """Each stage's last actions, the one it stands at in brackets, and why it cannot go on."""

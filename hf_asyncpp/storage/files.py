@@ -197,13 +197,10 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def manifest_files(path: Path) -> dict[str, dict | None]:
-    """The manifest's files: name -> {size, sha256}, or name -> None for a manifest that predates verification
-    (a list of names)."""
+def manifest_files(path: Path) -> dict[str, dict]:
+    """The manifest's files: name -> {size, sha256}."""
     manifest = load_json(Path(path) / MANIFEST)
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if isinstance(files, list):
-        return {name: None for name in files}
     if not isinstance(files, dict):
         raise CheckpointError(f"{Path(path) / MANIFEST}: no file list; the checkpoint is damaged")
     return files
@@ -212,7 +209,7 @@ def manifest_files(path: Path) -> dict[str, dict | None]:
 def verify(path: Path, names: list[str] | None = None) -> list[str]:
     """Problems of checkpoint ``path`` against its manifest (empty: it verifies), each naming the file.
 
-    Checks each listed file's presence, size and sha256 (only presence for a manifest without them);
+    Checks each listed file's presence, size and sha256;
     ``names`` restricts the check to some of the files (ranks share the hashing).
     """
     path = Path(path)
@@ -225,8 +222,6 @@ def verify(path: Path, names: list[str] | None = None) -> list[str]:
         rec, f = files.get(name), path / name
         if not f.is_file():
             problems.append(f"{f}: missing")
-        elif rec is None:
-            continue
         elif f.stat().st_size != rec["size"]:
             problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {rec['size']} (truncated or overwritten)")
         elif sha256_of(f) != rec["sha256"]:
@@ -235,12 +230,12 @@ def verify(path: Path, names: list[str] | None = None) -> list[str]:
 
 
 def checkpoint_size(path: Path) -> int:
-    """Bytes of a checkpoint: the manifest's sizes, or what is on disk for an older manifest."""
+    """Bytes of a checkpoint: the manifest's sizes, or what is on disk where the manifest cannot be read."""
     try:
         files = manifest_files(path)
     except CheckpointError:
         files = {}
-    if files and all(rec is not None for rec in files.values()):
+    if files:
         return sum(rec["size"] for rec in files.values())
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 

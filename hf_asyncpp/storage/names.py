@@ -18,7 +18,7 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
-TRAINER_STATE = "trainer_state.json"  # a Trainer's name: what tools for Trainer checkpoints read; our run state before
+TRAINER_STATE = "trainer_state.json"  # transformers.TrainerState of the run: what tools for Trainer checkpoints read
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -39,13 +39,6 @@ LOGS_DIR = "logs"
 # what a finished or interrupted run leaves in its output_dir besides checkpoints (run/reporting.py, model/export.py and
 # pipeline/profile.py write them); a fresh run must not mix its own with these
 RUN_OUTPUTS = (METRICS, FINAL_EVAL, EXPORT_DIR, LOSS_CURVE, PROFILE, TIMELINE, LOGS_DIR, TOKENIZER_DIR, RECIPE_FILE)
-
-
-def run_state_file(path: Path) -> Path:
-    """A checkpoint's run state (what a resume restores): ``run_state.json``, or in a checkpoint written before the
-    Trainer's ``trainer_state.json`` was, that file, which then held the same record."""
-    new = Path(path) / RUN_STATE
-    return new if new.exists() else Path(path) / TRAINER_STATE
 
 
 def rng_file(rank: int) -> str:

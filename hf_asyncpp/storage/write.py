@@ -161,11 +161,6 @@ def write_error(path: Path, exc: BaseException) -> WriteError:
     return WriteError(f"cannot write {path}: {cause} ({human(free)} free on its file system)")
 
 
-def tree_size(path: str | os.PathLike) -> int:
-    """Bytes of the files under ``path``."""
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
 def check_output_dir(path: str) -> Path:
     """The run's output folder, created; refused, naming the field, where this process cannot write."""
     out = Path(path)
