@@ -213,7 +213,7 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
                                   "pipeline": {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 4},
                                   "optimizer": {"name": "muon", "learning_rate": 0.02}, "data": {"seq_len": 16}}),
                 ckpt / "recipe.yaml")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 10, "tokens": 2560}))
+    (ckpt / "run_state.json").write_text(json.dumps({"step": 10, "tokens": 2560}))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (
         {"step": 0, "eval_loss": 5.8, "eval_ppl": 330.3}, {"step": 5, "loss": 5.0}, {"step": 10, "eval_loss": 4.5, "eval_ppl": 90.0},
         {"step": 20, "eval_loss": 4.0, "eval_ppl": 54.6})))  # written after this checkpoint: not its result

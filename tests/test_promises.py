@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import copy
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,16 @@ def test_no_module_outside_pipeline_switches_on_a_schedule_or_delay_name():
     found = [f for f in _vocabulary_switches(_sources()) if Path(f[0]).name not in VOCABULARY_EXCEPTIONS]
     assert not found, ("ask the records in schedules/records.py (pipelined, processes_per_pipeline, "
                        f"get_simulated_delay) instead of comparing names: {sorted(found)}")
+
+
+def test_the_recipe_types_spell_the_records_names():
+    """The recipe's ``Literal`` types are what a user may write; the records are what the code knows. They must be one
+    vocabulary: a schedule added to ``SCHEDULES`` and not to the recipe (or the reverse) fails here."""
+    from hf_asyncpp.config.optimizer import OptimizerConfig
+    from hf_asyncpp.config.recipe import PipelineConfig
+
+    assert set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])) == set(SCHEDULES) | {NO_PIPELINE}
+    assert set(typing.get_args(typing.get_type_hints(OptimizerConfig)["simulate_delay"])) == set(SIMULATED_DELAYS)
 
 
 def test_simulated_delays_are_the_schedules_lags():

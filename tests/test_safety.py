@@ -250,7 +250,7 @@ def test_bad_data_files(tmp_path):
 def test_resume_with_another_schedule_is_refused_clearly(tmp_path):
     out = tmp_path / "c"
     out.mkdir()
-    ckpt.save_json(out / "trainer_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": [],
+    ckpt.save_json(out / "run_state.json", {"world_size": 2, "num_stages": 2, "step": 3, "tokens": 0, "data": [],
                                                 "schedule": "2bw"})
     with pytest.raises(RecipeError, match=r"pipeline.schedule: .* was written by a '2bw' run; resume it with the same schedule"):
         Checkpointer(out, recipe_from_dict(tiny(tmp_path / "run")), Topology(), None, None).resume(out, None, None)

@@ -11,7 +11,12 @@ from typing import Literal, Optional, Union
 
 from .sources import bounds as _range
 
-__all__ = ["OptimizerConfig"]
+__all__ = ["OptimizerConfig", "EF_AUTO", "EF_LEARNED"]
+
+EF_AUTO = "auto"
+"""``optimizer.ef_lambda: auto``: lambda from the step's own statistics (``optim.ef.auto_lambda``)."""
+EF_LEARNED = "learned"
+"""``optimizer.ef_lambda: learned``: one lambda per stage, learned from the loss (``optim/ef.py``)."""
 
 
 @dataclass(kw_only=True)
@@ -53,7 +58,7 @@ class OptimizerConfig:
     beta1 from the first step (0.96^1000 ~ 2e-18), the constant high momentum of Ajanthan et al.'s Nesterov baseline for
     asynchronous pipelines; torch's default 0.004 ramps it from 0.50 (step 1) to only 0.89 at step 10k."""
     delay_correction: Literal["none", "error_feedback"] = "none"
-    ef_lambda: Union[float, Literal["auto", "learned"]] = field(default=1.0, metadata=_range(lo=0.0))
+    ef_lambda: Union[float, Literal[EF_AUTO, EF_LEARNED]] = field(default=1.0, metadata=_range(lo=0.0))
     """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's); ``auto``: per parameter tensor and
     step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree; or
     ``learned``: one lambda per stage, from 1, moved each step by ``ef_lambda_lr`` (times the lr schedule's factor:

@@ -22,7 +22,7 @@ from ..errors import RecipeError
 from ..schedules.records import NO_PIPELINE, SCHEDULES, get_simulated_delay, one_step_delay, pipelined
 from ..storage.write import write_file
 from .names import TRAINER_EQUIVALENTS
-from .optimizer import OptimizerConfig
+from .optimizer import EF_LEARNED, OptimizerConfig
 from .sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
 
 log = logging.getLogger("hf_asyncpp")
@@ -318,7 +318,7 @@ def _cross_checks(r: Recipe) -> None:
     p = r.pipeline
     delay = get_simulated_delay(r.optimizer.simulate_delay)
     o = r.optimizer
-    if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage and o.ef_lambda != "learned":
+    if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage and o.ef_lambda != EF_LEARNED:
         raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of {', '.join(SCHEDULES)}")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
@@ -328,14 +328,14 @@ def _cross_checks(r: Recipe) -> None:
     if p.split is not None and len(p.split) != p.num_stages:
         raise RecipeError(f"pipeline.layers_per_stage: {len(p.layers_per_stage)} entries for {p.num_stages} stages; give one per stage")
     one_step = one_step_delay(p.schedule, o.simulate_delay)
-    if o.ef_lambda == "learned" and (o.delay_correction != "error_feedback" or not one_step):
+    if o.ef_lambda == EF_LEARNED and (o.delay_correction != "error_feedback" or not one_step):
         raise RecipeError("optimizer.ef_lambda: learned needs optimizer.delay_correction: error_feedback under a one-step "
                           f"delay (pipeline.schedule: 2bw, or optimizer.simulate_delay: 1); here the schedule is "
                           f"{p.schedule!r} and simulate_delay {o.simulate_delay!r}")
     if o.fused and o.name != "adamw":
         raise RecipeError(f"optimizer.fused: true is torch's fused AdamW kernel; it needs optimizer.name: adamw, not "
                           f"{o.name!r} (allowed with fused: adamw)")
-    if o.shard_across_replicas and o.ef_lambda == "learned":
+    if o.shard_across_replicas and o.ef_lambda == EF_LEARNED:
         raise RecipeError("optimizer.shard_across_replicas: true does not support optimizer.ef_lambda: learned (its "
                           "cosine spans every tensor of the stage); use a number or 'auto', or do not shard")
     if o.delay_start_step and not one_step:

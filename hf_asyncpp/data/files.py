@@ -132,11 +132,27 @@ def problem_of(path: str, text_column: str) -> str | None:
     return None
 
 
+_SCREENED: dict[tuple, str | None] = {}
+"""(path, size, mtime, ctime, mode, column) -> :func:`problem_of`'s answer: a process screens each file once, however many streams
+(the tokenizer's corpus, the held-out blocks, the training stream) read it; a changed file is screened again."""
+
+
+def _problem(f: str, text_column: str) -> str | None:
+    try:
+        st = os.stat(f)
+        key = (f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, text_column)
+    except OSError:
+        return problem_of(f, text_column)  # gone or a broken link: said by problem_of, never remembered
+    if key not in _SCREENED:
+        _SCREENED[key] = problem_of(f, text_column)
+    return _SCREENED[key]
+
+
 def screen_files(files: list[str], text_column: str) -> tuple[list[str], list[str], dict[str, str]]:
     """(usable, empty, skipped): the files to read, the empty ones, and the unusable ones with their reasons."""
     usable, empty, skipped = [], [], {}
     for f in files:
-        reason = problem_of(f, text_column)
+        reason = _problem(f, text_column)
         if reason is not None:
             skipped[f] = reason
         elif os.path.getsize(f) == 0:

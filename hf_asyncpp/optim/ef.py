@@ -58,14 +58,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config.optimizer import EF_AUTO, EF_LEARNED
+
 __all__ = ["KEY", "AUTO", "LEARNED", "auto_lambda", "learned_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "lr_factor", "ef_buffers", "ef_state_by_name",
            "ef_state_from_names"]
 
 KEY = "error_feedback"
 
 
-AUTO = "auto"
-LEARNED = "learned"
+AUTO, LEARNED = EF_AUTO, EF_LEARNED  # the recipe's spellings of ef_lambda's two rules
 LEARNED_START = 1.0  # the paper's lambda
 LEARNED_MAX = 3.0  # a one-step delay never needs a three-step extrapolation
 LEARNED_RATE = 0.02
