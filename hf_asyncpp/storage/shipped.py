@@ -18,4 +18,4 @@ def shipped_file(folder: str, name: str) -> Path:
     try:
         return Path(str(resources.files(f"hf_asyncpp.{folder}") / name))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / _CHECKOUT[folder] / name
+        return Path(__file__).resolve().parents[2] / _CHECKOUT[folder] / name
