@@ -1,9 +1,9 @@
 """2BW through the command a user types (``hf-asyncpp train``, real data: the default corpus, its tokenizer, the
 prefetching data path, metrics, the progress line) against torch.distributed.pipelining's Schedule1F1B and the
-no-bubble limit, on the shapes of bench/vs_torch_pipelining.py: Llama h256 x 8 layers, vocabulary 4,096, untied,
+no-bubble limit, on issue 14's shapes (``bench.throughput.H256``): Llama h256 x 8 layers, vocabulary 4,096, untied,
 AdamW, 4 microbatches of 4 x 128 tokens per step, split 5/3, 2 processes x 1 thread (gloo).
 
-    python bench/cli_throughput.py [--steps 40] [--rounds 3] [--fused] [--write]
+    python -m bench.cli_throughput [--steps 40] [--rounds 3] [--fused] [--only "cli 2bw,in-process 2bw"] [--write]
 
 ``--fused``: every arm, ours and torch's, steps AdamW with torch's fused kernel (``optimizer.fused: true``,
 ``torch.optim.AdamW(fused=True)``) instead of torch's per-tensor loop; written to its own section.
@@ -14,17 +14,20 @@ Arms, each once per round with the order rotated every round, best round reporte
   records a third into the run and the last but one (``read_rate``: the pipeline filled, the data worker running,
   as the in-process arms time their steps after a warm-up); the run's own ``pipeline_profile.json`` gives the
   per-action seconds (whole run).
-- ``cli 2bw, recv_wait block``: the same with each rank sleeping in its waits instead of polling
-  (``pipeline.recv_wait``): what polling is worth.
+- ``cli 2bw recv-block``: the same with each rank sleeping in its waits instead of polling
+  (``pipeline.recv_wait: block``): what polling is worth.
 - ``cli single``: the same command with ``--pipeline.schedule=none`` on one process and one thread.
 - ``torch 1f1b``: torch's ``PipelineStage`` + ``Schedule1F1B`` on our partitioner's stages (random ids in the
-  process: torch has no data path of its own), AdamW after each schedule step (bench/throughput.py's worker).
-- ``in-process single``: the engine with no pipeline on random ids (bench/throughput.py).
+  process: torch has no data path of its own), AdamW after each schedule step (``bench.throughput``'s worker).
+  With ``--fused``, also ``torch 1f1b per-tensor AdamW``: torch as its users write it by default.
+- ``in-process single``: the engine with no pipeline on random ids (``bench.throughput``).
 - ``in-process 2bw``: the same executor as ``cli 2bw`` on random ids, without the command's launcher, data path and
-  outputs (bench/throughput.py): what the command line costs on top of the schedule.
+  outputs (``bench.throughput``): what the command line costs on top of the schedule.
+- ``2 x cli single side by side``: two one-process runs at once: what this machine gives two processes that never
+  wait for each other.
 - ``stages alone``: each of the two processes computes its own stage's steps (m forwards and
   backwards, AdamW) on local inputs, with no transfer and no schedule, both at once for the same wall time
-  (``bench/throughput.py``'s ``_stages_alone``); the slower stage's rate: the split's balance and two busy cores,
+  (``bench.throughput``'s ``_stages_alone``; ``bench.stage_ceiling`` measures the same interleaved window by window); the slower stage's rate: the split's balance and two busy cores,
   measured rather than simulated, the pipeline left out. Each pipeline against it is what its schedule and
   transport cost (2BW can beat it a little: its lighter stage waits part of each step, which leaves the busier one
   a less loaded machine).
@@ -38,6 +41,9 @@ backward and step costs, with nothing else (no transfer, no wait, no contention)
 equal per-action costs that is the most 2BW can be against any 1F1B, and against the limit, at this split; the same
 at every other whole-layer split, from per-layer costs read off the same run. A measured ratio is then read
 against what the schedule allows, and a target above the ceiling says so.
+
+``--write`` replaces the ``cli-throughput`` (or ``cli-throughput-fused``) section of docs/benchmarks/speed.md.
+``--only`` (comma-separated arm names) runs those arms and prints their medians, without the tables.
 """
 from __future__ import annotations
 
@@ -51,16 +57,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
+from hf_asyncpp.schedules.records import schedule_actions
+from hf_asyncpp.schedules.simulator import Costs, simulate
 
-if "--fused" in sys.argv:  # before bench.throughput reads it; the spawned workers inherit it
-    os.environ["HF_ASYNCPP_BENCH_FUSED"] = "1"
-from bench.vs_torch_pipelining import MODEL, SPLIT  # noqa: E402 (sets the workers' model before bench.throughput)
-from bench import throughput as tp  # noqa: E402
-from hf_asyncpp.pipeline.schedules import schedule_actions  # noqa: E402
-from hf_asyncpp.pipeline.simulator import Costs, simulate  # noqa: E402
+from . import throughput as tp
 
+ROOT = tp.ROOT
+MODEL, SPLIT = tp.H256, tp.H256_SPLIT
 M = 4
 
 
@@ -130,18 +133,18 @@ def arms(steps: int, inproc_steps: int, tmp: Path) -> dict[str, callable]:
 
     out = {
         "cli 2bw": cli("2bw"),
-        "cli 2bw, recv_wait block": cli("2bw", "--pipeline.recv_wait=block"),
+        "cli 2bw recv-block": cli("2bw", "--pipeline.recv_wait=block"),
         "cli 1f1b": cli("1f1b"),
         "cli single": cli("single"),
         "torch 1f1b": lambda rnd: (tp.spawn(tp._torch_pipelining, 2, "1f1b", inproc_steps, M, SPLIT)[0]["tokens_per_s"], None),
         "in-process single": lambda rnd: (tp.single_process(inproc_steps, M), None),
         "in-process 2bw": lambda rnd: in_process_2bw(inproc_steps),
-        "2 x cli single, side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
+        "2 x cli single side by side": lambda rnd: (side_by_side(steps, tmp / f"side-{rnd}"), None),
         # a 2BW step of the timed ones takes about 0.6 s here: the window is about as long as in-process 2bw's
         "stages alone": lambda rnd: tp.stages_alone(0.6 * inproc_steps, M, SPLIT),
     }
     if tp.FUSED:  # torch as a torch.pipelining user writes it by default, beside the fused comparison
-        out["torch 1f1b, per-tensor AdamW"] = lambda rnd: (
+        out["torch 1f1b per-tensor AdamW"] = lambda rnd: (
             tp.spawn(tp._torch_pipelining, 2, "1f1b", inproc_steps, M, SPLIT, False)[0]["tokens_per_s"], None)
     return out
 
@@ -203,11 +206,11 @@ def per_round(seen: dict) -> dict[str, list[float]]:
     singles = [max(a, b) for a, b in zip(seen["cli single"], seen["in-process single"])]
     return {"2bw / torch": [a / b for a, b in zip(two, tt)],
             "2bw / limit": [a / (2 * s) for a, s in zip(two, singles)],
-            "2bw / side by side": [a / b for a, b in zip(two, seen["2 x cli single, side by side"])],
-            "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single, side by side"], singles)],
+            "2bw / side by side": [a / b for a, b in zip(two, seen["2 x cli single side by side"])],
+            "side by side / limit": [b / (2 * s) for b, s in zip(seen["2 x cli single side by side"], singles)],
             "cli 2bw / in-process 2bw": [a / b for a, b in zip(two, seen["in-process 2bw"])],
             "in-process 2bw / torch": [a / b for a, b in zip(seen["in-process 2bw"], tt)],
-            "cli 2bw / cli 2bw, recv_wait block": [a / b for a, b in zip(two, seen["cli 2bw, recv_wait block"])],
+            "cli 2bw / cli 2bw recv-block": [a / b for a, b in zip(two, seen["cli 2bw recv-block"])],
             "stages alone / limit": [a / (2 * s) for a, s in zip(alone, singles)],
             "cli 2bw / stages alone": [a / b for a, b in zip(two, alone)],
             "in-process 2bw / stages alone": [a / b for a, b in zip(seen["in-process 2bw"], alone)],
@@ -217,7 +220,7 @@ def per_round(seen: dict) -> dict[str, list[float]]:
 def tables(best: dict, seen: dict, args) -> str:
     limit_single = max(best["cli single"][0], best["in-process single"][0])
     limit = 2 * limit_single
-    pair = best["2 x cli single, side by side"][0]
+    pair = best["2 x cli single side by side"][0]
     lines = [f"| run | tokens/s (best of {args.rounds}) | range over rounds | / no-bubble limit |", "|---|---|---|---|"]
     for key, (tps, _) in best.items():
         lines.append(f"| {key} | {tps:,.0f} | {min(seen[key]):,.0f}-{max(seen[key]):,.0f} | {tps / limit:.2f} |")
@@ -232,12 +235,12 @@ def tables(best: dict, seen: dict, args) -> str:
               "of the machine hits the arms of one round alike), median and range: "
               + "; ".join(f"{name} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})" for name, r in per_round(seen).items()),
               *([f"- cli 2bw / torch Schedule1F1B with torch's default per-tensor AdamW = "
-                 f"{t2 / best['torch 1f1b, per-tensor AdamW'][0]:.2f}"] if "torch 1f1b, per-tensor AdamW" in best else []),
+                 f"{t2 / best['torch 1f1b per-tensor AdamW'][0]:.2f}"] if "torch 1f1b per-tensor AdamW" in best else []),
               f"- two single processes side by side reach {pair / limit:.2f} of the limit (this machine with both cores "
               f"busy); cli 2bw / that = {t2 / pair:.2f}",
               f"- cli 2bw with recv_wait block (each rank sleeps in its waits) / no-bubble limit = "
-              f"{best['cli 2bw, recv_wait block'][0] / limit:.2f}; cli 2bw (polling) / that = "
-              f"{t2 / best['cli 2bw, recv_wait block'][0]:.2f}",
+              f"{best['cli 2bw recv-block'][0] / limit:.2f}; cli 2bw (polling) / that = "
+              f"{t2 / best['cli 2bw recv-block'][0]:.2f}",
               f"- cli 2bw / cli 1f1b = {t2 / t1:.2f}; cli 1f1b / torch Schedule1F1B = {t1 / tt:.2f}",
               f"- the stages computing alone side by side (each its own forwards, backwards and AdamW on local inputs, "
               f"no transfer, no schedule; the slower stage's rate) reach {alone / limit:.2f} of the limit: the split's "
@@ -278,35 +281,27 @@ def tables(best: dict, seen: dict, args) -> str:
     return "\n".join(lines)
 
 
-def pick(only: str, names: list[str]) -> list[str]:
-    """The arms named in ``--only``, comma-separated, where a name may itself hold a comma ("cli 2bw, recv_wait
-    block"): at each point the longest run of pieces that spells an arm; one that spells none is an error naming
-    the arms."""
-    parts, out, i = only.split(","), [], 0
-    while i < len(parts):
-        j = next((j for j in range(len(parts), i, -1) if ",".join(parts[i:j]).strip() in names), None)
-        if j is None:
-            raise SystemExit(f"--only: no arm {parts[i].strip()!r}; the arms: {', '.join(repr(n) for n in names)}")
-        out.append(",".join(parts[i:j]).strip())
-        i = j
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="steps per command-line run (the rate is read past its first third)")
     ap.add_argument("--inproc-steps", type=int, default=8, help="timed steps per in-process arm")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default=None, help="comma-separated arms, names with a comma included (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated arm names (default: all)")
     ap.add_argument("--fused", action="store_true", help="AdamW's fused kernel on every arm (its own section)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
+    tp.use_model(MODEL)  # every in-process arm and every worker they spawn
+    if args.fused:
+        tp.use_fused()
     best: dict[str, tuple[float, object]] = {}
     seen: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as d:
         todo = arms(args.steps, args.inproc_steps, Path(d))
         if args.only:
-            todo = {k: todo[k] for k in pick(args.only, list(todo))}
+            names = [name.strip() for name in args.only.split(",")]
+            if unknown := [name for name in names if name not in todo]:
+                raise SystemExit(f"--only: no arm {unknown[0]!r}; the arms: {', '.join(map(repr, todo))}")
+            todo = {name: todo[name] for name in names}
         keys = list(todo)
         for rnd in range(args.rounds):
             order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
@@ -325,12 +320,12 @@ def main():
     text = tables(best, seen, args)
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         kernel = ", AdamW's fused kernel on every arm" if args.fused else ""
         write_section("cli-throughput-fused" if args.fused else "cli-throughput",
                       f"## 2BW through `hf-asyncpp train` against torch's Schedule1F1B{kernel}\n\n"
-                      f"Command: `python bench/cli_throughput.py --steps {args.steps} --rounds {args.rounds}"
+                      f"Command: `python -m bench.cli_throughput --steps {args.steps} --rounds {args.rounds}"
                       f"{' --fused' if args.fused else ''}"
                       f"{f' --inproc-steps {args.inproc_steps}' if args.inproc_steps != 8 else ''} --write` "
                       f"({time.strftime('%Y-%m-%d')}; Llama h256 x 8 layers, vocab 4096 untied, AdamW"

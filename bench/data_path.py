@@ -3,28 +3,26 @@ standing in for a Hub one), the time a resume takes to reach a deep position, an
 time the training thread waits for its batch) with batches packed inline against packed ahead by the prefetch
 worker, around a real forward/backward of the default recipe's model.
 
-    python bench/data_path.py [--blocks 3000] [--steps 12] [--write]
+    python -m bench.data_path [--blocks 3000] [--steps 12] [--write]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
+from hf_asyncpp.config.recipe import DataConfig, ModelConfig, load_recipe
+from hf_asyncpp.data.stream import BlockStream, iter_documents, prepare_default_corpus
+from hf_asyncpp.model.build import build_model
+from hf_asyncpp.data.prefetch import Prefetcher
+from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
 
-from hf_asyncpp.config import DataConfig, ModelConfig, load_recipe  # noqa: E402 (after the path set-up)
-from hf_asyncpp.data import BlockStream, iter_documents, prepare_default_corpus  # noqa: E402
-from hf_asyncpp.modeling import build_model  # noqa: E402
-from hf_asyncpp.prefetch import Prefetcher  # noqa: E402
-from hf_asyncpp.tokenizer import load_or_train_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rate(stream, n: int) -> float:
@@ -107,10 +105,10 @@ def main():
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("data-path", "## Data path: blocks/s per process and the stage-0 stall\n\n"
-                      f"Command: `python bench/data_path.py --blocks {args.blocks} --steps {args.steps} --write` "
+                      f"Command: `python -m bench.data_path --blocks {args.blocks} --steps {args.steps} --write` "
                       f"({time.strftime('%Y-%m-%d')}; CPU)\n\n{text}")
 
 

@@ -1,12 +1,14 @@
 """Tokens/s of the default recipe (recipes/cpu-tiny.yaml): one process (no pipeline) and the README's main job
 (2BW on 2 stages, 2 processes x 1 thread, Muon + EF), each a real run of scripts/pretrain.py.
 
-    python bench/default_recipe.py [--steps 60] [--rounds 3] [--write]
+    python -m bench.default_recipe [--steps 60] [--rounds 3] [--write]
 
 The arms run one at a time, once per round, the order rotated every round so that slow phases of a shared machine
 hit all arms alike; each reports its best round. Targets (issue 14): the main job at least 1.8x one process with
 one thread, i.e. at least 0.9 of the no-bubble limit (twice that rate). The best 2BW run's own profile
-(pipeline_profile.json) then feeds the simulator's prediction at p = 4, 8, 16 (bench/predict_scaling.py).
+(pipeline_profile.json) then feeds the simulator's prediction at p = 4, 8, 16 (``predict``). ``--write`` replaces
+the ``default`` section of docs/benchmarks/speed.md. ``run`` (one command, its steady rate and profile) is shared with
+``bench.optimizer_step``.
 """
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_asyncpp.pipeline.planner import steady_step_time
+from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
+from hf_asyncpp.schedules.simulator import Costs
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 
 
 def run(cmd: list[str], out: Path) -> tuple[float, dict | None]:
@@ -34,6 +39,44 @@ def run(cmd: list[str], out: Path) -> tuple[float, dict | None]:
     rates = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
     prof = out / "pipeline_profile.json"
     return statistics.median(rates[len(rates) // 3:]), (json.loads(prof.read_text()) if prof.exists() else None)
+
+
+def whole_model(seconds: list[dict], counts: list[dict]) -> dict[str, float]:
+    """Per microbatch forward and backward, per step the optimizer step: summed over the measured stages."""
+    c = Costs.from_measured(seconds, counts)
+    return {"F": sum(c.forward), "B": sum(c.backward), "STEP": sum(c.step)}
+
+
+def predict(seconds: list[dict], counts: list[dict], ps=(4, 8, 16), comm_s: float = 0.0) -> list[dict]:
+    """The simulator at p = 4, 8, 16 (m = p and 2p, steady state) on a measured run's per-action costs: the whole
+    model's cost per microbatch cut into p equal stages (the measured split's imbalance is not carried over); a
+    transfer takes ``comm_s``, the reduction is free, per-action overhead that grows with p is not modelled, so
+    the ratios are what the schedule allows, an upper bound for the executor. (``hf-asyncpp plan`` answers the same
+    question for a recipe from its FLOPs or ``--measure``; this one starts from a run's own profile.)"""
+    tot = whole_model(seconds, counts)
+    rows = []
+    for p in ps:
+        for m in (p, 2 * p):
+            costs = Costs(forward=tot["F"] / p, backward=tot["B"] / p, step=tot["STEP"] / p, comm=comm_s)
+            t2, bubble2 = steady_step_time(TWO_BW, p, m, costs, "global")
+            t1, bubble1 = steady_step_time(ONE_F_ONE_B, p, m, costs, "global")
+            limit = (m * (tot["F"] + tot["B"]) + tot["STEP"]) / p
+            rows.append({"p": p, "m": m, "2bw_s": t2, "1f1b_s": t1, "2bw_bubble": bubble2, "1f1b_bubble": bubble1,
+                         "2bw_over_1f1b": t1 / t2, "2bw_over_limit": limit / t2})
+    return rows
+
+
+def report(seconds: list[dict], counts: list[dict], comm_s: float = 0.0) -> str:
+    """``predict`` as a table, with its assumptions."""
+    rows, tot = predict(seconds, counts, comm_s=comm_s), whole_model(seconds, counts)
+    lines = [f"Measured whole-model costs: forward {tot['F'] * 1e3:.1f} ms and backward {tot['B'] * 1e3:.1f} ms per "
+             f"microbatch, optimizer step {tot['STEP'] * 1e3:.1f} ms per step, cut into p equal stages; transfers "
+             f"{comm_s * 1e3:g} ms each, reductions free, per-action overhead not modelled (an upper bound).", "",
+             "| p | m | 2bw s/step | 1f1b s/step | 2bw bubble | 1f1b bubble | 2bw / 1f1b | 2bw / no-bubble limit |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['p']} | {r['m']} | {r['2bw_s']:.3f} | {r['1f1b_s']:.3f} | {r['2bw_bubble']:.1%} | "
+              f"{r['1f1b_bubble']:.1%} | {r['2bw_over_1f1b']:.2f} | {r['2bw_over_limit']:.2f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def main():
@@ -80,8 +123,6 @@ def main():
     ])
     prof = best["two_bw"][1]
     if prof is not None:
-        from bench.predict_scaling import report
-
         stages = prof["stages"]
         table += ("\n\nThe best main-job run's own profile (pipeline_profile.json): " + "; ".join(
             f"stage {s['stage']} busy {s['busy_share']:.0%}, F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms, "
@@ -89,9 +130,9 @@ def main():
             + report([s["seconds"] for s in stages], [s["counts"] for s in stages]))
     print(table)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
-        write_section("default", f"## Default recipe\n\nCommand: `python bench/default_recipe.py --steps {args.steps} "
+        write_section("default", f"## Default recipe\n\nCommand: `python -m bench.default_recipe --steps {args.steps} "
                       f"--rounds {args.rounds} --write` ({time.strftime('%Y-%m-%d')}; per run the median tokens/s of its "
                       f"logged steps after the first third, best of the interleaved rounds)\n\n{table}",
                       first=True)

@@ -1,6 +1,7 @@
 """The planner's memory against what each stage of the real executor holds, term by term.
 
-    python bench/memory.py [--only NAME,...] [--write]
+    python -m bench.memory [--only NAME,...] [--write]
+    python -m bench.memory --per-param [--write]
 
 Per configuration (tiny dense Llama and Qwen3-MoE on 2 stages, fp32 / bf16 autocast, with and without activation
 checkpointing, 2BW / 1F1B, AdamW / Muon + error feedback) two gloo processes train 3 steps with
@@ -8,24 +9,21 @@ checkpointing, 2BW / 1F1B, AdamW / Muon + error feedback) two gloo processes tra
 allocating. The agreement is over the terms the executor measures: the recomputation's one layer (checkpointing)
 and the reducer's buckets (data parallelism; none here) are planned only. Why measure: the formula's activation
 coefficients were fitted on CPU autocast (transformers 5.23); a different kernel or version moves them.
+``tests/test_memory_plan.py`` runs two of the configurations (``predicted``, ``measured``, ``agreement``).
+
+``--write`` replaces the ``memory`` (or, with ``--per-param``, ``memory-per-param``) section of
+docs/benchmarks/memory.md.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-
-from hf_asyncpp.config import recipe_from_dict  # noqa: E402 (after the path set-up)
-from hf_asyncpp.pipeline.planner import plan_memory  # noqa: E402
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.pipeline.planner import plan_memory
+from hf_asyncpp.testing import run_workers
 
 SEQ, MBS, M = 64, 2, 4
 DENSE = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -61,7 +59,7 @@ def recipe(name: str):
 
 def measure_stage(rank: int, world: int, name: str) -> dict:
     """One stage's ``memory_report`` after 3 tracked steps (run in a spawned process)."""
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology
 
@@ -81,7 +79,7 @@ def measure_stage(rank: int, world: int, name: str) -> dict:
 def measure_per_param(rank: int, world: int, dp: int, after: bool) -> dict:
     """Bytes per parameter of this rank's stage (2 stages x ``dp`` replicas, the dense model, bf16 2BW Muon + EF):
     ``after`` with bf16 weight versions and ZeRO-1, before with autocast's per-microbatch casts, unsharded."""
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology
 
@@ -110,21 +108,6 @@ def agreement(pred: dict, got: dict) -> float:
     return sum(pred[t] for t in TERMS) / sum(got[t] for t in TERMS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, name, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    got = measure_per_param(rank, world, *name) if isinstance(name, tuple) else measure_stage(rank, world, name)
-    torch.save(got, os.path.join(out, f"{rank}.pt"))
-    dist.destroy_process_group()
-
-
 def per_param() -> str:
     """The bytes-per-parameter table: before/after at dp = 1 and 4, replica 0 of each stage (steady, at STEP)."""
     rows = ["| dp | stage | before: steady / at STEP | after: steady / at STEP | after: weights, grads, optimizer, EF, "
@@ -132,9 +115,7 @@ def per_param() -> str:
     for dp in (1, 4):
         got = {}
         for after in (False, True):
-            with tempfile.TemporaryDirectory() as d:
-                mp.start_processes(_worker, args=(2 * dp, _free_port(), (dp, after), d), nprocs=2 * dp, start_method="spawn")
-                got[after] = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(2 * dp)]
+            got[after] = run_workers(measure_per_param, 2 * dp, dp, after)
         for s in (0, 1):
             b, a = (next(x for x in got[k] if x["stage"] == s and x["dp_rank"] == 0) for k in (False, True))
             spread = [x["optimizer"] + x["ef"] for x in got[True] if x["stage"] == s]
@@ -145,9 +126,8 @@ def per_param() -> str:
 
 
 def measured(name: str) -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(2, _free_port(), name, d), nprocs=2, start_method="spawn")
-        return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(2)]
+    """Each stage's ``memory_report`` of configuration ``name``: 2 gloo processes, 3 tracked steps."""
+    return run_workers(measure_stage, 2, name)
 
 
 def table(results: dict) -> str:
@@ -165,17 +145,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--per-param", action="store_true", help="only the bytes-per-parameter table (section memory_per_param)")
+    ap.add_argument("--per-param", action="store_true", help="only the bytes-per-parameter table (section memory-per-param)")
     args = ap.parse_args()
     if args.per_param:
         t0 = time.perf_counter()
         text = per_param()
         print(text)
         if args.write:
-            from bench.report import write_section
+            from .report import write_section
 
-            write_section("memory_per_param", "## Bytes per parameter per stage: bf16 weight versions and ZeRO-1\n\n"
-                          f"Command: `python bench/memory.py --per-param --write` ({time.strftime('%Y-%m-%d')}; CPU, "
+            write_section("memory-per-param", "## Bytes per parameter per stage: bf16 weight versions and ZeRO-1\n\n"
+                          f"Command: `python -m bench.memory --per-param --write` ({time.strftime('%Y-%m-%d')}; CPU, "
                           f"gloo, 1 thread per process, {time.perf_counter() - t0:.0f} s). The dense model of the table "
                           "above (Llama h128 x 4, 2 stages, 4 microbatches of 2 x 64 tokens), bf16, 2BW, Muon + "
                           "error feedback, 3 steps with `track_memory`; bytes held per parameter of the stage, "
@@ -198,10 +178,10 @@ def main():
         f"(target within 10%). {time.perf_counter() - t0:.0f} s.", "", table(results)])
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("memory", "## The planner's memory, term by term, against the executor\n\n"
-                      f"Command: `python bench/memory.py --write` ({time.strftime('%Y-%m-%d')}; CPU, gloo, 1 thread "
+                      f"Command: `python -m bench.memory --write` ({time.strftime('%Y-%m-%d')}; CPU, gloo, 1 thread "
                       f"per process)\n\n{text}")
 
 

@@ -4,7 +4,7 @@ paying, estimated without bias from gradient norms at two batch sizes: one seque
 (B_big), ``|G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)`` and ``tr(Sigma) ~ (|G_small|^2 -
 |G_big|^2) / (1 / B_small - 1 / B_big)``.
 
-    python bench/noise_scale.py RUN_DIR [--sequences 256]
+    python -m bench.noise_scale RUN_DIR [--sequences 256]
 
 RUN_DIR is a finished run of scripts/pretrain.py (its ``export`` folder holds the model and the tokenizer; its
 recipe names the data). Held-out blocks are used: the same distribution as training, never trained on.
@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 
 
 def measure(run_dir: Path, sequences: int = 256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp.config import recipe_from_dict
-    from hf_asyncpp.data import eval_blocks
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.data.stream import eval_blocks
 
     recipe = recipe_from_dict(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
     export = run_dir / "export"

@@ -2,7 +2,7 @@
 2BW on 2 stages, 2 processes x 1 thread): per stage, the step's time against the stage's forward + backward time per
 step, from each run's own profile (pipeline_profile.json: mean F, B and STEP times of the run).
 
-    python bench/optimizer_step.py [--steps 40] [--write]
+    python -m bench.optimizer_step [--steps 40] [--write]
 
 Arms: Muon and AdamW, each with and without the EF correction, and Muon with its Newton-Schulz iteration in
 bfloat16 (``optimizer.ns_dtype``; ``auto`` picks float32 on a CPU, where bfloat16 matmuls are emulated).
@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 
-from bench.default_recipe import run  # noqa: E402 (after the path set-up)
+from .default_recipe import run
 
 ARMS = {
     "Muon + EF (the main job; ns_dtype auto = float32 here)": ["--optimizer.name=muon"],
@@ -52,10 +51,10 @@ def main():
                        "tokens/s |", "|---|---|---|---|---|---|", *rows])
     print(table)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("optimizer-step", "## The optimizer step against forward + backward, per stage\n\nCommand: "
-                      f"`python bench/optimizer_step.py --steps {args.steps} --write` ({time.strftime('%Y-%m-%d')}; "
+                      f"`python -m bench.optimizer_step --steps {args.steps} --write` ({time.strftime('%Y-%m-%d')}; "
                       "recipes/cpu-tiny.yaml, 2BW on 2 stages, 2 processes x 1 thread, 4 microbatches of 8 x 128 tokens "
                       "per step; each run's own profile, one run per arm)\n\n" + table)
 

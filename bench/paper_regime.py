@@ -1,7 +1,7 @@
 """Delay tolerance in the paper's regime (arXiv 2606.30634: 20 tokens per parameter, thousands of steps), reported
-as the paper's ratios instead of nats. ``bench/quality.py`` stays the short-run (300-step) table.
+as the paper's ratios instead of nats. ``bench.quality`` stays the short-run (300-step) table.
 
-    python bench/paper_regime.py [--out DIR] [--parallel 2] [--phases tune,main,ladder,beta1,lambda,syncstart] [--write]
+    python -m bench.paper_regime [--out DIR] [--parallel 2] [--phases tune,main,ladder,beta1,lambda,syncstart] [--write]
 
 The protocol (``PROTOCOL``; every knob next to the paper's in the report's regime table):
 
@@ -41,10 +41,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
+from .quality import launch, read_run
 
-from bench.quality import launch, read_run  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": True}
@@ -116,7 +115,7 @@ class Bench:
         self.lrs: dict[str, float] = json.loads(lrs.read_text()) if lrs.exists() else {}
 
     def _corpus(self) -> tuple[list[str], list[str]]:
-        from hf_asyncpp.corpus import prepare_default_corpus
+        from hf_asyncpp.data.corpus import prepare_default_corpus
 
         return prepare_default_corpus(self.out / "corpus", eval_every=10)
 
@@ -159,9 +158,9 @@ class Bench:
         return json.loads(kept.read_text())  # the same types (lists, not tuples) whether just run or kept
 
     def measure(self, results: dict) -> None:
-        """Once per finished sync run at T/4 and T (seed 0): its gradient noise scale (bench/noise_scale.py); and the
+        """Once per finished sync run at T/4 and T (seed 0): its gradient noise scale (``bench.noise_scale``); and the
         training text's token count (for the epochs)."""
-        from bench.noise_scale import measure
+        from .noise_scale import measure
 
         path = self.results / "noise_scale.json"
         known = json.loads(path.read_text()) if path.exists() else {}
@@ -648,12 +647,12 @@ def main() -> None:
         text += f"\n\nNot run yet ({len(missing)} of {len(unique)}): " + "; ".join(missing) + "."
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import DOCS, write_section
 
-        (ROOT / "docs" / "paper_regime.png").write_bytes(png.read_bytes())
+        (DOCS / "paper_regime.png").write_bytes(png.read_bytes())
         shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")
-        write_section("paper_regime", "## Delay tolerance in the paper's regime (20 tokens per parameter, "
-                      f"{b.T:,} steps)\n\nCommand: `python bench/paper_regime.py {shown}` ({time.strftime('%Y-%m-%d')}; "
+        write_section("paper-regime", "## Delay tolerance in the paper's regime (20 tokens per parameter, "
+                      f"{b.T:,} steps)\n\nCommand: `python -m bench.paper_regime {shown}` ({time.strftime('%Y-%m-%d')}; "
                       "single-process exact delay references, 1 thread each, two at a time)\n\n" + text
                       + "\n\n![eval loss and learned lambda](paper_regime.png)")
 

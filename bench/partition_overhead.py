@@ -8,14 +8,12 @@ same input), in two measures:
   +-5% over a minute here, cancels), with the interquartile range of those ratios; in wall time and in the process's
   CPU time (one thread: the CPU time leaves out what the VM's other tenants take).
 
-    python bench/partition_overhead.py [--repeats 30] [--write]
+    python -m bench.partition_overhead [--repeats 30] [--write]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -23,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 CONFIGS = {
     "llama h256 x 8 (tied)": ("llama", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
@@ -173,11 +170,11 @@ def main():
     print(summary)
     print("\n".join(sent))
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("partition", f"""## Partition overhead (single process, 1 thread)
 
-Command: `python bench/partition_overhead.py --repeats {args.repeats} --write` ({time.strftime('%Y-%m-%d')}; batch 4 x 128
+Command: `python -m bench.partition_overhead --repeats {args.repeats} --write` ({time.strftime('%Y-%m-%d')}; batch 4 x 128
 tokens). Target: the chained stages' forward + backward within 3% of the plain model's.
 
 **Work** (exact counts of one forward + backward, the chained stages against the plain model): the matmul FLOPs,

@@ -4,8 +4,8 @@ at 4 and 8 stages (tied model, the tied head at lag 0 as in the executor), and N
 delayed. All arms are single-process exact delay references (``optimizer.simulate_delay``, equal step for step to
 the pipeline executor, tests/test_runtime.py) with the same model, data order and hyperparameters per optimizer.
 
-    python bench/quality.py [--steps 300] [--seeds 0,1,2] [--parallel 2] [--out DIR] [--write]
-    python bench/quality.py --long [--steps 1000] [--seeds 0] [--parallel 2] [--out DIR] [--write]
+    python -m bench.quality [--steps 300] [--seeds 0,1,2] [--parallel 2] [--out DIR] [--write]
+    python -m bench.quality --long [--steps 1000] [--seeds 0] [--parallel 2] [--out DIR] [--write]
 
 Each arm is a real run of scripts/pretrain.py (1 thread); ``--parallel`` arms run at once (losses do not depend on
 machine load). The learning rate of each optimizer is its sync arm's (``--adamw-lr``, ``--muon-lr``, ``--nadam-lr``;
@@ -13,8 +13,8 @@ machine load). The learning rate of each optimizer is its sync arm's (``--adamw-
 (its directory holds final_eval.json) is reused; an arm killed midway (a session's end) resumes from its last
 checkpoint, one per evaluation, exactly. ``--report-only`` runs nothing and reports the finished arms, naming the
 missing ones. ``--long``: the six AdamW/Muon sync / delay-1 / delay-1 + EF arms
-only, in ``OUT/long<steps>``, reported in the ``quality_long`` section. Writes a loss-curve PNG and (``--write``)
-the ``quality`` (or ``quality_long``) section of docs/benchmarks.md.
+only, in ``OUT/long<steps>``, reported in the ``quality-long`` section. Writes a loss-curve PNG and (``--write``)
+the ``quality`` (or ``quality-long``) section of docs/benchmarks/quality.md, its PNG beside it.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 MODEL = ("--model.config={model_type: llama, hidden_size: 128, intermediate_size: 384, num_hidden_layers: 8, "
          "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}")
 # a delayed arm's directory carries the reference's version: runs of the old simulate_delay '1' (one update behind)
@@ -166,7 +165,7 @@ def main():
         text += f"\n\nNot run yet ({len(missing)} of {len(jobs)}): " + "; ".join(missing) + "."
     print(text)
     if args.write:
-        write_section(text, "quality_long" if args.long else "quality", args)
+        write_section(text, "quality-long" if args.long else "quality", args)
 
 
 # ---------------------------------------------------------------------------- report
@@ -310,7 +309,9 @@ def report(results, lrs, args, out_root: Path) -> str:
     png = "quality_long_curves.png" if args.long else "quality_curves.png"
     _plot(results, out_root / png)
     if args.write:  # the docs' picture changes only with the docs' table
-        (ROOT / "docs" / png).write_bytes((out_root / png).read_bytes())
+        from .report import DOCS
+
+        (DOCS / png).write_bytes((out_root / png).read_bytes())
     lines.append(f"\n![eval loss curves]({png})")
     return "\n".join(lines)
 
@@ -419,14 +420,14 @@ def _plot(results, path: Path) -> None:
 
 
 def write_section(table: str, key: str, args) -> None:
-    from bench.report import write_section as write
+    from .report import write_section as write
 
-    title = ("## Delay tolerance at 1000 steps (one seed; short-run regime, 1.95 tokens per parameter)" if key == "quality_long"
+    title = ("## Delay tolerance at 1000 steps (one seed; short-run regime, 1.95 tokens per parameter)" if key == "quality-long"
              else "## Delay tolerance in the short-run regime (300 steps, 0.59 tokens per parameter): the paper's table "
                   "at our scale\n\nThe short-run regime: almost all transient, where a delay costs most. The paper's "
-                  "regime (20 tokens per parameter, 5,131 steps) is `bench/paper_regime.py`'s section below.")
+                  "regime (20 tokens per parameter, 5,131 steps) is `bench.paper_regime`'s section below.")
     shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")  # the command that runs the arms (reused)
-    write(key, f"{title}\n\nCommand: `python bench/quality.py {shown}` ({time.strftime('%Y-%m-%d')}; "
+    write(key, f"{title}\n\nCommand: `python -m bench.quality {shown}` ({time.strftime('%Y-%m-%d')}; "
                f"Llama h128 x 8 layers, 2.6M parameters, tied embeddings, default corpus, single-process exact delay "
                f"references)\n\n{table}")
 

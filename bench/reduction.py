@@ -1,8 +1,8 @@
 """What the gradient reduction costs a pipeline, measured on CPU and fed to the simulator at p = 4 and 8.
 
-    python bench/reduction.py [--repeats 5] [--write]
+    python -m bench.reduction [--repeats 5] [--write]
 
-Measured here, on the model of bench/vs_torch_pipelining.py (Llama h256 x 8 layers, vocabulary 4,096, untied,
+Measured here, on issue 14's model (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied,
 microbatches of 4 x 128 tokens), one thread per process:
 
 - the whole model's forward and backward per microbatch and AdamW's step (one process), cut into p equal stages;
@@ -14,33 +14,27 @@ Then the simulator's steady-state step time of 2BW and 1F1B at m = 8 and 16 with
 measured reduction off the compute stream (``REDUCE`` posts it, only ``STEP`` waits: the reducer's design), (c) the
 same reduction on the compute stream (``reduce_on_compute_stream``: a stage computes nothing until its reduction is
 done, which is what the former reduction thread's synchronous NCCL collectives did to the compute stream). Target
-(the NCCL issue): 2BW / 1F1B with (b) within 5% of (a) at p = 4, m = 8.
+(the NCCL issue): 2BW / 1F1B with (b) within 5% of (a) at p = 4, m = 8. ``--write`` replaces the ``reduction``
+section of docs/benchmarks/parts.md.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
+from hf_asyncpp.pipeline.planner import steady_step_time
+from hf_asyncpp.pipeline.reducer import Reducer
+from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
+from hf_asyncpp.schedules.simulator import Costs
+from hf_asyncpp.testing import run_workers
+from hf_asyncpp.topology import Topology, make_groups
 
-from bench.vs_torch_pipelining import MODEL  # noqa: E402 (after the path set-up)
-from bench.throughput import MBS, SEQ  # noqa: E402
-from hf_asyncpp.pipeline.planner import steady_step_time  # noqa: E402
-from hf_asyncpp.pipeline.reducer import Reducer  # noqa: E402
-from hf_asyncpp.pipeline.schedules import ONE_F_ONE_B, TWO_BW  # noqa: E402
-from hf_asyncpp.pipeline.simulator import Costs  # noqa: E402
-from hf_asyncpp.topology import Topology, make_groups  # noqa: E402
+from .throughput import H256 as MODEL, MBS, SEQ
 
 PS, MS = (4, 8), (8, 16)
 
@@ -75,10 +69,8 @@ def compute_costs(repeats: int) -> dict[str, float]:
     return {"F": statistics.median(f), "B": statistics.median(b), "STEP": statistics.median(s), "params": params}
 
 
-def _worker(rank: int, world: int, port: int, params: int, repeats: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, params: int, repeats: int) -> dict:
+    """Median seconds of the reducer, submit to result, per (kind, p): run on 2 gloo processes."""
     res = {}
     # (stages, replicas): 1 x 2 is one stage's data-parallel reduction; 2 x 1 is the global norm over a pipeline
     for name, stages in (("dp", 1), ("norm", 2)):
@@ -99,9 +91,7 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, out: st
                     times.append(time.perf_counter() - t0)
             res[(name, p)] = statistics.median(times)
         groups.destroy()
-    if rank == 0:
-        torch.save(res, out)
-    dist.destroy_process_group()
+    return res
 
 
 def _shapes(n: int) -> list[tuple[int, ...]]:
@@ -114,12 +104,7 @@ def _shapes(n: int) -> list[tuple[int, ...]]:
 
 
 def reduction_costs(params: int, repeats: int) -> dict:
-    from bench.throughput import _free_port
-
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "res.pt")
-        mp.start_processes(_worker, args=(2, _free_port(), params, repeats, out), nprocs=2, start_method="spawn")
-        return torch.load(out)
+    return run_workers(_worker, 2, params, repeats)[0]  # rank 0's clock
 
 
 def simulate_table(cost: dict, red: dict) -> tuple[str, dict]:
@@ -166,10 +151,10 @@ def main():
     ])
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("reduction", "## The gradient reduction off the compute stream\n\n"
-                      f"Command: `python bench/reduction.py --repeats {args.repeats} --write` "
+                      f"Command: `python -m bench.reduction --repeats {args.repeats} --write` "
                       f"({time.strftime('%Y-%m-%d')}; CPU, gloo, 1 thread per process)\n\n{text}")
 
 

@@ -3,7 +3,7 @@ steps under the streaming executor, with each rank's resident memory sampled whi
 read from metrics.jsonl; per 100 steps: median step time and RSS. Flat means no growth from weight versions,
 pending sends, step reports or metrics.
 
-    python bench/soak.py [--steps 2000] [--write] [-- extra recipe overrides]
+    python -m bench.soak [--steps 2000] [--write] [-- extra recipe overrides]
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -112,13 +111,13 @@ def main():
                f"(max - min over min of the per-{args.every} medians), RSS within {100 * spread([s[1] for s in steady]):.1f}% "
                f"(rank 0) and {100 * spread([s[2] for s in steady]):.1f}% (rank 1).")
     body = ("## Soak: 2BW for a long run\n\n"
-            f"Command: `python bench/soak.py --steps {args.steps} --write {' '.join(args.overrides)}`".rstrip() +
+            f"Command: `python -m bench.soak --steps {args.steps} --write {' '.join(args.overrides)}`".rstrip() +
             f" ({time.strftime('%Y-%m-%d')}; the default recipe, evaluation and checkpoint every 100 steps as it sets; "
             "RSS sampled every 2 s, the maximum per window; step time = the time between two steps' results)\n\n"
             + "\n".join(table) + "\n\n" + verdict)
     print(body)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("soak", body)
 

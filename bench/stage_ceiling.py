@@ -3,9 +3,9 @@ the three measured in the same two processes, window after window, so that the m
 on all three alike (between consecutive runs they moved an arm by up to 27%; a window of a few seconds still
 moves by up to 20% here, hence a dozen rounds and medians).
 
-    python bench/stage_ceiling.py [--rounds 12] [--write]
+    python -m bench.stage_ceiling [--rounds 12] [--write]
 
-Shapes of bench/vs_torch_pipelining.py (Llama h256 x 8 layers, vocabulary 4,096, untied, AdamW's fused kernel,
+Issue 14's shapes (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied, AdamW's fused kernel,
 4 microbatches of 4 x 128 tokens, split 5/3, 2 processes x 1 thread, gloo, random ids). Each round runs, in an
 order rotated every round:
 
@@ -17,28 +17,24 @@ order rotated every round:
   balance and two busy cores, measured, the pipeline left out. A schedule can beat it only by a little: under 2BW
   the lighter stage waits part of each step, which leaves the busier one a less loaded machine.
 - ``single``: process 0 computes the whole model, one thread, while process 1 waits (as ``in-process single`` of
-  ``bench/cli_throughput.py``); twice its rate is the no-bubble limit.
+  ``bench.cli_throughput``); twice its rate is the no-bubble limit.
 
-Prints each round's three ratios and their medians; ``--write`` replaces its section of docs/benchmarks.md.
+Prints each round's three ratios and their medians; ``--write`` replaces its section (``stage-ceiling``) of
+docs/benchmarks/speed.md. ``bench.cli_throughput`` has the arm ``stages alone`` too, but runs each arm in processes
+of its own, one after another; here the three share two processes and alternate window by window, which is what
+makes their ratios comparable on a machine whose speed wanders.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
-os.environ["HF_ASYNCPP_BENCH_FUSED"] = "1"  # before bench.throughput reads it; the spawned workers inherit it
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
+from . import throughput as tp
 
-from bench.vs_torch_pipelining import SPLIT  # noqa: E402 (sets the workers' model before bench.throughput)
-from bench import throughput as tp  # noqa: E402
-
+SPLIT = tp.H256_SPLIT
 M = 4
 TOKENS = M * tp.MBS * tp.SEQ  # per step
 
@@ -101,6 +97,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="steps per window (the single arm runs half as many)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
+    tp.use_model(tp.H256)  # the workers' model and AdamW's fused kernel, read back by the spawned processes
+    tp.use_fused()
     res = tp.spawn(_worker, 2, args.rounds, args.steps)
     two = res[0]["2bw"]  # every stage yields each step's result at the same point: rank 0's clock
     alone = [min(a, b) for a, b in zip(res[0]["stages alone"], res[1]["stages alone"])]
@@ -120,10 +118,10 @@ def main():
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("stage-ceiling", "## 2BW against its stages computing alone, interleaved\n\n"
-                      f"Command: `python bench/stage_ceiling.py --rounds {args.rounds} --steps {args.steps} --write` "
+                      f"Command: `python -m bench.stage_ceiling --rounds {args.rounds} --steps {args.steps} --write` "
                       f"({time.strftime('%Y-%m-%d')}; Llama h256 x 8 layers, vocab 4096 untied, AdamW (fused), {M} "
                       f"microbatches of {tp.MBS} x {tp.SEQ} tokens, split {SPLIT[0]}/{SPLIT[1]}, 2 processes x 1 thread, "
                       "gloo, random ids; the three arms in the same two processes, one window each per round, the "

@@ -10,30 +10,27 @@ files read whole and held together, then the same restore. A resume's peak inclu
 the load (Adam's two moments, the EF buffers and 2BW's older version: about 4x its tensors). Bytes are counted at
 the checkpoint read edge (``checkpoint.bytes_read``).
 
-    python bench/stage_local.py [--hidden 512] [--layers 8] [--vocab 32000] [--write]
+    python -m bench.stage_local [--hidden 512] [--layers 8] [--vocab 32000] [--write]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import multiprocessing as mp
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-
-from hf_asyncpp import checkpoint as ckpt  # noqa: E402
-from hf_asyncpp.optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names, install_error_feedback  # noqa: E402
-from hf_asyncpp.config import ModelConfig  # noqa: E402
-from hf_asyncpp.modeling import load_stage_pretrained, materialise_stage, meta_model  # noqa: E402
-from hf_asyncpp.partition import partition_model  # noqa: E402
-from hf_asyncpp.pipeline import stage_state  # noqa: E402
-from hf_asyncpp.pipeline.versions import Versions  # noqa: E402
+from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names, install_error_feedback
+from hf_asyncpp.config.recipe import ModelConfig
+from hf_asyncpp.model.build import load_stage_pretrained, materialise_stage, meta_model
+from hf_asyncpp.partition import partition_model
+from hf_asyncpp.pipeline import stage_state
+from hf_asyncpp.pipeline.versions import Versions
+from hf_asyncpp.storage.names import optimizer_of, stage_weight_files, versions_of
 
 P = 4
 MB = 1 << 20
@@ -93,11 +90,11 @@ def load_every_file(path: Path, stage, optimizer, scheduler, versions) -> None:
     """``stage_state.load_stage`` as it was before it read by name: every stage's weights, versions and optimizer
     file read whole and held together, then this stage's part taken (the same restore as today's)."""
     weights, older, by_name, ef_by_name = {}, {}, {}, {}
-    for f in ckpt.stage_weight_files(path):
+    for f in stage_weight_files(path):
         weights.update(ckpt.load_tensors(f))
-        if ckpt.versions_of(f).exists():
-            older.update(ckpt.load_tensors(ckpt.versions_of(f)))
-        meta = ckpt.load_state(ckpt.optimizer_of(f))
+        if versions_of(f).exists():
+            older.update(ckpt.load_tensors(versions_of(f)))
+        meta = ckpt.load_state(optimizer_of(f))
         osd, names = meta["optimizer"], meta["param_names"]
         by_name.update({n: osd["state"][i] for i, n in enumerate(names) if i in osd["state"]})
         ef_by_name.update(ef_state_by_name(osd, names))
@@ -194,10 +191,10 @@ def main():
     print(f"checkpoint sizes: 4 stages {size4 / MB:.0f} MB, 2 stages {size2 / MB:.0f} MB, pretrained folder "
           f"{size_pre / MB:.0f} MB; model {n / 1e6:.1f}M parameters")
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
         write_section("stage-local", f"""## Stage-local start and resume: what each rank reads and holds (p = 4, CPU)
 
-Command: `python bench/stage_local.py --hidden {args.hidden} --layers {args.layers} --vocab {args.vocab} --write`
+Command: `python -m bench.stage_local --hidden {args.hidden} --layers {args.layers} --vocab {args.vocab} --write`
 ({time.strftime('%Y-%m-%d')}). Llama, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, untied:
 {n / 1e6:.1f}M parameters ({4 * n / MB:.0f} MB fp32). Each rank runs in its own process, one at a time. The
 checkpoints hold one step of AdamW + Error Feedback and 2BW's older weight version: {size4 / MB:.0f} MB for 4 stages,
@@ -209,7 +206,7 @@ as `load_stage` did before it read by name. **Start, whole-model build**: what e
 before, and still does where a stage cannot be built alone (the seeded fp32 model, then its stage): each peaks at
 about the whole model whatever its stage. **Start, random init, stage-local**: what the trainer does now
 (`meta_model`, partition, `materialise_stage`: only the stage's tensors drawn, the whole model's values;
-`seeded_init.py`). **Start,
+`model/seeded_init.py`). **Start,
 pretrained, stage-local**: `meta_model` + partition + `load_stage_pretrained` from a `save_pretrained` folder of the
 same model ({size_pre / MB:.0f} MB, which a full `from_pretrained` reads whole on every rank): only the stage's tensors.
 

@@ -3,7 +3,7 @@
 interleaved rounds, best per arm; and the simulator's figure at p = m = 2, 4, 8 for the drain points a run still
 has (evaluations/checkpoints every 100 steps) against the old behaviour (a drain every ``logging_steps``).
 
-    python bench/streaming.py [--steps 40] [--rounds 2] [--write]
+    python -m bench.streaming [--steps 40] [--rounds 2] [--write]
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
 
 
 def trainer_run(logging_steps: int, steps: int, out: Path) -> float:
@@ -36,7 +35,7 @@ def trainer_run(logging_steps: int, steps: int, out: Path) -> float:
 
 def simulated(p: int, m: int, ends: list[int]) -> float:
     """Steps per unit time of 2BW (F = 1, B = 2) drained after each step in ``ends`` (the last one ends the run)."""
-    from hf_asyncpp.pipeline import TWO_BW, Costs, simulate
+    from hf_asyncpp.schedules import TWO_BW, Costs, simulate
 
     t, start = 0.0, 0
     for end in ends:
@@ -47,8 +46,8 @@ def simulated(p: int, m: int, ends: list[int]) -> float:
 
 def trainer_drains(logging_steps: int, total: int = 200) -> list[int]:
     """Where the trainer drains a run of the default recipe (eval and save every 100 steps)."""
-    from hf_asyncpp.config import load_recipe
-    from hf_asyncpp.trainer import drain_points
+    from hf_asyncpp.config.recipe import load_recipe
+    from hf_asyncpp.run.trainer import drain_points
 
     recipe = load_recipe(ROOT / "recipes/cpu-tiny.yaml", [f"--training.max_steps={total}",
                                                         f"--training.logging_steps={logging_steps}"])
@@ -80,7 +79,7 @@ def main():
         old10, old1 = simulated(p, p, list(range(10, 201, 10))), simulated(p, p, list(range(1, 201)))
         sim.append(f"| {p} | {now1 / now1000:.3f} | {now1000 / stream:.3f} | {old10 / stream:.3f} | {old1 / stream:.3f} |")
     body = ("## Streaming: logging never drains the pipeline\n\n"
-            f"Command: `python bench/streaming.py --steps {args.steps} --rounds {args.rounds} --write` "
+            f"Command: `python -m bench.streaming --steps {args.steps} --rounds {args.rounds} --write` "
             f"({time.strftime('%Y-%m-%d')}; the arms interleaved in one run, eval and checkpoints off, the rate since "
             "training started as recorded in the last step's `tokens_per_s`)\n\n" + "\n".join(rows) +
             "\n\nThe trainer cuts the stream only at evaluations, checkpoints and the end, so `logging_steps` changes "
@@ -91,7 +90,7 @@ def main():
             "stream):\n\n" + "\n".join(sim))
     print(body)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
         write_section("streaming", body)
 

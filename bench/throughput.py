@@ -2,49 +2,80 @@
 and against one process with no pipeline. Every row: the same model, microbatch size and microbatches
 per step; 2 processes with 1 thread each (the no-bubble limit is 2x the one-process, one-thread rate).
 
-    python bench/throughput.py [--steps 6] [--microbatches 4] [--repeats 3] [--extra-warmup 1] [--write]
+    python -m bench.throughput [--steps 6] [--microbatches 4] [--repeats 3] [--extra-warmup 1] [--write]
+    python -m bench.throughput --model h256 --layers-per-stage 5,3 [--extra-warmup 0] [--write]
 
-Prints a table with ratios; ``--write`` replaces the throughput section of docs/benchmarks.md and
-writes the timelines that the simulator predicts from the measured per-action times to
-docs/schedules/measured-*.png (next to its predicted tokens/s, a check of the simulator against reality).
+``--model h128`` (the default; issue 5's targets): Llama h128, tied, 8 layers (``--layers``). ``--model h256``
+(issue 14's targets: 2bw / torch Schedule1F1B >= 1.2 at m = 4 and >= 1.4 at m = p = 2, 2bw / limit >= 0.9): Llama
+h256 x 8 layers, vocabulary 4,096, untied, the shapes of ``bench.cli_throughput``, ``bench.stage_ceiling`` and
+``bench.reduction``; with ``--layers-per-stage 5,3`` it has every arm of the retired
+``bench/vs_torch_pipelining.py``.
+
+Prints a table with ratios; ``--write`` replaces the ``throughput-<layers>`` (or ``throughput-h256-<layers>``)
+section of docs/benchmarks/speed.md and writes the timelines that the simulator predicts from the measured
+per-action times to docs/schedules/measured-*.png (next to its predicted tokens/s, a check of the simulator
+against reality).
+
+This module is also the harness of the other CPU speed benchmarks: the workers (``_ours``, ``_torch_pipelining``,
+``_stages_alone``), ``single_process``, ``spawn``, and the model every arm uses (``use_model``, ``use_fused``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
-import sys
-import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[0] = ROOT
+from hf_asyncpp.pipeline.profile import stage_shares
+from hf_asyncpp.testing import run_workers
 
-from hf_asyncpp.pipeline.profile import stage_shares  # noqa: E402 (after the path set-up)
+ROOT = Path(__file__).resolve().parent.parent
 
-MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
-         "tie_word_embeddings": True}
-MODEL["num_hidden_layers"] = int(os.environ.get("HF_ASYNCPP_BENCH_LAYERS", MODEL["num_hidden_layers"]))
-# another model for every process of a benchmark that reuses these workers (bench/vs_torch_pipelining.py): the
-# spawned workers re-import this module and read it from the environment
-MODEL.update(json.loads(os.environ.get("HF_ASYNCPP_BENCH_MODEL", "{}")))
+H128 = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
+        "tie_word_embeddings": True}
+"""The default model of this benchmark (issue 5)."""
+H256 = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
+        "tie_word_embeddings": False}
+"""The model of issue 14 (bench.cli_throughput, bench.stage_ceiling, bench.reduction), split ``H256_SPLIT``."""
+H256_SPLIT = [5, 3]
+MODELS = {"h128": H128, "h256": H256}
 SEQ, MBS = 128, 4
-# AdamW's kernel on every arm (ours and torch's alike): torch's per-tensor loop, or its fused kernel
-# (HF_ASYNCPP_BENCH_FUSED=1, bench/cli_throughput.py --fused; read from the environment by spawned workers too)
-FUSED = os.environ.get("HF_ASYNCPP_BENCH_FUSED") == "1"
+
+_MODEL_ENV, _FUSED_ENV = "HF_ASYNCPP_BENCH_MODEL", "HF_ASYNCPP_BENCH_FUSED"
+# The model and AdamW's kernel of every arm. A benchmark picks them with use_model / use_fused before it spawns
+# workers; a spawned worker imports this module afresh and reads them back from the environment it inherited.
+MODEL = dict(H128)
+MODEL.update(json.loads(os.environ.get(_MODEL_ENV, "{}")))
+FUSED = os.environ.get(_FUSED_ENV) == "1"
+"""AdamW's kernel on every arm (ours and torch's alike): torch's per-tensor loop, or its fused kernel."""
+
+
+def use_model(model: dict) -> None:
+    """Every arm's model from now on, in this process and in the workers it spawns after this call."""
+    MODEL.clear()
+    MODEL.update(model)
+    os.environ[_MODEL_ENV] = json.dumps(MODEL)
+
+
+def use_fused(on: bool = True) -> None:
+    """AdamW's fused kernel (``optimizer.fused``, ``torch.optim.AdamW(fused=True)``) on every arm from now on, in
+    this process and in the workers it spawns after this call."""
+    global FUSED
+    FUSED = on
+    os.environ[_FUSED_ENV] = "1" if on else "0"
 
 
 LAYERS_PER_STAGE = None  # set by --layers-per-stage; None: the partitioner's cost model
 
 
 def recipe(schedule: str, stages: int, m: int, extra_warmup: int = 0):
-    from hf_asyncpp.config import recipe_from_dict
+    from hf_asyncpp.config.recipe import recipe_from_dict
 
     return recipe_from_dict({
         "model": {"config": dict(MODEL)}, "data": {"seq_len": SEQ},
@@ -62,7 +93,7 @@ def batches(n: int, m: int):
 
 
 def build(r):
-    from hf_asyncpp.modeling import build_model
+    from hf_asyncpp.model.build import build_model
 
     torch.manual_seed(0)
     return build_model(r.model)
@@ -206,39 +237,29 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    res = fn(rank, world, *args)
-    torch.save(res, os.path.join(out, f"{rank}.pt"))
-    dist.destroy_process_group()
-
-
 def spawn(fn, world, *args) -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d), nprocs=world, start_method="spawn")
-        return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
+    """``fn(rank, world, *args)`` on ``world`` gloo processes, one thread each; every rank's result."""
+    return run_workers(fn, world, *args)
+
+
+TARGETS = {"h128": {"limit": 0.85, "torch_m": None, "torch_mp": 1.15},  # issue 5
+           "h256": {"limit": 0.9, "torch_m": 1.2, "torch_mp": 1.4}}  # issue 14
+"""Per model: 2bw / no-bubble limit, 2bw / torch Schedule1F1B at m (where m != p) and at m = p."""
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="h128", help="h128 (issue 5) or h256 (issue 14)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each row reports its best")
     ap.add_argument("--layers-per-stage", default=None, help="e.g. 6,2 (default: the partitioner's cost model)")
     ap.add_argument("--extra-warmup", type=int, default=1, help="also measure 2bw with this pipeline.extra_warmup (0: skip)")
-    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"], help="decoder layers of the model")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the model (default: 8)")
     args = ap.parse_args()
-    MODEL["num_hidden_layers"] = args.layers  # spawned workers read it from the environment below
-    os.environ["HF_ASYNCPP_BENCH_LAYERS"] = str(args.layers)
+    base = MODELS[args.model]
+    use_model(dict(base, num_hidden_layers=args.layers or base["num_hidden_layers"]))
     split = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else None
     p, m, n = 2, args.microbatches, args.steps
     # Every row is measured once per round and rounds are interleaved, so slow phases of this shared machine hit
@@ -287,12 +308,16 @@ def main():
     _, plan, _ = plan_memory(recipe("2bw", p, m))
     limit = 2 * single
     t1 = best[("ours", "1f1b", m)]["tps"]
+    goal = TARGETS[args.model]
     targets = []
     for key, label in ((("ours", "2bw", m), "2bw"), (("ours", "2bw+", m), f"2bw with extra_warmup {extra}")):
         if key in best:
             t2 = best[key]["tps"]
-            targets += [f"- {label} / limit = {t2 / limit:.2f} (target >= 0.85); / our 1f1b = {t2 / t1:.2f} "
+            targets += [f"- {label} / limit = {t2 / limit:.2f} (target >= {goal['limit']}); / our 1f1b = {t2 / t1:.2f} "
                         f"(target >= 0.95 x (m+p-1)/m = {0.95 * (m + p - 1) / m:.2f})"]
+    if goal["torch_m"] and m != p:
+        targets.append(f"- 2bw / torch Schedule1F1B at m = {m}: {best[('ours', '2bw', m)]['tps'] / torch_rows[('1f1b', m)]:.2f} "
+                       f"(target >= {goal['torch_m']})")
     lines = [
         f"| run | microbatches | tokens/s (best of {args.repeats}) | range over rounds | / no-bubble limit |",
         "|---|---|---|---|---|",
@@ -300,10 +325,11 @@ def main():
         "",
         f"- no-bubble limit = 2 x one-process tokens/s = {limit:,.0f} tokens/s",
         *targets,
-        f"- 2bw / torch Schedule1F1B at m = p = {p}: {ours_mp / torch_rows[('1f1b', p)]:.2f} (target >= 1.15)",
+        f"- 2bw / torch Schedule1F1B at m = p = {p}: {ours_mp / torch_rows[('1f1b', p)]:.2f} (target >= {goal['torch_mp']})",
+        f"- our 1f1b / torch Schedule1F1B at m = {m}: {t1 / torch_rows[('1f1b', m)]:.2f} (the executors at the same bubble)",
         "",
         "Per-stage memory of 2bw: measured (the executor's weight versions, gradients, optimizer state, EF buffer and "
-        "saved activations at their peak) against the planner's formula (`hf_asyncpp/planner.py`):",
+        "saved activations at their peak) against the planner's formula (`hf_asyncpp/pipeline/planner.py`):",
         "",
         "| stage | weight versions | in-flight microbatches | measured MB | planned MB | planned / measured | process RSS MB |",
         "|---|---|---|---|---|---|---|",
@@ -318,19 +344,19 @@ def main():
             busy, wait = (share * sum(sec.values()) for share in stage_shares(sec))
             lines.append(f"- {sched} stage {s}: compute {busy:.2f}s (F {sec.get('F', 0):.2f}, B {sec.get('B', 0):.2f}, "
                          f"step {sec.get('STEP', 0):.2f}), waiting on receives {wait:.2f}s, of {r['wall']:.2f}s wall")
-    lines += ["", *_simulated(ours, n, m, p, extra, args.write)]
+    lines += ["", *_simulated(ours, n, m, p, extra, args.write, args.model)]
     table = "\n".join(lines)
     print(table)
     if args.write:
         _write(table, n, m, args)
 
 
-def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool) -> list[str]:
+def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool, model: str = "h128") -> list[str]:
     """The simulator fed with each run's measured mean F/B times per stage (STEP from 2bw, whose steps never wait
     for a reduction): its predicted tokens/s next to the measured one, and the timelines as PNGs."""
-    from hf_asyncpp.pipeline.schedules import schedule_actions
-    from hf_asyncpp.pipeline.simulator import Costs, simulate
-    from hf_asyncpp.pipeline.timeline import plot_timeline
+    from hf_asyncpp.schedules.records import schedule_actions
+    from hf_asyncpp.schedules.simulator import Costs, simulate
+    from hf_asyncpp.schedules.timeline import plot_timeline
 
     step_cost = Costs.from_measured([r["seconds"] for r in ours["2bw"]], [r["counts"] for r in ours["2bw"]]).step
     out = ["Simulated from the measured per-stage forward/backward means (the simulator's prediction of the same run):",
@@ -341,24 +367,31 @@ def _simulated(ours: dict, n: int, m: int, p: int, extra: int, draw: bool) -> li
         costs = Costs(forward=c.forward, backward=c.backward, step=step_cost)
         sim = simulate(schedule_actions(sched, p, m, n, first_step=2, extra_warmup=ew), costs, sched)
         tps = n * m * MBS * SEQ / sim.makespan
-        name = f"measured-{MODEL['num_hidden_layers']}layers-{sched}{'-extra' + str(ew) if ew else ''}"
+        name = (f"measured-{'' if model == 'h128' else model + '-'}{MODEL['num_hidden_layers']}layers-{sched}"
+                f"{'-extra' + str(ew) if ew else ''}")
         if draw:
             short = simulate(schedule_actions(sched, p, m, 3, first_step=2, extra_warmup=ew), costs, sched)
-            plot_timeline(short, os.path.join(ROOT, "docs", "schedules", f"{name}.png"),
+            plot_timeline(short, str(ROOT / "docs" / "schedules" / f"{name}.png"),
                           f"{sched}{f' extra_warmup {ew}' if ew else ''}: p={p}, m={m}, measured costs (3 steps)")
         out.append(f"| {sched}{f' extra_warmup {ew}' if ew else ''} | {res[0]['tokens_per_s']:,.0f} | {tps:,.0f} | "
-                   f"{sim.bubble:.2f} | ![{name}](schedules/{name}.png) |")
+                   f"{sim.bubble:.2f} | ![{name}](../schedules/{name}.png) |")
     return out
 
 
 def _write(table: str, n: int, m: int, args) -> None:
-    from bench.report import write_section
+    from .report import write_section
 
     layers = MODEL["num_hidden_layers"]
-    write_section(f"throughput-{layers}", f"## Pipeline throughput (2 processes x 1 thread, CPU, {layers} layers)\n\n"
-                  f"Command: `python bench/throughput.py --steps {n} --microbatches {m} --layers {layers} --repeats {args.repeats}"
+    h256 = args.model == "h256"
+    key = f"throughput-{'h256-' if h256 else ''}{layers}"
+    shape = (f"Llama h256 x {layers} layers, vocab 4096 untied" if h256 else f"Llama h128 x {layers} layers, vocab 4096")
+    split = f" --layers-per-stage {args.layers_per_stage}" if args.layers_per_stage else ""
+    write_section(key, f"## Pipeline throughput (2 processes x 1 thread, CPU, {'h256, ' if h256 else ''}{layers} layers)\n\n"
+                  f"Command: `python -m bench.throughput{' --model h256' if h256 else ''} --steps {n} --microbatches {m} "
+                  f"--layers {layers}{split} --repeats {args.repeats}"
                   f"{' --extra-warmup ' + str(args.extra_warmup) if args.extra_warmup != 1 else ''} --write` "
-                  f"(Llama h128 x {MODEL['num_hidden_layers']} layers, vocab 4096, seq {SEQ}, microbatch {MBS}, AdamW; {time.strftime('%Y-%m-%d')})\n\n{table}")
+                  f"({shape}, seq {SEQ}, microbatch {MBS}, AdamW{' (fused)' if FUSED else ''}; "
+                  f"{time.strftime('%Y-%m-%d')})\n\n{table}")
 
 
 if __name__ == "__main__":

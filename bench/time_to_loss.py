@@ -1,7 +1,7 @@
 """Time to loss on the default recipe: synchronous 1F1B + Muon against 2BW + Muon + EF (``hf-asyncpp compare``),
 both on 2 processes, same recipe, seed and data, the issue-14 setting of 2 microbatches of 16 sequences per step.
 
-    python bench/time_to_loss.py [--steps 300] [--budgets 1.0,1.1,1.2] [--rounds 1] [--write]
+    python -m bench.time_to_loss [--steps 300] [--budgets 1.0,1.1,1.2] [--rounds 1] [--write]
 
 The synchronous arm trains ``--steps``; 2BW trains each budget in ``--budgets`` (a multiple of ``--steps``, its
 learning-rate schedule over its own steps: given the same steps 2BW ends slightly above the synchronous loss, so
@@ -9,21 +9,22 @@ the question is how many more steps it needs and whether they cost less time tha
 every arm, one after the other, the order reversed every round; each arm keeps its fastest round (the runs are
 deterministic, only the clock differs). Prints, per budget, the time 2BW needs to reach the synchronous run's final
 eval loss over the synchronous run's time (target <= 0.8; training time only, evaluations excluded), and
-``--write`` puts the table into docs/benchmarks.md and the best budget's curves into docs/time_to_loss.png.
+``--write`` puts the table into docs/benchmarks/speed.md (section ``time-to-loss``) and the best budget's curves into
+docs/benchmarks/time_to_loss.png.
 """
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
+from hf_asyncpp.cli.compare import ARMS, compare, curve, plot, run_arm, summary
 
-from hf_asyncpp.cli.compare import ARMS, compare, curve, plot, run_arm, summary  # noqa: E402 (after the path set-up)
+from .report import DOCS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RECIPE = "recipes/cpu-tiny.yaml"
 SETTING = ["--pipeline.num_microbatches=2", "--pipeline.microbatch_size=16"]
@@ -54,7 +55,7 @@ def main():
         reached = {k: r for k, r in results.items() if r["ratio"] is not None}
         top = min(reached, key=lambda k: reached[k]["ratio"]) if reached else max(results)
         res = results[top]
-        png = ROOT / "docs" / "time_to_loss.png" if args.write else Path(d) / "time_to_loss.png"
+        png = DOCS / "time_to_loss.png" if args.write else Path(d) / "time_to_loss.png"
         plot(res, png, f"cpu-tiny, 2 microbatches x 16 sequences, sync {args.steps} / 2BW {top} steps on 2 processes "
                        f"(best of {args.rounds})")
         if not args.write:
@@ -71,10 +72,10 @@ def main():
         f"- best: {best_ratio} (target <= 0.8)", "", "![time to loss](time_to_loss.png)"])
     print(summary(res) + "\n\n" + text)
     if args.write:
-        from bench.report import write_section
+        from .report import write_section
 
-        write_section("time-to-loss", "## Time to loss: 2BW against synchronous 1F1B\n\nCommand: `python "
-                      f"bench/time_to_loss.py --steps {args.steps} --budgets {args.budgets} --eval-steps {args.eval_steps} "
+        write_section("time-to-loss", "## Time to loss: 2BW against synchronous 1F1B\n\nCommand: `python -m "
+                      f"bench.time_to_loss --steps {args.steps} --budgets {args.budgets} --eval-steps {args.eval_steps} "
                       f"--rounds {args.rounds} --write` ({time.strftime('%Y-%m-%d')}; {RECIPE} {' '.join(SETTING)}, 2 "
                       "processes x 1 thread, same seed and data; 2BW at several step budgets, each its own cosine schedule; "
                       "training time from metrics.jsonl's train_s, evaluations excluded, the crossing interpolated between "

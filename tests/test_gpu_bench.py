@@ -1,16 +1,22 @@
 """bench/gpu.py must not rot between GPU runs: its CPU mode runs the same code paths at a tiny size, and every part
-must produce its numbers (not only not crash). Part 4 needs CUDA streams: on CPU it must say so, on a GPU it runs."""
+must produce its numbers (not only not crash). Part 4 needs CUDA streams: on CPU it must say so, on a GPU it runs.
+
+``bench`` is imported as the package it is (the repository root is on sys.path: tests/conftest.py). No test here
+judges speed by the clock: a part's time limit is a hang guard only, far above the 10-60 s a part takes on a quiet
+2-core machine (the bench's old 120 s limit on part 1 failed this test on a loaded machine)."""
 import math
 
 import pytest
 import torch
 
-from bench import gpu
+import bench.gpu as gpu
+
+HANG_GUARD_S = 1800  # per part: only a part that hangs reaches it
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return gpu.main(["--cpu-tiny"])
+    return gpu.main(["--cpu-tiny", "--timeout", str(HANG_GUARD_S)])
 
 
 def test_every_part_ran(tiny):
@@ -159,4 +165,4 @@ def test_gpu_results_render():
                                      "modes": modes}, info))
     assert "| 0.990 |" in p4 and "| 0.667 |" in p4 and "side stream: yes" in p4
     text = gpu.render({1: {"rows": [row], "notes": []}}, {1: 5.0}, info, False, ["--write"])
-    assert "## GPU proof (NVIDIA H100 80GB HBM3)" in text and "`python bench/gpu.py --write`" in text
+    assert "## GPU proof (NVIDIA H100 80GB HBM3)" in text and "`python -m bench.gpu --write`" in text

@@ -1,6 +1,9 @@
 """The planner's per-term memory against what the executor's stages really hold (bench/memory.py), for two of the
 benchmark's configurations: bf16 with Muon + error feedback on 2BW (bf16 weight versions, no cast per in-flight
-microbatch, the EF clone at STEP), and a MoE with activation checkpointing (the layer inputs the checkpoint keeps)."""
+microbatch, the EF clone at STEP), and a MoE with activation checkpointing (the layer inputs the checkpoint keeps).
+
+``bench.memory`` is imported as the package module it is (the repository root is on sys.path: tests/conftest.py);
+its workers are spawned by ``hf_asyncpp.testing.run_workers``, with no time limit."""
 import pytest
 
 from bench.memory import TERMS, agreement, measured, predicted

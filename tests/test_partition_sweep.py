@@ -1,5 +1,5 @@
 """A representative quarter of transformers' causal-LM types, built tiny and split into 2, 3 and 4 stages (the whole
-sweep: bench/partition_sweep.py, table in docs/supported-models.md). Every decoder-only text type must split
+sweep: scripts/partition_sweep.py, table in docs/supported-models.md). Every decoder-only text type must split
 exactly; the few that cannot are listed with the operation that couples their stages."""
 from __future__ import annotations
 

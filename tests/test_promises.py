@@ -81,6 +81,7 @@ WRITE_EXCEPTIONS = {
     ("storage/write.py", "write_text"): "a probe of whether training.output_dir is writable: its failure is the answer, "
                                     "turned into a RecipeError naming the field",
     ("cli/compare.py", "open"): "a log file handed to a child process as its stdout: the child writes the bytes",
+    ("testing.py", "open"): "a spawned worker's traceback, into the harness's temp folder: no run's file",
 }
 
 

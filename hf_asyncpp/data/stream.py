@@ -32,13 +32,13 @@ stream re-reads the epoch's documents up to that index *without tokenizing
 them* (the cost of reading the raw stream, ~0.1 s per epoch of the default
 corpus) and yields exactly the blocks an uninterrupted stream would have; a
 streamed ``data.dataset`` does not re-read: its state also holds datasets' own
-``IterableDataset.state_dict()`` and the shuffle buffer (:mod:`hf_asyncpp.resumable`). A
+``IterableDataset.state_dict()`` and the shuffle buffer (:mod:`hf_asyncpp.data.shuffle`). A
 state with only ``{"epoch", "blocks"}`` (e.g. after changing the data-parallel
 size) is also accepted: the epoch is then re-tokenized and that many blocks skipped.
 
 Bad data never crashes a run: unreadable, binary (not UTF-8), non-JSON and
 wrong-column files among good ones (``skipped_files``, each named in the log;
-see :mod:`hf_asyncpp.datafiles`), empty files, empty or blank documents and
+see :mod:`hf_asyncpp.data.files`), empty files, empty or blank documents and
 non-string values (``skipped_empty``), documents with invalid UTF-8 (decoded
 with U+FFFD replacement characters, then skipped: ``skipped_invalid_utf8``) and
 documents with fewer than ``min_document_tokens`` tokens (``skipped_short``;

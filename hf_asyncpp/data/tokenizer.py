@@ -41,7 +41,7 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) on local files.
 
     Args:
-        files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data` for how documents are read).
+        files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data.stream` for how documents are read).
         vocab_size: final vocabulary size; smaller when the corpus has too few distinct pairs.
         text_column: document column of jsonl/parquet files.
         max_train_chars: stop after the documents holding this many characters (file order); None: all.

@@ -1,6 +1,6 @@
 """Every causal-LM type of the installed transformers, built tiny and split into stages: which split exactly.
 
-Used by tests/test_partition_sweep.py (a share of the types) and bench/partition_sweep.py (all of them, writing
+Used by tests/test_partition_sweep.py (a share of the types) and scripts/partition_sweep.py (all of them, writing
 docs/supported-models.md). A type is skipped only when it is an encoder-decoder, multimodal or not causal; every
 other type gets a verdict: ``exact`` (loss and every gradient equal the unpartitioned model's at each stage
 count), ``differs`` (the stages run but compute something else: a bug), or ``refused`` (PartitionError, whose
