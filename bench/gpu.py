@@ -3,7 +3,7 @@ memory model holds there, what the executor adds per action, and whether the red
 
     python -m bench.gpu [--write]          # one H100/H200, no network; sized for under 10 minutes
     python -m bench.gpu --cpu-tiny         # the same code paths at a tiny size on CPU (automatic without CUDA;
-                                           # tests/test_gpu_bench.py runs it, a minute or two)
+                                           # bench/check_gpu.py runs it, a minute or two)
     python -m bench.gpu --parts 1,4 --models smollm2-360m   # a subset
 
 Models are built from recipe configs (``AutoConfig.for_model``, random weights) and fed random token ids, so
@@ -1126,7 +1126,7 @@ def _saved(paths: list[str]) -> tuple[dict, dict, dict, list]:
 
 
 def main(argv=None) -> dict:
-    """Run the parts; returns {part: result or {"error": ...} or {"skipped": ...}} (tests/test_gpu_bench.py)."""
+    """Run the parts; returns {part: result or {"error": ...} or {"skipped": ...}} (bench/check_gpu.py)."""
     args = parse_args(argv)
     if args.load:
         results, seconds, info, commands = _saved(args.load)

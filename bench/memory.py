@@ -9,7 +9,8 @@ checkpointing, 2BW / 1F1B, AdamW / Muon + error feedback) two gloo processes tra
 allocating. The agreement is over the terms the executor measures: the recomputation's one layer (checkpointing)
 and the reducer's buckets (data parallelism; none here) are planned only. Why measure: the formula's activation
 coefficients were fitted on CPU autocast (transformers 5.23); a different kernel or version moves them.
-``tests/test_memory_plan.py`` runs two of the configurations (``predicted``, ``measured``, ``agreement``).
+``tests/test_memory_plan.py`` checks two configurations of its own the same way (``testing.stage_memory_report``,
+``memtrack.agreement``).
 
 ``--write`` replaces the ``memory`` (or, with ``--per-param``, ``memory-per-param``) section of
 docs/benchmarks/memory.md.
@@ -23,7 +24,8 @@ import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.pipeline.planner import plan_memory
-from hf_asyncpp.testing import run_workers
+from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS as TERMS, agreement
+from hf_asyncpp.testing import run_workers, stage_memory_report
 
 SEQ, MBS, M = 64, 2, 4
 DENSE = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -43,37 +45,21 @@ CONFIGS = {
     "moe-bf16-2bw-muon-ef": (MOE, "2bw", True, False, "muon", True),
     "moe-bf16-ckpt-2bw": (MOE, "2bw", True, True, "adamw", False),
 }
-TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "transfers", "ef_copy")
 
 
-def recipe(name: str):
+def recipe_dict(name: str) -> dict:
     model, sched, bf16, ckpt, opt, ef = CONFIGS[name]
-    return recipe_from_dict({
+    return {
         "model": {"config": dict(model)}, "data": {"seq_len": SEQ},
         "pipeline": {"schedule": sched, "num_stages": 2, "num_microbatches": M, "microbatch_size": MBS},
         "optimizer": {"name": opt, "learning_rate": 1e-3, "delay_correction": "error_feedback" if ef else "none"},
         "training": {"max_steps": 8, "bf16": bf16, "gradient_checkpointing": ckpt, "max_grad_norm": 1.0,
                      "report_to": []},
-    })
+    }
 
 
-def measure_stage(rank: int, world: int, name: str) -> dict:
-    """One stage's ``memory_report`` after 3 tracked steps (run in a spawned process)."""
-    from hf_asyncpp.model.build import build_model
-    from hf_asyncpp.pipeline.executor import PipelineEngine
-    from hf_asyncpp.topology import Topology
-
-    r = recipe(name)
-    torch.manual_seed(0)
-    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
-                         log=lambda *a: None)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, r.model.config["vocab_size"], (M, MBS, SEQ), generator=g) for _ in range(3)]
-    eng.track_memory = True
-    eng.train_steps(batches, 0)
-    out = eng.memory_report()
-    eng.close()
-    return out
+def recipe(name: str):
+    return recipe_from_dict(recipe_dict(name))
 
 
 def measure_per_param(rank: int, world: int, dp: int, after: bool) -> dict:
@@ -103,11 +89,6 @@ def predicted(name: str) -> list[dict]:
     return [{t: getattr(m, t) for t in (*TERMS, "recompute", "reducer")} for m in mem]
 
 
-def agreement(pred: dict, got: dict) -> float:
-    """predicted / measured over the terms the executor measures."""
-    return sum(pred[t] for t in TERMS) / sum(got[t] for t in TERMS)
-
-
 def per_param() -> str:
     """The bytes-per-parameter table: before/after at dp = 1 and 4, replica 0 of each stage (steady, at STEP)."""
     rows = ["| dp | stage | before: steady / at STEP | after: steady / at STEP | after: weights, grads, optimizer, EF, "
@@ -127,7 +108,7 @@ def per_param() -> str:
 
 def measured(name: str) -> list[dict]:
     """Each stage's ``memory_report`` of configuration ``name``: 2 gloo processes, 3 tracked steps."""
-    return run_workers(measure_stage, 2, name)
+    return run_workers(stage_memory_report, 2, recipe_dict(name))
 
 
 def table(results: dict) -> str:

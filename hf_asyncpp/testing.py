@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "free_port", "run_workers"]
+__all__ = ["WorkerError", "free_port", "run_workers", "stage_memory_report"]
 
 
 class WorkerError(RuntimeError):
@@ -99,3 +99,28 @@ def run_workers(fn, world: int, *args, backend: str | None = "gloo", threads: in
             errs = [open(os.path.join(d, f"rank{r}.err")).read() for r in ranks]
             raise WorkerError("distributed run failed:\n" + ("\n".join(errs) or str(e)), errs) from e
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def stage_memory_report(rank: int, world: int, recipe: dict, steps: int = 3) -> dict:
+    """One stage's ``PipelineEngine.memory_report`` after ``steps`` tracked steps of ``recipe`` (a recipe dict, so it
+    pickles): a worker for :func:`run_workers` with ``world`` = the recipe's stages. What the planner is checked
+    against (``pipeline.memtrack.agreement``)."""
+    # imported here: every spawned worker imports this module, most of them for other functions
+    from .config.recipe import recipe_from_dict
+    from .model.build import build_model
+    from .pipeline.executor import PipelineEngine
+    from .topology import Topology
+
+    r = recipe_from_dict(recipe)
+    torch.manual_seed(0)
+    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
+                         log=lambda *a: None)
+    p = r.pipeline
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size, r.data.seq_len),
+                             generator=g) for _ in range(steps)]
+    eng.track_memory = True
+    eng.train_steps(batches, 0)
+    out = eng.memory_report()
+    eng.close()
+    return out

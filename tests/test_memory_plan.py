@@ -1,21 +1,44 @@
-"""The planner's per-term memory against what the executor's stages really hold (bench/memory.py), for two of the
-benchmark's configurations: bf16 with Muon + error feedback on 2BW (bf16 weight versions, no cast per in-flight
-microbatch, the EF clone at STEP), and a MoE with activation checkpointing (the layer inputs the checkpoint keeps).
-
-``bench.memory`` is imported as the package module it is (the repository root is on sys.path: tests/conftest.py);
-its workers are spawned by ``hf_asyncpp.testing.run_workers``, with no time limit."""
+"""The planner's per-term memory against what the executor's stages really hold, for two configurations: bf16 with
+Muon + error feedback on 2BW (bf16 weight versions, no cast per in-flight microbatch, the EF clone at STEP), and a
+MoE with activation checkpointing (the layer inputs the checkpoint keeps). ``python -m bench.memory`` runs seven
+such configurations for docs/benchmarks/memory.md; both use ``testing.stage_memory_report`` and
+``memtrack.agreement``. The workers are spawned with no time limit."""
 import pytest
 
-from bench.memory import TERMS, agreement, measured, predicted
 from hf_asyncpp.cli.plan import main
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS, agreement
+from hf_asyncpp.pipeline.planner import plan_memory
+from hf_asyncpp.testing import run_workers, stage_memory_report
+
+LAYERS = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 128, "tie_word_embeddings": False}
+CONFIGS = {
+    "dense-bf16-2bw-muon-ef": ({"model_type": "llama", **LAYERS}, "2bw", True, False, "muon"),
+    "moe-bf16-ckpt-2bw": ({"model_type": "qwen3_moe", **LAYERS, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 96, "output_router_logits": True, "router_aux_loss_coef": 0.01},
+                          "2bw", True, True, "adamw"),
+}
 
 
-@pytest.mark.parametrize("name", ["dense-bf16-2bw-muon-ef", "moe-bf16-ckpt-2bw"])
+def recipe(name: str) -> dict:
+    model, schedule, bf16, checkpointing, optimizer = CONFIGS[name]
+    return {"model": {"config": model}, "data": {"seq_len": 64},
+            "pipeline": {"schedule": schedule, "num_stages": 2, "num_microbatches": 4, "microbatch_size": 2},
+            "optimizer": {"name": optimizer, "learning_rate": 1e-3,
+                          "delay_correction": "error_feedback" if optimizer == "muon" else "none"},
+            "training": {"max_steps": 8, "bf16": bf16, "gradient_checkpointing": checkpointing, "max_grad_norm": 1.0,
+                         "report_to": []}}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_planned_memory_within_10_percent_of_measured(name):
-    pred, got = predicted(name), measured(name)
+    _, planned, _ = plan_memory(recipe_from_dict(recipe(name)))
+    pred = [{t: getattr(m, t) for t in MEASURED_TERMS} for m in planned]
+    got = run_workers(stage_memory_report, 2, recipe(name))
     for p, g in zip(pred, got):
         assert abs(agreement(p, g) - 1) < 0.10, (name, p, g)
-        assert got[0]["ef_copy"] == pred[0]["ef_copy"] and all(g[t] >= 0 for t in TERMS)
+        assert got[0]["ef_copy"] == pred[0]["ef_copy"] and all(g[t] >= 0 for t in MEASURED_TERMS)
     if name.startswith("dense-bf16"):
         # the versions hold the linear weights in bf16 beside the fp32 masters: 2 versions cost what 2 fp32 ones did,
         # and no microbatch holds a cast of its own

@@ -10,6 +10,15 @@ import torch
 
 from ..optim.ef import ef_buffers
 
+MEASURED_TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "transfers", "ef_copy")
+"""The terms of ``PipelineEngine.memory_report`` the planner predicts one for one (``plan_memory``'s
+``StageMemory``); the recomputation's one layer and the reducer's buckets are planned only."""
+
+
+def agreement(planned: dict, measured: dict) -> float:
+    """Planned over measured bytes, summed over :data:`MEASURED_TERMS`: how far the planner is from a stage."""
+    return sum(planned[t] for t in MEASURED_TERMS) / sum(measured[t] for t in MEASURED_TERMS)
+
 # autograd nodes of ops that only view their input: a weight reaches a matmul through a transpose (CPU linear saves
 # the transposed cast), an expert's slice, a reshape
 _VIEWS = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "SelectBackward0", "SliceBackward0",
