@@ -19,7 +19,8 @@ TITLES = {
 PAGES = {
     "default": "speed", "cli-throughput": "speed", "cli-throughput-fused": "speed", "stage-ceiling": "speed",
     "time-to-loss": "speed", "soak": "speed",
-    "partition": "parts", "optimizer-step": "parts", "reduction": "parts", "data-path": "parts", "streaming": "parts",
+    "partition": "parts", "optimizer-step": "parts", "host-overhead": "parts", "reduction": "parts",
+    "data-path": "parts", "streaming": "parts",
     "memory": "memory", "memory-per-param": "memory", "stage-local": "memory",
     "quality": "quality", "quality-long": "quality", "paper-regime": "quality",
     "gpu": "gpu",

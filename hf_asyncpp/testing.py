@@ -19,8 +19,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["WorkerError", "free_port", "run_workers", "stage_memory_report"]
+__all__ = ["WorkerError", "free_port", "run_workers", "stage_memory_report", "HostOps", "host_ops_per_step",
+           "micro_stage_recipe"]
 
 
 class WorkerError(RuntimeError):
@@ -124,3 +126,128 @@ def stage_memory_report(rank: int, world: int, recipe: dict, steps: int = 3) -> 
     out = eng.memory_report()
     eng.close()
     return out
+
+
+# ---------------------------------------------------------------------------- what the host dispatches
+
+NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::_local_scalar_dense", "aten::set_",
+             "aten::resize_", "aten::lift_fresh", "aten::_has_compatible_shallow_copy_type"}
+"""Ops that allocate, read or re-point storage without launching a kernel on a GPU (besides the views)."""
+
+
+def launches_no_kernel(func) -> bool:
+    """A view (its result aliases its input, not written: ``view``, ``t``, ``select``, ``detach``, ``expand`` ...) or
+    one of :data:`NO_KERNEL`."""
+    if func._schema.name in NO_KERNEL:
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _from_root(path: str, roots: tuple[str, ...]) -> str:
+    """``.../site-packages/transformers/x.py`` or ``/checkout/hf_asyncpp/x.py`` -> ``transformers/x.py``."""
+    at = max(path.rfind(r) for r in roots)
+    return path[at + 1:] if at >= 0 else path
+
+
+class HostOps(TorchDispatchMode):
+    """Counts every aten op the calling thread dispatches below autograd, per label (the action being run: see
+    :meth:`watch`), and names the source line of every scalar read (``.item()``, ``float(t)``: on a GPU a host sync
+    unless the tensor lives on the host). The counts depend on the code and the model's topology, not on its width
+    or the machine's speed: a CPU run predicts what a GPU's host dispatches (``bench/host_overhead.py``)."""
+
+    def __init__(self, roots: tuple[str, ...] = ("hf_asyncpp", "transformers")):
+        super().__init__()
+        self.label = "between"
+        self.ops: dict[str, int] = {}
+        self.launching: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.reads: dict[tuple[str, str], int] = {}
+        self._roots = tuple(os.sep + r + os.sep for r in roots)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        label = self.label
+        self.ops[label] = self.ops.get(label, 0) + 1
+        if not launches_no_kernel(func):
+            self.launching[label] = self.launching.get(label, 0) + 1
+        if func._schema.name == "aten::_local_scalar_dense":
+            where = next((f"{_from_root(f.filename, self._roots)}:{f.lineno}"
+                          for f in reversed(traceback.extract_stack()[:-1]) if any(r in f.filename for r in self._roots)),
+                         "?")
+            self.reads[(label, where)] = self.reads.get((label, where), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def watch(self, engine) -> None:
+        """Label the ops of each of ``engine``'s actions (a ``PipelineEngine``) by the action's kind; everything
+        else (the loop between actions, the drain) counts as ``between``."""
+        for kind, handler in list(engine._handlers.items()):
+            def labelled(a, w, handler=handler, name=kind.value):
+                outer, self.label = self.label, name
+                try:
+                    handler(a, w)
+                finally:
+                    self.label = outer
+                self.calls[name] = self.calls.get(name, 0) + 1
+            engine._handlers[kind] = labelled
+
+    def per_call(self) -> dict[str, dict[str, float]]:
+        """{label: {"ops", "launching", "calls"}}, ops and launching per call of the label (between: in all)."""
+        out = {}
+        for label, n in self.ops.items():
+            calls = self.calls.get(label, 1)
+            out[label] = {"ops": n / calls, "launching": self.launching.get(label, 0) / calls, "calls": calls}
+        return out
+
+
+def host_ops_per_step(rank: int, world: int, recipe: dict, warmup: int = 2, steps: int = 2) -> dict:
+    """What one stage's host dispatches per action in steady state: ``HostOps`` over ``steps`` steps of ``recipe``
+    after ``warmup`` (the first steps build the optimizer state and the weight versions). A worker for
+    :func:`run_workers`: {"actions": {kind: {"ops", "launching", "calls"}}, "reads_per_step": {(kind, line): n},
+    "tensors": {"muon": n, "adamw": n}}."""
+    # imported here: every spawned worker imports this module, most of them for other functions
+    from .config.recipe import recipe_from_dict
+    from .model.build import build_model
+    from .pipeline.executor import PipelineEngine
+    from .topology import Topology
+
+    r = recipe_from_dict(recipe)
+    torch.manual_seed(0)
+    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
+                         log=lambda *a: None)
+    p = r.pipeline
+    g = torch.Generator().manual_seed(0)
+    batches = lambda n: [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size,
+                                                                    r.data.seq_len), generator=g) for _ in range(n)]
+    eng.train_steps(batches(warmup), 0)
+    mode = HostOps()
+    mode.watch(eng)
+    with mode:
+        eng.train_steps(batches(steps), warmup)
+    groups = eng.optimizer.param_groups
+    tensors = {"muon": sum(len(gr["params"]) for gr in groups if gr.get("use_muon")),
+               "adamw": sum(len(gr["params"]) for gr in groups if not gr.get("use_muon"))}
+    eng.close()
+    return {"actions": mode.per_call(), "reads_per_step": {k: v / steps for k, v in mode.reads.items()},
+            "tensors": tensors, "steps": steps}
+
+
+MICRO = {"hidden_size": 24, "intermediate_size": 64, "num_attention_heads": 3, "num_key_value_heads": 1,
+         "vocab_size": 128, "max_position_embeddings": 64}
+"""A recipe's model at hidden size 24: its layers, tying, tensors and shape classes kept, its widths not."""
+MOE_MICRO = {"moe_intermediate_size": 16, "head_dim": 8}
+
+
+def micro_stage_recipe(path, layers: int | None = None) -> dict:
+    """The recipe at ``path`` as one 2BW stage (m = 4, Muon + EF as the recipe sets the optimizer, ``training.bf16``)
+    of its model at :data:`MICRO` width (``layers``: another depth): what :func:`host_ops_per_step` counts."""
+    import yaml
+
+    r = yaml.safe_load(open(path).read())
+    model = r["model"]["config"]
+    cfg = dict(model, **MICRO, **(MOE_MICRO if "num_experts" in model else {}))
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    return {"model": {"config": cfg}, "data": {"seq_len": 16},
+            "pipeline": {"schedule": "2bw", "num_stages": 1, "num_microbatches": 4, "microbatch_size": 1},
+            "optimizer": dict(r["optimizer"], delay_correction="error_feedback"),
+            "training": {"bf16": True, "max_grad_norm": 1.0, "max_steps": 100, "report_to": [],
+                         "lr_scheduler_type": "constant", "warmup_steps": 0}}

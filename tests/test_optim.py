@@ -11,6 +11,7 @@ from hf_asyncpp.config.recipe import OptimizerConfig
 from hf_asyncpp.optim import (Muon, apply_delay_correction, auto_lambda, build_optimizer, classify_parameters,
                               install_error_feedback, zeropower_via_newtonschulz)
 from hf_asyncpp.optim.ef import learned_lambda
+from hf_asyncpp.optim.muon import adamw_update, adjusted_lr, muon_update
 from support import DIMS
 
 
@@ -652,3 +653,35 @@ def test_recipe_values_reach_muon_and_adamw_as_torch_reads_them():
             r.step()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert _rel(p.data, q.data) <= 1e-6, n
+
+
+def test_the_batched_step_equals_the_per_matrix_reference():
+    """One Muon group of many same-shape matrices (and a second shape, and a split fused projection) stepped as
+    stacks equals ``muon_update`` applied matrix by matrix; the AdamW side (torch's fused kernel) equals
+    ``adamw_update`` tensor by tensor; within bf16 (Newton-Schulz) and float32 rounding."""
+    torch.manual_seed(0)
+    shapes = [(16, 8)] * 5 + [(8, 24)] * 3 + [(3, 8, 6)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    fused = torch.nn.Parameter(torch.randn(12, 6))  # split_rows=2: two 6 x 6 blocks
+    side = [torch.nn.Parameter(torch.randn(s)) for s in ((7,), (5, 3))]
+    ref = [p.detach().clone() for p in ours + [fused] + side]
+    hp = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr="match_rms_adamw")
+    opt = Muon([dict(params=ours, use_muon=True, **hp), dict(params=[fused], use_muon=True, split_rows=2, **hp),
+                dict(params=side, use_muon=False, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)])
+    bufs, states = [torch.zeros_like(r) for r in ref[:-2]], [{} for _ in side]
+    for _ in range(4):
+        grads = [torch.randn_like(r) for r in ref]
+        for p, g in zip(ours + [fused] + side, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, (r, g) in enumerate(zip(ref[:-2], grads[:-2])):
+            k = 2 if i == len(ours) else 1
+            u = muon_update(g, bufs[i], momentum=0.95, nesterov=True, ns_steps=5, split_rows=k)
+            r.mul_(1 - 0.02 * 0.1).add_(u.float(), alpha=-adjusted_lr(0.02, (r.shape[-2] // k, r.shape[-1]), "match_rms_adamw"))
+        for r, g, s in zip(ref[-2:], grads[-2:], states):
+            adamw_update(r, g, s, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for p, r in zip(ours + [fused], ref[:-2]):
+        assert _rel(p.data, r) <= 1e-6
+    for p, r in zip(side, ref[-2:]):
+        torch.testing.assert_close(p.data, r, rtol=1e-6, atol=1e-7)
+    assert all(s["step"].device == p.device for p in side for s in [opt.state[p]])  # the fused kernel's counters

@@ -161,20 +161,34 @@ def install_error_feedback(optimizer: torch.optim.Optimizer, lam: float | str = 
     @torch.no_grad()
     def pre(opt, args, kwargs):
         transient.clear()
-        transient.update({p: p.detach().clone() for p in _params(opt) if p.grad is not None})
+        stepped = [p for p in _params(opt) if p.grad is not None]
+        # x_before: one foreach kernel for every tensor (times 1 is exact: a copy)
+        transient.update(zip(stepped, torch._foreach_mul(stepped, 1.0)))
         if ef["lam"] == LEARNED:
             learn()
 
     @torch.no_grad()
     def post(opt, args, kwargs):
         t = ef["t"]
-        for p, before in transient.items():
-            u = before.sub_(p)  # u[t] = x_before - x_after, in the transient copy
+        params, befores = list(transient), list(transient.values())
+        torch._foreach_sub_(befores, params)  # u[t] = x_before - x_after, in the transient copies
+        if ef["lam"] not in (AUTO, LEARNED) and t >= start_step:
+            # the common case in a few kernels: x <- x - lam (u[t] - u[t-1]); u[t] becomes the kept u (no copy)
+            had = [i for i, p in enumerate(params) if p in ef["prev"]]
+            if had:
+                us = [befores[i] for i in had]
+                diffs = torch._foreach_sub(us, [ef["prev"][params[i]] for i in had])
+                torch._foreach_sub_([params[i] for i in had], diffs, alpha=ef["lam"])
+            ef["prev"].update(zip(params, befores))
+            transient.clear()
+            ef["t"] = t + 1
+            return
+        for p, u in zip(params, befores):
             prev = ef["prev"].get(p)
             if prev is None:  # no u[t-1]: plain step, keep u[t]
                 ef["prev"][p] = u
             elif t < start_step:  # a synchronous step (sync start): nothing to correct
-                prev.copy_(u)
+                ef["prev"][p] = u
             elif ef["lam"] == LEARNED:
                 d = u - prev
                 p.sub_(d * ef["values"][group_of.get(p, 0)].to(d.dtype))

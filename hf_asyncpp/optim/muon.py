@@ -36,6 +36,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam
 
 __all__ = ["NS_COEFFICIENTS", "zeropower_via_newtonschulz", "adjusted_lr", "muon_update", "adamw_update", "Muon"]
 
@@ -143,6 +144,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict]):
         self.ns_calls: dict[int, int] = {}
         super().__init__(param_groups, {})  # every group goes through add_param_group
+        self.register_load_state_dict_post_hook(_steps_on_the_parameters_device)
 
     def add_param_group(self, param_group: dict) -> None:
         """Check a group (``use_muon``, known keys, Muon shapes) and fill its missing keys with the defaults."""
@@ -172,26 +174,69 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter with a gradient, in a handful of kernels: per Muon group one batched
+        Newton-Schulz per shape class (every same-shape matrix of the group in one stack, as modded-nanogpt and
+        nanochat do) and foreach momentum, decay and update; per AdamW group torch's fused AdamW (its step counters
+        on the parameters' device, so nothing is read back to the host)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not g["use_muon"]:
-                    adamw_update(p, p.grad, state, lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
-                    continue
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                update = muon_update(p.grad, state["momentum_buffer"], momentum=g["momentum"], nesterov=g["nesterov"],
-                                     ns_steps=g["ns_steps"], ns_coefficients=g["ns_coefficients"], eps=g["eps"],
-                                     ns_dtype=_dtype(g["ns_dtype"]), split_rows=g["split_rows"])
-                k = g["split_rows"]
-                self.ns_calls[id(p)] = self.ns_calls.get(id(p), 0) + update[..., 0, 0].numel() * k
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                block = (p.shape[-2] // k, p.shape[-1])  # the lr scale of the matrices Newton-Schulz saw
-                p.add_(update.to(p.dtype), alpha=-adjusted_lr(g["lr"], block, g["adjust_lr"]))
+            params = [p for p in g["params"] if p.grad is not None]
+            if params:
+                (self._muon_step if g["use_muon"] else self._adamw_step)(g, params)
         return loss
+
+    def _muon_step(self, g: dict, params: list[Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        for p, s in zip(params, states):
+            if "momentum_buffer" not in s:  # the first step only
+                s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        grads, bufs = [p.grad for p in params], [s["momentum_buffer"] for s in states]
+        torch._foreach_lerp_(bufs, grads, 1 - g["momentum"])
+        directions = torch._foreach_lerp(grads, bufs, g["momentum"]) if g["nesterov"] else bufs
+        torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
+        k = g["split_rows"]
+        for idx in shape_classes(params).values():
+            shape = params[idx[0]].shape
+            block = (shape[-2] // k, shape[-1])  # the matrices Newton-Schulz sees (a row block of a fused projection)
+            stack = torch.stack([directions[i] for i in idx])
+            update = zeropower_via_newtonschulz(stack.reshape(-1, *block), g["ns_steps"], g["ns_coefficients"],
+                                                g["eps"], _dtype(g["ns_dtype"])).reshape(stack.shape)
+            torch._foreach_add_([params[i] for i in idx], list(update.unbind(0)),
+                                alpha=-adjusted_lr(g["lr"], block, g["adjust_lr"]))
+            per_tensor = (math.prod(shape[:-2]) if len(shape) > 2 else 1) * k
+            for i in idx:
+                self.ns_calls[id(params[i])] = self.ns_calls.get(id(params[i]), 0) + per_tensor
+
+    def _adamw_step(self, g: dict, params: list[Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        for p, s in zip(params, states):
+            if not s:  # the first step only
+                s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = g["betas"]
+        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+             [s["step"] for s in states], fused=True, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
+             beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+
+
+def shape_classes(params: list[Tensor]) -> dict[tuple, list[int]]:
+    """Indices of ``params`` by (shape, dtype, device): the tensors one batched Newton-Schulz call takes."""
+    classes: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        classes.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
+    return classes
+
+
+def _steps_on_the_parameters_device(opt: Muon) -> None:
+    """After ``load_state_dict``: AdamW's step counters where the fused kernel reads them (torch moves a ``step`` to
+    the parameter's device only for groups it knows to be fused or capturable)."""
+    for g in opt.param_groups:
+        if not g["use_muon"]:
+            for p in g["params"]:
+                s = opt.state.get(p)
+                if s and "step" in s and s["step"].device != p.device:
+                    s["step"] = s["step"].to(device=p.device, dtype=torch.float32)

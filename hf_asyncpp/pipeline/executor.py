@@ -318,8 +318,10 @@ class PipelineEngine:
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
             coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
+            if coef != 1.0 and grads:
+                torch._foreach_mul_(list(grads.values()), coef)  # the clip in one kernel
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
-                self.params[n].grad = g.mul_(coef) if coef != 1.0 else g
+                self.params[n].grad = g
             self.optimizer.step()
             self.scheduler.step()
             for prm in self.params.values():

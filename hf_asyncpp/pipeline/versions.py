@@ -175,9 +175,10 @@ class Versions:
             dst = src  # nothing in flight uses it and no future forward will: update in place
         elif free:
             dst = self.buffers[free[0]]
-            for n, b in dst.items():
-                if n not in cast:  # bf16 copies are written after the step (finish_update)
-                    b.copy_(src[n])
+            names = [n for n in dst if n not in cast]  # bf16 copies are written after the step (finish_update)
+            if names:
+                with torch.no_grad():
+                    torch._foreach_copy_([dst[n] for n in names], [src[n] for n in names])
         else:
             dst = {n: torch.empty_like(b) if n in cast else b.clone() for n, b in src.items()}
         for v in free:
@@ -197,9 +198,9 @@ class Versions:
     def finish_update(self) -> None:
         """After the optimizer wrote the newest weights: the newest version's bf16 copies of them (once per STEP)."""
         if self.cast:
-            buf = self.buffers[self.latest]
-            for n in self.cast:
-                buf[n].copy_(self.params[n].detach())
+            buf, names = self.buffers[self.latest], list(self.cast)
+            with torch.no_grad():  # one foreach kernel for every bf16 copy
+                torch._foreach_copy_([buf[n] for n in names], [self.params[n] for n in names])
 
     def state(self) -> dict[str, torch.Tensor]:
         """Held versions other than the newest (which is the module's state dict)."""

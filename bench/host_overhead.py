@@ -1,0 +1,75 @@
+"""What the host dispatches per action: aten ops (and the kernel-launching ones) per F, B, REDUCE and STEP, and every
+scalar read of a step with its source line, for one stage with a real recipe's layout at a tiny width.
+
+    python -m bench.host_overhead [--write]
+
+The counts come from a ``TorchDispatchMode`` (``hf_asyncpp.testing.HostOps``) over the executor's own actions, in
+steady state. They depend on the code and on the model's topology (layers, tensors, shape classes), not on its width
+or on how busy the machine is, so a 2-core CPU run gives what a GPU's host dispatches for the same stage: the host's
+share of a GPU step is these ops times the host's cost per op. A scalar read (``.item()``, ``float(t)``) of a tensor
+on the device is a host sync there. ``tests/test_host_overhead.py`` holds the targets.
+
+Layouts: smollm2-360m (32 Llama layers, tied embedding: 290 tensors, 224 of them Muon matrices) and moe-2b (Qwen3-MoE
+experts as 3-D stacks), each as one stage (2BW, m = 4, Muon + EF, bf16 weight versions: ``training.bf16``) at
+hidden size 24. ``--write`` replaces the ``host-overhead`` section of docs/benchmarks/parts.md.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hf_asyncpp.testing import host_ops_per_step, micro_stage_recipe, run_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = {"smollm2-360m": {"F": (2793.5, 1624.0), "B": (5063.0, 3027.5), "REDUCE": (5.0, 5.0), "STEP": (9837.0, 7559.0),
+                           "reads": 73}}
+"""Measured by this script's counter at d6e578e (before the batched optimizer step), the same counts as the GPU
+review's (shared/reviews/gpu.md §1.1: F 2,793.5, B 5,063, STEP 9,837, 73 scalar reads)."""
+TARGETS = {"STEP launching": 150, "reads per step": 2}
+
+
+def measure(name: str, layers: int | None = None) -> dict:
+    return run_workers(host_ops_per_step, 1, micro_stage_recipe(ROOT / "recipes" / f"{name}.yaml", layers))[0]
+
+
+def table(results: dict) -> str:
+    lines = ["| layout (tensors: Muon / AdamW) | action | aten ops, before | aten ops now | kernel-launching, before | "
+             "kernel-launching now |", "|---|---|---|---|---|---|"]
+    for name, res in results.items():
+        t = res["tensors"]
+        for kind in ("F", "B", "REDUCE", "STEP"):
+            now = res["actions"][kind]
+            before = BEFORE.get(name, {}).get(kind)
+            b_ops, b_launch = (f"{before[0]:,.1f}", f"{before[1]:,.1f}") if before else ("-", "-")
+            lines.append(f"| {name} ({t['muon']} / {t['adamw']}) | {kind} | {b_ops} | {now['ops']:,.1f} | {b_launch} | "
+                         f"{now['launching']:,.1f} |")
+    lines += ["", "| layout | scalar reads per step, before | now | where (action: line, per step) |", "|---|---|---|---|"]
+    for name, res in results.items():
+        reads = res["reads_per_step"]
+        where = "; ".join(f"{k}: {line} x{n:g}" for (k, line), n in sorted(reads.items()))
+        lines.append(f"| {name} | {BEFORE.get(name, {}).get('reads', '-')} | {sum(reads.values()):g} | {where} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="replace the host-overhead section of docs/benchmarks/parts.md")
+    args = ap.parse_args(argv)
+    results = {name: measure(name) for name in ("smollm2-360m", "moe-2b")}
+    step = results["smollm2-360m"]["actions"]["STEP"]["launching"]
+    reads = sum(results["smollm2-360m"]["reads_per_step"].values())
+    text = (f"### Host overhead per action (`python -m bench.host_overhead --write`)\n\n{table(results)}\n\n"
+            f"Targets (issue \"GPU-bound stages\"): STEP at most {TARGETS['STEP launching']} kernel-launching ops "
+            f"(now {step:g}: {'met' if step <= TARGETS['STEP launching'] else 'not met'}); at most "
+            f"{TARGETS['reads per step']} scalar reads per step, none of them a device sync (now {reads:g}: "
+            f"{'met' if reads <= TARGETS['reads per step'] else 'not met'}). Kernel-launching: every op but the views "
+            "and the allocations (`hf_asyncpp.testing.launches_no_kernel`).")
+    print(text)
+    if args.write:
+        from .report import write_section
+
+        write_section("host-overhead", text)
+
+
+if __name__ == "__main__":
+    main()
