@@ -6,7 +6,9 @@ import weakref
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from hf_asyncpp.model.build import CAUSAL_SDPA, use_mask_free_attention
 from hf_asyncpp.partition import (PartitionError, VERIFIED_MODEL_TYPES, merge_state_dicts, partition_model,
                                   partition_plan, run_stages, tied_parameters)
 from support import ARCHS, BASE, MODEL_TYPE, MOE_AUX, make_config, make_model
@@ -406,3 +408,33 @@ def test_stand_ins_follow_the_input_shape():
             torch.testing.assert_close(chain(stages, ids, ids), model(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
             assert embed(ids).shape == (*shape, 32) and not embed(ids).any()
     assert len(embed._output_shapes) == 3  # (2, 24), (3, 7), (1, 24): computed once each
+
+
+def test_mask_free_attention_is_the_masked_attention_bit_for_bit():
+    """``model.build`` runs plain causal SDPA under a name with no mask function (no mask built, no packed-sequence
+    probe: a host sync per forward on a GPU): the same loss and gradients, bit for bit; a model whose attention needs
+    its own mask (a sliding window) or an attention the recipe names keeps what it has; the exported config does not
+    carry the name."""
+    cases = {"llama": {}, "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+             "mistral": dict(sliding_window=8)}
+    for model_type, extra in cases.items():
+        cfg = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=100, **extra)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        ids = torch.randint(0, 100, (2, 16))
+        masked = model(ids, labels=ids, use_cache=False).loss
+        masked.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        switched = use_mask_free_attention(model)
+        assert switched == (model_type != "mistral"), model_type
+        free = model(ids, labels=ids, use_cache=False).loss
+        free.backward()
+        assert torch.equal(masked, free), model_type
+        assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters())), model_type
+        assert CAUSAL_SDPA not in model.config.to_json_string()
+    eager = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=4, intermediate_size=64,
+                                                                  vocab_size=100), attn_implementation="eager")
+    assert not use_mask_free_attention(eager) and eager.config._attn_implementation == "eager"

@@ -46,6 +46,32 @@ def build_config(model_cfg: ModelConfig, tokenizer=None):
     return config
 
 
+CAUSAL_SDPA = "hf_asyncpp_causal_sdpa"
+"""transformers' own SDPA attention under a name with no mask function: the mask is never built, so the causal
+kernel (``is_causal``) runs and the packed-sequence probe, a host sync per forward on a GPU, never does."""
+MASK_FREE_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo", "olmo2",
+                   "granite", "granitemoe"}
+"""Model types whose SDPA attention is plain causal attention over the whole block when no window is set: their
+mask, for blocks without padding or position resets (every block the data stream packs), is exactly causal."""
+
+
+def use_mask_free_attention(model) -> bool:
+    """Switch ``model`` to :data:`CAUSAL_SDPA` where that computes what its mask would (SDPA, a type of
+    :data:`MASK_FREE_TYPES`, no sliding window or non-full layer); returns whether it did. A model whose attention
+    needs a mask of its own (sliding windows, sinks, chunks) keeps it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if (cfg._attn_implementation != "sdpa" or cfg.model_type not in MASK_FREE_TYPES
+            or getattr(cfg, "sliding_window", None) or any(t != "full_attention" for t in layer_types)):
+        return False
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    model.set_attn_implementation(CAUSAL_SDPA)
+    return True
+
+
 def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.device = "cpu"):
     """Random init (seeded by the caller: ``torch.initial_seed()``) or pretrained weights; always fp32 master
     weights. A random init is per module (``seeded_init``): a stage built alone gets the same values."""
@@ -65,6 +91,8 @@ def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.d
         if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         model.to(device)
+    if not model_cfg.attn_implementation:
+        use_mask_free_attention(model)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters", config.model_type, n_params / 1e6)
     return model
@@ -80,6 +108,8 @@ def meta_model(model_cfg: ModelConfig, tokenizer=None):
     kw = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+    if not model_cfg.attn_implementation:
+        use_mask_free_attention(model)
     if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
         # resize_token_embeddings initialises the new rows from the loaded ones: it needs the whole embedding
         raise StageLocalError(f"model.name_or_path: its {model.get_input_embeddings().num_embeddings} embeddings are "
