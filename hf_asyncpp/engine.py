@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from .config.recipe import Recipe
 from .errors import NonFiniteError
-from .model.build import enable_activation_checkpointing
+from .model.build import compile_layers, compile_wanted, enable_activation_checkpointing
 from .model.export import shard_file, write_shard
 from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .optim.ef import LEARNED, learned_lambda
 from .optim.lr import build_scheduler, continue_schedule
-from .partition import partition_plan
+from .partition import anatomy, partition_plan
+from .partition.plan import get_module
 from .schedules.records import get_simulated_delay
 from .storage import files as ckpt
 from .storage.names import MODEL_FILE, OPTIMIZER_FILE
@@ -152,6 +153,8 @@ class LocalEngine:
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = model.to(self.device)
+        if compile_wanted(recipe.training.torch_compile):
+            compile_layers(get_module(model, anatomy(model).layers), recipe.training.torch_compile_backend)
         self.config = model.config
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,

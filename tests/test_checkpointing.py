@@ -13,6 +13,7 @@ import copy
 
 import torch
 import transformers.modeling_utils
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -136,3 +137,31 @@ def test_planner_charges_layer_inputs_plus_one_recompute():
     assert first.inflight == first_ckpt.inflight and first.weights == first_ckpt.weights
     assert first_ckpt.recompute == first.activations / (first.inflight * layers)
     assert first_ckpt.activations * 4 <= first.activations and plain[0].recompute == 0
+
+
+def _compiled(recipe, checkpointing=False):
+    recipe = copy.deepcopy(recipe)
+    recipe.training.torch_compile, recipe.training.torch_compile_backend = True, "aot_eager"
+    recipe.training.gradient_checkpointing = checkpointing
+    return recipe
+
+
+def test_compiled_layers_train_as_the_eager_ones():
+    """``training.torch_compile``: each decoder layer compiled (aot_eager on CPU: dynamo's graphs and AOT autograd,
+    the kernels eager), under 2BW's weight versions with and without activation checkpointing, and in one process:
+    the eager runs' losses, norms and weights within rounding."""
+    runs = [(LLAMA, "2bw", 2, 2, 2, "muon", True), (MIXTRAL, "1f1b", 2, 2, 2, "adamw", False)]
+    scenarios = [scenario(*s, seed=500 + i) for i, s in enumerate(runs)]
+    jobs = [(_compiled(rec, ckpt), batches) for rec, batches, _, _ in scenarios for ckpt in (False, True)]
+    results = run_distributed(pipeline_worker, 2, jobs)[0]
+    eager = [(rec, None, ref, ref_b) for rec, _, ref, ref_b in scenarios for _ in (False, True)]
+    check_against_reference(eager, results)
+    rec, _, ref, ref_b = scenarios[0]
+    torch._dynamo.reset()
+    counters.clear()
+    res, sd = reference(_compiled(ref), ref_b)  # the one-process engine compiles the model's layers
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["total"] >= 1  # it did compile
+    ref_res, ref_sd = reference(ref, ref_b)
+    torch.testing.assert_close(torch.tensor([r.loss for r in res]), torch.tensor([r.loss for r in ref_res]), rtol=1e-5, atol=1e-6)
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-5, atol=1e-5)

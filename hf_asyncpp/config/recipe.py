@@ -114,6 +114,12 @@ class TrainingConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in the backward (the model's own ``GradientCheckpointingLayer``, non-reentrant):
     an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""
+    torch_compile: Optional[bool] = None
+    """``torch.compile`` each decoder layer (the Trainer's name): unset, on a GPU and off on CPU. Composes with the
+    weight versions (a layer's weights are its compiled graph's inputs), activation checkpointing and every schedule;
+    the losses are the eager ones within rounding."""
+    torch_compile_backend: Optional[str] = None
+    """The ``torch.compile`` backend (the Trainer's name); unset: ``inductor``."""
     logging_steps: int = field(default=10, metadata=_range(lo=1))
     eval_steps: int = field(default=0, metadata=_range(lo=0))
     """Evaluate every N steps (0: only at the end)."""

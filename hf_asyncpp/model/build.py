@@ -187,6 +187,22 @@ def materialise_stage(stage: torch.nn.Module, full_meta: torch.nn.Module, model_
         raise StageLocalError(f"the model's initializer leaves {left[:3]} unset when a stage is built alone")
 
 
+def compile_wanted(torch_compile: bool | None) -> bool:
+    """``training.torch_compile``: as set, or on where a GPU trains."""
+    return torch.cuda.is_available() if torch_compile is None else torch_compile
+
+
+def compile_layers(layers, backend: str | None = None) -> None:
+    """``torch.compile`` each decoder layer in place (``nn.Module.compile``): the layer's own module, so activation
+    checkpointing still wraps it and a weight version's tensors reach it as inputs. Dynamo keeps one cache entry per
+    layer object (all of one code object), so its limit is raised to the layers' count."""
+    layers = list(layers)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 2 * len(layers) + 8))
+    for layer in layers:
+        layer.compile(backend=backend or "inductor")
+
+
 def enable_activation_checkpointing(model) -> None:
     """Turn on the model's own activation checkpointing: each decoder layer (a ``GradientCheckpointingLayer``)
     recomputes its activations in the backward, so a microbatch in flight keeps only the layers' inputs.

@@ -302,6 +302,11 @@ class Stage(nn.Module):
         self._shell.training = mode
         return self
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, the model's own modules, in order (what ``training.torch_compile`` compiles)."""
+        layers = get_module(self, self._a.layers)
+        return [layers[j] for j in self.layer_ids]
+
     # -------------------------------------------------------------- forward
     def forward(self, x, labels: torch.Tensor | None = None):
         if labels is not None and not self.is_last:

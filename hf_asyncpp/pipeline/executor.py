@@ -32,7 +32,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..config.recipe import Recipe
 from ..engine import StepResult, autocast, finite_step
-from ..model.build import enable_activation_checkpointing, materialise_stage
+from ..model.build import compile_layers, compile_wanted, enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
 from ..optim.lr import build_scheduler
@@ -108,6 +108,8 @@ class PipelineEngine:
         if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
             materialise_stage(stages[topo.stage], model, recipe.model)
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
+        if compile_wanted(recipe.training.torch_compile):
+            compile_layers(self.stage.decoder_layers(), recipe.training.torch_compile_backend)
         del stages
         self.first, self.last = topo.first, topo.last
         self.params = dict(self.stage.named_parameters())
