@@ -114,6 +114,16 @@ def nan_worker(rank, world, recipe, batches):
     return res, sd
 
 
+def test_nonfinite_stop_ends_the_pipeline_naming_the_step_without_a_sync_at_step():
+    """``on_nonfinite: stop`` (the default): STEP never reads the norm back (the clip coefficient stays on the
+    device); step NAN_STEP's report raises NonFiniteError naming that step on every rank, as the single process does."""
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(nan_worker, 2, make_recipe(LLAMA, "2bw", 2, 2, 2, "muon", True), make_batches(6, 2, 2, 11))
+    text = str(err.value)
+    assert "NonFiniteError" in text and f"step {NAN_STEP}: non-finite gradient norm nan" in text, text[-3000:]
+    assert "training.on_nonfinite: stop" in text
+
+
 def test_nonfinite_skip_under_delay_matches_reference():
     """A NaN batch under 2BW skips exactly its own update in the executor and in ``simulate_delay: 1`` (the decision
     is taken on the gradient being applied): same applied/skipped steps, losses and weights after 6 steps."""

@@ -142,6 +142,10 @@ class TrainingConfig:
     peak_tflops: Optional[float] = field(default=None, metadata=_range(lo=0.0, lo_open=True))
     """Peak dense TFLOP/s of one device, for ``train/mfu`` (known GPUs are looked up; CPUs have no MFU)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose gradient norm (or loss) is not finite: ``stop`` ends the run with a ``NonFiniteError`` naming the
+    step, its checkpoints as they were (a pipeline finds out when the step's report lands, so STEP never waits for
+    the device); ``skip`` leaves the weights as they were and counts it (``skipped_nonfinite`` in metrics.jsonl):
+    deciding before the step, it reads the norm back once per step."""
     torch_threads: Optional[int] = field(default=None, metadata=_range(lo=1))
     """Intra-op threads per process (None: 1 per rank when several ranks share the CPU)."""
     stop_after_steps: Optional[int] = field(default=None, metadata=_range(lo=1))

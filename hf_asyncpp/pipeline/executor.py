@@ -145,7 +145,8 @@ class PipelineEngine:
         self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm, owner_of=self.owner_of)
         self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p,
                        poll=polls(rc.recv_wait, self.device, ranks_on_this_node(topo.world_size)))
-        self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s)
+        self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s,
+                                   stop_on_nonfinite=recipe.training.on_nonfinite == "stop")
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
         # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of
         # each in-flight microbatch holding autocast's own (versions.py); False keeps autocast's per-microbatch casts
@@ -310,18 +311,22 @@ class PipelineEngine:
 
     def _do_step(self, a: Action, w: _Window) -> None:
         k = a.step
-        grads, norm = self.reducer.result(k)
+        grads, norm = self.reducer.result(k)  # on the device
         cfg = self.recipe.training
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = finite_step(k, norm, cfg.on_nonfinite)
+        if cfg.on_nonfinite == "skip":  # skipping needs the decision on the host before the step: its one read
+            norm = float(norm)
+            finite = finite_step(k, norm, cfg.on_nonfinite)
+        else:  # stop: nothing waits for the device here; a non-finite norm ends the run when step k's report lands
+            finite = True
         self.versions.prepare_update()
         if self.track_memory and hasattr(self.optimizer, "error_feedback"):
             # the correction clones every parameter with a gradient for the step (optim/ef.py: ``transient``)
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
-            coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm else 1.0
-            if coef != 1.0 and grads:
-                torch._foreach_mul_(list(grads.values()), coef)  # the clip in one kernel
+            if cfg.max_grad_norm and grads:  # the clip in one kernel, its coefficient where the norm is
+                coef = cfg.max_grad_norm / (norm + 1e-6)
+                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef.clamp(max=1.0))
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
                 self.params[n].grad = g
             self.optimizer.step()
@@ -339,7 +344,8 @@ class PipelineEngine:
         loss = w.loss_sums.pop(k) / w.m if self.last else None
         values = getattr(self.optimizer, EF_KEY, {}).get("values")  # ef_lambda: learned, one per group
         lam = torch.stack([values[i] for i in self.lam_reported]).sum() if values and self.lam_reported else None
-        self.reports.post(k, loss, norm if self.global_norm else None, lr, finite, lam, len(self.lam_reported) if values else 0)
+        self.reports.post(k, loss, norm, lr, finite, lam, len(self.lam_reported) if values else 0,
+                          log_norm=self.global_norm)
 
     def _broadcast_new_version(self) -> None:
         """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in the same order on each, at

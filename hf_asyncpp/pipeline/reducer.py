@@ -178,8 +178,10 @@ class Reducer:
             job = self.jobs.popleft()
             self.done[job.key] = job
 
-    def result(self, key: int) -> tuple[dict[str, torch.Tensor], float]:
-        """Step ``key``'s reduced gradients and global grad norm (waits for what is still in flight)."""
+    def result(self, key: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Step ``key``'s reduced gradients and grad norm, a 0-dim float64 tensor on the device (waits for the
+        collectives still in flight; never for the device: the norm is read back only where a caller must decide on
+        the host)."""
         while key not in self.done:
             if not self.jobs:
                 raise RuntimeError(f"rank {self.topo.rank}: step {key} was never submitted for reduction")
@@ -189,7 +191,7 @@ class Reducer:
         grads, sq = self.done.pop(key).result
         if self.side is not None and sq.is_cuda:
             torch.cuda.current_stream(sq.device).wait_stream(self.side)  # the optimizer reads the reduced grads
-        return grads, float(sq.sqrt())  # the step's one host sync (clipping, the non-finite check, the log)
+        return grads, sq.sqrt()
 
     def close(self) -> None:
         for job in list(self.jobs):  # a failed run: let what is in flight finish or time out

@@ -7,8 +7,11 @@ stage adds its groups' lambdas (a group tied across stages on its lowest stage o
 over the groups, as the single-process reference logs it. Ranks post in step order, so the collectives match. ``ready`` returns
 the completed reports in step order without waiting; ``drain`` waits for all of them.
 
-On CUDA the loss is copied to pinned host memory without a host sync; its all-reduce is posted once that copy has
-landed (``ready`` checks, once per action), so reporting costs the last stage no sync per step.
+On CUDA the loss and the grad norm are copied to pinned host memory without a host sync; the all-reduce is posted
+once that copy has landed (``ready`` checks, once per action), so reporting costs no sync per step. The values are
+read off the host buffers whole (``tolist``), and under ``training.on_nonfinite: stop`` a non-finite norm raises
+``NonFiniteError`` naming its step when its report is delivered: the executor's STEP never waits for the device to
+decide it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..engine import StepResult
+from ..engine import StepResult, finite_step
 from ..errors import PeerFailure
 
 
@@ -27,9 +30,10 @@ from ..errors import PeerFailure
 class _Report:
     step: int
     buf: torch.Tensor  # float64 [3] on the host: loss, lambdas' sum, their count
-    norm: float | None
+    norm: float | torch.Tensor | None  # the step's grad norm: a host float, or a float64 [1] host buffer filled async
     lr: float
     finite: bool
+    log_norm: bool = True  # a global norm, reported; a stage-local one is only checked
     copied: object = None  # CUDA event: the loss's copy to ``buf`` has landed
     work: object = None  # the all-reduce, once posted
 
@@ -37,14 +41,15 @@ class _Report:
 class StepReports:
     """Per-step results delivered without blocking any stage (see the module doc)."""
 
-    def __init__(self, group, dp_size: int, timeout_s: float):
+    def __init__(self, group, dp_size: int, timeout_s: float, stop_on_nonfinite: bool = True):
         self.group, self.dp_size, self.timeout = group, dp_size, timedelta(seconds=timeout_s)
+        self.stop_on_nonfinite = stop_on_nonfinite
         self.pending: deque[_Report] = deque()
 
-    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | None, lr: float, finite: bool,
-             lam_sum: torch.Tensor | None = None, lam_count: int = 0) -> None:
-        r = _Report(step, torch.zeros(3, dtype=torch.float64), norm, lr, finite)
-        on_device = [t for t in (loss_mean, lam_sum) if t is not None]
+    def post(self, step: int, loss_mean: torch.Tensor | None, norm: float | torch.Tensor | None, lr: float,
+             finite: bool, lam_sum: torch.Tensor | None = None, lam_count: int = 0, log_norm: bool = True) -> None:
+        r = _Report(step, torch.zeros(3, dtype=torch.float64), norm, lr, finite, log_norm=log_norm)
+        on_device = [t for t in (loss_mean, lam_sum, norm) if isinstance(t, torch.Tensor)]
         if on_device and on_device[0].is_cuda:  # one asynchronous copy to pinned memory: no host sync
             dev = on_device[0].device
             zero = torch.zeros((), dtype=torch.float64, device=dev)
@@ -53,13 +58,18 @@ class StepReports:
                                 torch.full((), float(lam_count), dtype=torch.float64, device=dev)])
             r.buf = r.buf.pin_memory()
             r.buf.copy_(vals, non_blocking=True)
+            if isinstance(norm, torch.Tensor):
+                r.norm = torch.empty(1, dtype=torch.float64).pin_memory()
+                r.norm.copy_(norm.reshape(1), non_blocking=True)
             r.copied = torch.cuda.Event()
             r.copied.record()
         else:
             if loss_mean is not None:
-                r.buf[0] = loss_mean.to("cpu", torch.float64)
+                r.buf[0] = loss_mean.detach().reshape(())
             if lam_sum is not None:
-                r.buf[1], r.buf[2] = float(lam_sum), float(lam_count)
+                r.buf[1], r.buf[2] = lam_sum, lam_count
+            if isinstance(norm, torch.Tensor):
+                r.norm = norm.detach().reshape(1).to(torch.float64, copy=True)
         self.pending.append(r)
         self._post_landed()
 
@@ -82,8 +92,12 @@ class StepReports:
         except RuntimeError as e:
             raise PeerFailure(f"the loss report of step {r.step} did not arrive within "
                               f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
-        lam = float(r.buf[1] / r.buf[2]) if r.buf[2] > 0 else None
-        return StepResult(r.step, float(r.buf[0] / self.dp_size), r.norm, r.lr, r.finite, not r.finite, lam)
+        loss, lam_sum, lam_count = r.buf.tolist()  # read off the host buffer whole: no scalar reads, no sync
+        norm = r.norm.tolist()[0] if isinstance(r.norm, torch.Tensor) else r.norm
+        if self.stop_on_nonfinite and norm is not None:
+            finite_step(r.step, norm, "stop")  # NonFiniteError naming the step, as the executor's STEP would have
+        return StepResult(r.step, loss / self.dp_size, norm if r.log_norm else None, r.lr, r.finite, not r.finite,
+                          lam_sum / lam_count if lam_count > 0 else None)
 
     def ready(self) -> list[StepResult]:
         self._post_landed()
