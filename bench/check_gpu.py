@@ -78,8 +78,11 @@ def test_part3_per_action_overhead(tiny):
         assert kinds[a]["count"] > 0 and kinds[a]["host_us"] > 0, a
     assert kinds["F"]["count"] == kinds["B"]["count"] == 4 * res["steps"]
     assert math.isfinite(res["loop_us_per_action"]) and res["loop_us_per_action"] >= 0
-    assert res["item_per_step"] > 0 and res["sources"]  # where a GPU would sync, named
-    assert any("reducer.py" in where for _, _, where in res["sources"])
+    # no code of the stage's reads a value back (where a GPU would sync, the dispatch mode names it): not the mask
+    # probe, the grad norm, the optimizer or the report. The profiler's count may hold reads inside a kernel: on CPU
+    # torch's fused AdamW reads its step counters from host memory (on CUDA it reads them on the device)
+    assert res["sources"] == [], res["sources"]
+    assert res["item_per_step"] >= 0
 
 
 def test_report_names_every_part(tiny):

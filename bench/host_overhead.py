@@ -7,7 +7,9 @@ The counts come from a ``TorchDispatchMode`` (``hf_asyncpp.testing.HostOps``) ov
 steady state. They depend on the code and on the model's topology (layers, tensors, shape classes), not on its width
 or on how busy the machine is, so a 2-core CPU run gives what a GPU's host dispatches for the same stage: the host's
 share of a GPU step is these ops times the host's cost per op. A scalar read (``.item()``, ``float(t)``) of a tensor
-on the device is a host sync there. ``tests/test_host_overhead.py`` holds the targets.
+on the device is a host sync there; reads inside one kernel are not dispatched and not counted (on CPU torch's
+fused AdamW reads its step counters from host memory; on CUDA it reads them on the device, with no sync).
+``tests/test_host_overhead.py`` holds the targets.
 
 Layouts: smollm2-360m (32 Llama layers, tied embedding: 290 tensors, 224 of them Muon matrices) and moe-2b (Qwen3-MoE
 experts as 3-D stacks), each as one stage (2BW, m = 4, Muon + EF, bf16 weight versions: ``training.bf16``) at
