@@ -32,8 +32,9 @@ error, a hang) becomes a row of the table and the other parts still run.
    fast path is bf16; other dtypes loop over the groups after ``offs.cpu()``, a host sync), and under
    torch.compile transformers swaps in its own per-expert fallback op (each row's note says which path ran). Timed
    with CUDA events, synchronized only at the end of each timed region. Reported: tokens/s, TFLOP/s = 6 x active
-   parameters x tokens/s (active: every parameter that multiplies, the input embedding of an untied model being a
-   lookup; expert tensors x top-k / experts; attention's score FLOPs are left out), MFU against the device's dense
+   parameters x tokens/s plus attention's 12 L H Q T per token (torchtitan's convention; active: every parameter
+   that multiplies, the input embedding of an untied model being a lookup; expert tensors x top-k / experts; before
+   2026-11-27 attention was left out, 0.74x this count at smollm2-360m's shape), MFU against the device's dense
    bf16 peak (H100 SXM / H200: 989 TFLOP/s; unknown device: n/a), stage / plain, and peak memory (the stage holds
    k microbatches, the plain model one), host syncs per microbatch (``torch.cuda.set_sync_debug_mode``; the
    calling thread's), and for compiled variants the graphs, graph breaks and their reasons. Why: the executor adds
@@ -306,6 +307,14 @@ def active_params(model) -> tuple[int, float]:
     return total, active
 
 
+def attention_flops_per_token(cfg, seq: int) -> float:
+    """Attention's score and value FLOPs per token of a training step, ``12 L H Q T`` (torchtitan's
+    ``get_num_flop_per_token``: layers, heads, head dim, sequence), which ``6 x active parameters`` leaves out."""
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 12.0 * cfg.num_hidden_layers * heads * head_dim * seq
+
+
 def _experts_dtype_probe(model, run) -> str | None:
     """Which dtype transformers' grouped GEMM got in one forward (and whether its kernel or its fallback ran)."""
     try:
@@ -523,7 +532,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
             _free(device)
             continue
         row = {"model": spec["name"], "variant": label, "mbs": mbs, "seq": seq, "k": k, "k_from": spec["k_from"],
-               "params": n_total, "active": n_active}
+               "params": n_total, "active": n_active, "attention_flops": attention_flops_per_token(cfg, seq)}
         try:
             if experts is not None:
                 _set_experts(model, experts)
@@ -579,7 +588,8 @@ def _contrast(model, label, experts, spec, mbs, n_total, n_active, measure, plai
     import copy
 
     row = {"model": spec["name"], "variant": label, "mbs": mbs, "seq": spec["seq"], "k": spec["k"],
-           "k_from": spec["k_from"], "params": n_total, "active": n_active, "plain_only": True}
+           "k_from": spec["k_from"], "params": n_total, "active": n_active, "plain_only": True,
+           "attention_flops": attention_flops_per_token(model.config, spec["seq"])}
     lo = None
     try:
         lo = copy.deepcopy(model).to(torch.bfloat16)
@@ -633,7 +643,7 @@ def render_part1(res: dict, info: dict) -> list[str]:
         if "error" in r and "plain_tps" not in r:
             out.append(f"| {r['model']} | {r['variant']} | | | FAILED: {_cell(r['error'])} | | | | | | | | | |")
             continue
-        fl = 6 * r["active"]
+        fl = 6 * r["active"] + r.get("attention_flops", 0.0)  # torchtitan's convention: attention counted
         s, p = r.get("stage_tps"), r["plain_tps"]
         mfu = lambda tps: f"{tps * fl / (peak * 1e12):.1%}" if (peak and tps) else "n/a"
         note = "; ".join(x for x in (r.get("compile"), r.get("experts_note"), r.get("error")) if x)
