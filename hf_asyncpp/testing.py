@@ -103,10 +103,9 @@ def run_workers(fn, world: int, *args, backend: str | None = "gloo", threads: in
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def stage_memory_report(rank: int, world: int, recipe: dict, steps: int = 3) -> dict:
-    """One stage's ``PipelineEngine.memory_report`` after ``steps`` tracked steps of ``recipe`` (a recipe dict, so it
-    pickles): a worker for :func:`run_workers` with ``world`` = the recipe's stages. What the planner is checked
-    against (``pipeline.memtrack.agreement``)."""
+def _stage_engine(rank: int, world: int, recipe: dict):
+    """This rank's ``PipelineEngine`` of ``recipe`` (a recipe dict; the model seeded with 0) and a function giving
+    ``n`` steps of random token ids of the recipe's shape."""
     # imported here: every spawned worker imports this module, most of them for other functions
     from .config.recipe import recipe_from_dict
     from .model.build import build_model
@@ -117,12 +116,18 @@ def stage_memory_report(rank: int, world: int, recipe: dict, steps: int = 3) -> 
     torch.manual_seed(0)
     eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
                          log=lambda *a: None)
-    p = r.pipeline
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size, r.data.seq_len),
-                             generator=g) for _ in range(steps)]
+    p, g = r.pipeline, torch.Generator().manual_seed(0)
+    return eng, lambda n: [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size,
+                                                                     r.data.seq_len), generator=g) for _ in range(n)]
+
+
+def stage_memory_report(rank: int, world: int, recipe: dict, steps: int = 3) -> dict:
+    """One stage's ``PipelineEngine.memory_report`` after ``steps`` tracked steps of ``recipe`` (a recipe dict, so it
+    pickles): a worker for :func:`run_workers` with ``world`` = the recipe's stages. What the planner is checked
+    against (``pipeline.memtrack.agreement``)."""
+    eng, batches = _stage_engine(rank, world, recipe)
     eng.track_memory = True
-    eng.train_steps(batches, 0)
+    eng.train_steps(batches(steps), 0)
     out = eng.memory_report()
     eng.close()
     return out
@@ -203,20 +208,7 @@ def host_ops_per_step(rank: int, world: int, recipe: dict, warmup: int = 2, step
     after ``warmup`` (the first steps build the optimizer state and the weight versions). A worker for
     :func:`run_workers`: {"actions": {kind: {"ops", "launching", "calls"}}, "reads_per_step": {(kind, line): n},
     "tensors": {"muon": n, "adamw": n}}."""
-    # imported here: every spawned worker imports this module, most of them for other functions
-    from .config.recipe import recipe_from_dict
-    from .model.build import build_model
-    from .pipeline.executor import PipelineEngine
-    from .topology import Topology
-
-    r = recipe_from_dict(recipe)
-    torch.manual_seed(0)
-    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
-                         log=lambda *a: None)
-    p = r.pipeline
-    g = torch.Generator().manual_seed(0)
-    batches = lambda n: [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size,
-                                                                    r.data.seq_len), generator=g) for _ in range(n)]
+    eng, batches = _stage_engine(rank, world, recipe)
     eng.train_steps(batches(warmup), 0)
     mode = HostOps()
     mode.watch(eng)
