@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from .errors import RecipeError  # noqa: E402  (a leaf: no import of its own)
+
 
 def __getattr__(name):
     # Lazy: `import hf_asyncpp` must stay cheap (transformers imports take seconds).
@@ -13,8 +15,4 @@ def __getattr__(name):
         from .config import recipe
 
         return getattr(recipe, name)
-    if name == "RecipeError":
-        from .errors import RecipeError
-
-        return RecipeError
     raise AttributeError(name)
