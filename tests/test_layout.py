@@ -28,8 +28,8 @@ LAYERS = (
     ("cli",),  # the commands; cli/train.py is the one entry point of a training process
     ("__main__",),
 )
-"""Floors of the package, lowest first. The root ``hf_asyncpp/__init__.py`` (the version and three lazy names) is
-no floor: any unit may read ``__version__``."""
+"""Floors of the package, lowest first. The root ``hf_asyncpp/__init__.py`` (the version, ``RecipeError`` and two lazy
+names) is no floor: any unit may read ``__version__``."""
 FLOOR = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 PURE = "schedules"
 PURE_ALLOWED = {"matplotlib"}  # the timeline's drawing, imported where it draws
