@@ -25,6 +25,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "tensorboard>=2.15",
+        "psutil>=5.9",  # the launcher passes a second Ctrl-C on to its workers (accelerate needs it too)
     ],
     extras_require={
         # lm-evaluation-harness as a scorer (eval.backend: lm_eval); the parity test runs it too

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from . import supervision
 from .config.recipe import Recipe
 from .errors import NonFiniteError
 from .model.build import compile_layers, compile_wanted, enable_activation_checkpointing
@@ -60,6 +61,34 @@ def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | No
     return False
 
 
+@dataclass
+class SkipLimit:
+    """``training.on_nonfinite: skip`` gives up: a run whose updates are all skipped has stopped training, and must
+    not save, export and exit 0 as if it had. Fed every step's result in order, the same on every rank (the skip
+    decision is taken on the global norm), so every rank stops at the same step."""
+
+    max_consecutive: int
+    max_total: int  # ``max_skipped_fraction`` of ``max_steps``
+    consecutive: int = 0
+    total: int = 0
+
+    def see(self, r: StepResult) -> None:
+        if not r.skipped_nonfinite:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.consecutive >= self.max_consecutive or self.total > self.max_total:
+            why = (f"{self.consecutive} steps in a row (training.max_consecutive_skips: {self.max_consecutive})"
+                   if self.consecutive >= self.max_consecutive else
+                   f"{self.total} steps since the run started, more than training.max_skipped_fraction of max_steps "
+                   f"({self.max_total})")
+            raise NonFiniteError(
+                f"step {r.step + 1}: non-finite gradients skipped in {why}; the model has stopped training, so the run "
+                "stops here (training.on_nonfinite: skip). Resume from a checkpoint before the trouble with a lower "
+                "optimizer.learning_rate (or more warm-up)")
+
+
 class Engine(Protocol):
     """What the trainer drives; ``LocalEngine`` and ``pipeline.executor.PipelineEngine`` implement it."""
 
@@ -73,6 +102,12 @@ class Engine(Protocol):
         """Steps [first_step, first_step + num_steps), one batch pulled per step (None: a middle pipeline stage, which
         uses no ids); each step's result yielded in order as soon as it is known. Exhausting the iterator leaves the
         engine drained (ready to save or evaluate)."""
+
+    stopped: bool
+    """The last ``run`` ended before its last step, at a stop (a signal, ``supervision``) every rank agreed to."""
+
+    def agree_stop(self) -> bool:
+        """At a drain point: whether a stop signal reached any rank (collective)."""
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]: ...
 
@@ -163,13 +198,19 @@ class LocalEngine:
         self.delay = DelaySimulator(recipe.optimizer.simulate_delay, *stage_parameter_lists(model, recipe),
                                     start_step=recipe.optimizer.delay_start_step)
         self.nonfinite_skipped = 0
+        self.stopped = False  # the last ``run`` ended early, at a stop every replica agreed to
+        self._stop_vote = False  # the last step's: a stop signal reached this process (or a replica) by then
 
     # ------------------------------------------------------------------ training
     def _allreduce_grads(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The replicas' mean gradients and loss; the stop votes travel in the same all-reduce."""
+        vote = supervision.stop_requested()
         if self.topo.dp_size == 1:
+            self._stop_vote = vote
             return loss_sum
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1).to(grads[0])])
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1).to(grads[0]),
+                                                          torch.full((1,), float(vote)).to(grads[0])])
         dist.all_reduce(flat)
         flat /= self.topo.dp_size
         offset = 0
@@ -177,7 +218,8 @@ class LocalEngine:
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(g).clone()
             offset += n
-        return flat[-1]
+        self._stop_vote = bool(flat[-1] > 0)
+        return flat[-2]
 
     def _one_step(self, step: int, batch: torch.Tensor) -> StepResult:
         """batch: (num_microbatches, microbatch_size, seq_len) token ids of this dp rank."""
@@ -212,8 +254,19 @@ class LocalEngine:
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)
+        self.stopped = False
         for k in range(first_step, first_step + num_steps):
             yield self._one_step(k, next(batches))
+            if self._stop_vote and k + 1 < first_step + num_steps:  # every replica read the same vote
+                self.stopped = True
+                return
+
+    def agree_stop(self) -> bool:
+        """At a drain point: whether a stop signal reached any replica (collective where there are several)."""
+        vote = torch.full((1,), float(supervision.stop_requested()), device=self.device)
+        if self.topo.dp_size > 1:
+            dist.all_reduce(vote)
+        return bool(vote.item() > 0)
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         return list(self.run(batches, first_step, len(batches)))

@@ -57,3 +57,5 @@ EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troub
     (DataError, 6), (HubError, 8),
 )
 EXIT_ORPHANED = 7  # a rank whose launcher died (supervision.py)
+EXIT_STOPPED = 10  # stopped by one of training.stop_signals after saving a checkpoint: resumable, not finished
+EXIT_INTERRUPTED = 130  # a second SIGINT: stopped at once, nothing saved (the shell's code for Ctrl-C)

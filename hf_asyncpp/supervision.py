@@ -10,17 +10,26 @@ manifest was written after the launcher died is ever committed.
 
 Only ranks started by a launcher are watched (``LOCAL_RANK`` in the environment): a single process started from
 a shell may outlive it on purpose (``nohup``).
+
+The other way round, a scheduler that wants the run to end (SLURM's preemption or time limit, ``scancel``, a
+Ctrl-C) sends a signal: :func:`stop_on` makes the ``training.stop_signals`` only note that a stop was asked for
+(:func:`stop_requested`), so that every rank finishes its step, agrees on one last step with the others, saves a
+checkpoint there and exits (``run/trainer.py``; the executor reads the note at step boundaries). A second SIGINT
+stops at once (``KeyboardInterrupt``), as an impatient Ctrl-C expects.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
+
 from .errors import EXIT_ORPHANED
 
 _PARENT_AT_IMPORT = os.getppid()  # imported early by the trainer: narrows the window before watch_parent runs
 _watched: list[int] = []
+_stop_signal: list[int] = []  # the first stop signal received, if any
 
 
 def launched() -> bool:
@@ -66,3 +75,49 @@ def _orphaned() -> None:
     except (OSError, ValueError):  # the launcher's end of stderr may be gone with it
         pass
     os._exit(EXIT_ORPHANED)
+
+
+# ---------------------------------------------------------------------------- stop signals
+
+
+def stop_on(names: list[str]) -> list[int]:
+    """Make the named signals (``SIGTERM``, ``SIGUSR1``, ...) ask for a stop instead of killing the process; the
+    signal numbers handled. Only the main thread may install handlers: elsewhere (a test's thread) nothing is done."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    handled = []
+    for name in names:
+        sig = signal.Signals[name]
+        signal.signal(sig, _note_stop)
+        handled.append(int(sig))
+    return handled
+
+
+def _note_stop(signum: int, frame) -> None:
+    if not _stop_signal:
+        _stop_signal.append(signum)
+    elif signum == signal.SIGINT:  # a second Ctrl-C: now
+        raise KeyboardInterrupt
+    if signum == signal.SIGINT:  # the next one takes Python's default: KeyboardInterrupt where the process is
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_requested() -> bool:
+    """Whether a stop signal reached this process."""
+    return bool(_stop_signal)
+
+
+def stop_signal_name() -> str | None:
+    """The stop signal this process received (``SIGTERM``), None if none did."""
+    return signal.Signals(_stop_signal[0]).name if _stop_signal else None
+
+
+def request_stop(signum: int = signal.SIGTERM) -> None:
+    """Note a stop as the signal ``signum`` would (tests, and an embedding program that wants the run to end)."""
+    if not _stop_signal:
+        _stop_signal.append(int(signum))
+
+
+def clear_stop() -> None:
+    """Forget a noted stop (a second run in the same process)."""
+    _stop_signal.clear()

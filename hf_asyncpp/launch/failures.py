@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..errors import EXIT_CODES, EXIT_PEER, RecipeError, WriteError
+from ..errors import EXIT_CODES, EXIT_PEER, EXIT_STOPPED, RecipeError, WriteError
 from ..storage.write import write_file
 
 DEBUG_FLAG = "--debug"
@@ -115,6 +115,13 @@ def _tell_torchrun(line: str) -> None:
         pass
 
 
+def leave_for_launcher(line: str, code: int) -> bool:
+    """Under ``hf-asyncpp train``'s own launcher (``ERROR_DIR`` set): leave the run's last line (a stop's, an
+    interrupt's) for the launcher to print once, True; elsewhere False (print it here)."""
+    folder = os.environ.get(ERROR_DIR)
+    return bool(folder) and _leave(Path(folder), line, code, False)
+
+
 def _leave(folder: Path, line: str, code: int, gone: bool) -> bool:
     """Leave the error for the starting process to print; False when it cannot be written (then print it here)."""
     record = {"line": line, "code": code, "peer_gone": gone, "time": time.time()}
@@ -129,6 +136,19 @@ def _write_json(path: Path, record: dict) -> None:
     """A failure record, through the run's one write path (not fsynced: it is read once the rank has exited)."""
     text = json.dumps(record)
     write_file(path, lambda f: f.write(text.encode("utf-8")), fsync=False)
+
+
+def stop_record(folder: Path) -> tuple[str, int] | None:
+    """The line and exit code a stopped run's main rank left (``leave_for_launcher``) when the workers all exited 0
+    (a stop under ``--max-restarts``), else None."""
+    for path in folder.glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not record["peer_gone"]:
+            return record["line"], EXIT_STOPPED
+    return None
 
 
 def first_error(failures: dict, folder: Path) -> tuple[str, int]:

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,15 +30,17 @@ import zlib
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
+import psutil
 import torch
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ..config.recipe import CHECKED, Recipe
 from ..errors import LaunchError
 from ..schedules.records import processes_per_pipeline
 from ..storage.shipped import shipped_file
-from .failures import DEBUG_ENV, ERROR_DIR, first_error
+from .failures import DEBUG_ENV, ERROR_DIR, first_error, stop_record
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -294,10 +297,14 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
             os.environ["ACCELERATE_USE_CPU"] = "1"  # gloo process groups; the stages still compute on the GPU
     print(f"hf_asyncpp: pipeline.num_stages={n} needs {n} processes and 1 was started: starting {n} local processes "
           f"({how}; set {NO_SPAWN}=1 to launch them yourself)", flush=True)
-    args = torchrun.get_args_parser().parse_args(
-        ["--standalone", f"--nproc_per_node={n}", "--module", "hf_asyncpp.cli.train", *argv])
     with tempfile.TemporaryDirectory(prefix="hf_asyncpp-errors-") as errors:
-        env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {})}
+        # torchrun's own logs in the folder removed at the end (else one /tmp/torchelastic_* per run, never removed)
+        args = torchrun.get_args_parser().parse_args(
+            ["--standalone", f"--nproc_per_node={n}", f"--max-restarts={recipe.training.max_restarts}",
+             f"--log-dir={Path(errors) / 'torchelastic'}", "--module", "hf_asyncpp.cli.train", *argv])
+        env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX,
+               # torchrun hands these to the workers (and waits for them to save) instead of dying; SIGUSR1 too
+               "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(dict.fromkeys([*recipe.training.stop_signals, *_TORCHRUN_SIGNALS]))}
         with _environment(env), _torchrun_quiet(not debug):
             try:
                 torchrun.run(args)
@@ -305,7 +312,37 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
                 line, code = first_error(e.failures, Path(errors))
                 print(line, file=sys.stderr, flush=True)
                 return code
+            except SignalException as e:  # torchrun sent the signal on to the workers and waited for them to stop
+                _interrupt_workers(e.sigval)
+                line, code = first_error({}, Path(errors))
+                print(line, file=sys.stderr, flush=True)
+                return code
+        stopped = stop_record(Path(errors))  # stopped by a signal sent to the workers alone, under --max-restarts
+    if stopped:
+        print(stopped[0], file=sys.stderr, flush=True)
+        return stopped[1]
     return 0
+
+
+RESTART_FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torch 2.13: a worker group restarted by torchrun (``--max-restarts``) fails in gloo's ``connectFullMesh ...
+Connection refused`` when the rendezvous store is shared with the workers (pytorch/pytorch#135712, #167288); with
+the store not shared a restart resumes bitwise (docs/troubleshooting.md). Set for the torchrun started here; a user's
+own torchrun needs it in its environment."""
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default set
+
+
+def _interrupt_workers(sig: signal.Signals) -> None:
+    """A second SIGINT reached the launcher while torchrun waited for the workers to save: they are in their own
+    sessions and did not see it, so it is sent on (each then stops at once); a launcher that exited instead would
+    leave them to notice they are orphans."""
+    if sig != signal.SIGINT:
+        return
+    workers = psutil.Process().children(recursive=True)
+    for w in workers:
+        with contextlib.suppress(psutil.Error):
+            w.send_signal(signal.SIGINT)
+    psutil.wait_procs(workers, timeout=30)
 
 
 def launch_command(recipe: Recipe, recipe_path: str) -> str:

@@ -11,13 +11,19 @@ stage's STEP, so at STEP{k} each rank posts a non-blocking all-reduce of step k'
 reporting waits on a peer; the pipeline drains only at the end of a ``run`` call, which the trainer makes only
 where the numbers need it (a checkpoint, an evaluation, the end).
 
+Stopping. A stop signal (``supervision``) is voted in step k's report; at its first action of step k + STOP_LAG every
+rank reads that vote (the same sum everywhere) and, when it says stop, runs the list of the window that ends after
+that step instead: the actions it has run so far are a prefix of that list (checked here, proven for every schedule
+in the tests), so every stage drains at the same step and the trainer saves a checkpoint there.
+
 Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report
-and, while a reduction is in flight on gloo, of its phase.
+and, while a reduction is in flight on gloo, of its phase; per step, one look at a delivered stop vote.
 Batches are pulled from the iterator at a step's first forward and dropped after its last; receives of known
 shape are posted one ahead (see ``P2P.post``).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +36,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .. import supervision
 from ..config.recipe import Recipe
 from ..engine import StepResult, autocast, finite_step
 from ..model.build import compile_layers, compile_wanted, enable_activation_checkpointing, materialise_stage
@@ -51,6 +58,10 @@ from .versions import Hold, Versions, find_casts
 __all__ = ["PipelineEngine"]
 
 T = ActionType
+STOP_LAG = 3
+"""A stop vote cast at STEP{k} is read at each rank's first action of step k + STOP_LAG: every stage has run STEP{k}
+two steps before that (tests/test_stop_signals.py checks every schedule), so its report has been posted everywhere
+and has normally landed; one more step keeps the first stage, which runs ahead, from waiting for it."""
 
 
 @dataclass
@@ -155,6 +166,7 @@ class PipelineEngine:
         # otherwise show launch times and put the GPU time into the receives)
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.nonfinite_skipped = 0
+        self.stopped = False  # the last ``run`` ended early, at a stop every rank agreed to
         self.peak_inflight = 0
         self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
         self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1,
@@ -183,8 +195,8 @@ class PipelineEngine:
             head = next(batches)
             w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
                         end_step=first_step + num_steps)
-        actions = self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
-                                              first_step, self.recipe.pipeline.extra_warmup)
+        self.stopped = False
+        actions = self._window_actions(w, num_steps)
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
         reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
         clock = time.perf_counter
@@ -215,6 +227,40 @@ class PipelineEngine:
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         """``run`` over a list, collected (drained at the end)."""
         return list(self.run(batches, first_step, len(batches)))
+
+    def _actions(self, w: _Window, num_steps: int) -> Iterator[Action]:
+        return self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
+                                           w.first_step, self.recipe.pipeline.extra_warmup)
+
+    def _window_actions(self, w: _Window, num_steps: int) -> Iterator[Action]:
+        """The window's actions, cut short after step s when the stop vote of step s - STOP_LAG says stop."""
+        seen, done = w.first_step - 1, 0
+        for a in self._actions(w, num_steps):
+            if a.step > seen:  # this rank's first action of step a.step
+                seen = a.step
+                if seen + 1 < w.end_step and seen - STOP_LAG >= w.first_step and self.reports.stop_vote(seen - STOP_LAG):
+                    yield from self._stopped_after(seen, done, w, num_steps)
+                    return
+            yield a
+            done += 1
+
+    def _stopped_after(self, last: int, done: int, w: _Window, num_steps: int) -> Iterator[Action]:
+        """The rest of the window that ends after step ``last``, whose list begins with the ``done`` actions run."""
+        short = self._actions(w, last + 1 - w.first_step)
+        for ran, planned in zip(itertools.islice(self._actions(w, num_steps), done), itertools.islice(short, done)):
+            if ran != planned:
+                raise RuntimeError(f"pipeline: stopping after step {last}, stage {self.topo.stage} has run {ran}, which "
+                                   f"the shorter window does not run there ({planned}); schedule "
+                                   f"{self.schedule.name!r} cannot stop early")
+        w.end_step = last + 1
+        self.stopped = True
+        yield from short
+
+    def agree_stop(self) -> bool:
+        """At a drain point: whether a stop signal reached any rank (collective, on the report group)."""
+        vote = torch.tensor([1.0 if supervision.stop_requested() else 0.0], dtype=torch.float64)
+        dist.all_reduce(vote, group=self.groups.report)
+        return bool(vote.tolist()[0] > 0)
 
     def _batch(self, w: _Window, k: int) -> torch.Tensor | None:
         if w.batches is None:  # a middle stage: no data

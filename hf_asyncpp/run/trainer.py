@@ -24,7 +24,7 @@ from ..config.recipe import Recipe, save_recipe
 from ..data.prefetch import Prefetcher
 from ..data.stream import BlockStream, eval_blocks, resolve_data_files, train_hold_out
 from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
-from ..engine import Engine, LocalEngine
+from ..engine import Engine, LocalEngine, SkipLimit
 from ..errors import RecipeError, StageLocalError
 from ..launch.spawn import launch_command, processes_needed
 from ..model.build import build_model, meta_model
@@ -32,12 +32,12 @@ from ..pipeline.autosplit import auto_split
 from ..pipeline.executor import PipelineEngine
 from ..pipeline.profile import write_report
 from ..schedules.records import pipelined
-from ..storage.names import LOGS_DIR, RECIPE_FILE, TOKENIZER_DIR
+from ..storage.names import LOGS_DIR, RECIPE_FILE, TOKENIZER_DIR, checkpoint_name
 from ..storage.write import check_output_dir, writing
-from ..topology import Topology, local_device
+from ..topology import Topology, local_device, one_process_group
 from .checkpointer import Checkpointer, RunState, check_model
 from .evaluator import Evaluator
-from .folder import check_fresh_run, choose_resume
+from .folder import check_fresh_run, choose_resume, lock_output_dir, unlock_output_dir
 from .hub import Pusher
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .seeds import rank_seed, set_seed
@@ -110,7 +110,10 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
     t, rp = recipe.training, recipe.pipeline
     supervision.watch_parent()  # a rank never outlives its launcher
+    supervision.clear_stop()
+    supervision.stop_on(t.stop_signals)  # a scheduler's signal now asks for a checkpoint and a stop
     accelerator = make_accelerator(recipe)
+    one_process_group(pipelined(rp.schedule), timedelta(seconds=rp.collective_timeout_s))  # no launcher made one
     world, rank = accelerator.num_processes, accelerator.process_index
     check_topology(recipe, world, recipe_path)
     threads = t.torch_threads or (1 if world > 1 else None)
@@ -118,6 +121,8 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = check_output_dir(t.output_dir)
+    if accelerator.is_main_process:
+        lock_output_dir(out)  # one run per folder, before anything looks at it; held for the process's life
     topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
     resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
     if resume is None:  # a fresh run: never into another run's folder unless told to replace it
@@ -165,16 +170,26 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
 
     batches = stream  # None on a middle stage
+    skips = SkipLimit(t.max_consecutive_skips, int(t.max_skipped_fraction * t.max_steps))
+    saved_at = state.step if resume is not None else None  # the step of the newest checkpoint of this run
+    stopping = False
     runlog.restart_clock()
     try:
         for end in drain_points(state.step, recipe):
             for r in engine.run(batches, state.step, end - state.step):  # one stream; results arrive as known
                 state.step, state.tokens = r.step + 1, state.tokens + tokens_per_step
                 runlog.step(r, state.tokens)
-            if t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
+                skips.see(r)  # on_nonfinite: skip gives up, on every rank at the same step
+            # a stop signal: every rank agreed on the step in the stream, or agrees here, where all are drained
+            stopping = engine.stopped or engine.agree_stop()
+            if not stopping and t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
-            if (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps):
+            due = (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps)
+            if (due or stopping) and saved_at != state.step:
                 checkpointer.save(state, engine, stream)
+                saved_at = state.step
+            if stopping:
+                break
             runlog.restart_clock()
     except BaseException:
         runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
@@ -183,14 +198,19 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         if stream is not None:
             stream.close()  # the worker stops reading ahead: nothing after this point trains
     runlog.close()
-    if state.step < t.max_steps:  # stop_after_steps: checkpointed, nothing more to do
+    if stopping or state.step < t.max_steps:  # a stop signal or stop_after_steps: checkpointed, nothing more to do
         if pusher is not None:
             pusher.wait()
         engine.close()
         accelerator.end_training()
         if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
             pusher.raise_failures(out)
-        return {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process}
+        summary = {"step": state.step, "tokens": state.tokens, "stopped_early": True, "is_main": accelerator.is_main_process,
+                   "checkpoint": str(out / checkpoint_name(saved_at)) if saved_at is not None else None}
+        if stopping:
+            summary["stopped_by"] = supervision.stop_signal_name() or "a stop signal to another rank"
+        unlock_output_dir(out)
+        return summary
     last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
                **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
@@ -205,6 +225,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     accelerator.wait_for_everyone()
     engine.close()
     accelerator.end_training()
+    unlock_output_dir(out)
     if pusher is not None:  # every file is written: now a push that never landed fails the run
         pusher.raise_failures(out)
     return summary

@@ -34,6 +34,7 @@ PROFILE = "pipeline_profile.json"
 TIMELINE = "pipeline_timeline.png"
 EXPORT_DIR = "export"
 LOGS_DIR = "logs"
+RUN_LOCK = ".run.lock"  # held by a run's main process for its life (run/folder.py: lock_output_dir); never removed
 
 
 # what a finished or interrupted run leaves in its output_dir besides checkpoints (run/reporting.py, model/export.py and

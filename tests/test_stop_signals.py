@@ -1,0 +1,146 @@
+"""A scheduler's signal mid-run (SLURM's preemption and time limit, ``scancel``, Ctrl-C) under each launcher: every rank
+finishes its step, one checkpoint is saved at the step they agreed on, one line names it, and the resumed run equals
+one that was never stopped, bitwise. The stop-point rules themselves are proven in tests/test_stop_points.py."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from hf_asyncpp.errors import EXIT_STOPPED
+from dist_utils import free_port
+from support import ROOT, losses, write_recipe
+
+MAX_STEPS = 14
+SIGNAL_AT = 3  # metrics.jsonl's step when the signal is sent: the stop comes at most STOP_LAG + 1 steps later
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+HF_ASYNCPP = [sys.executable, "-m", "hf_asyncpp"]
+
+
+def _recipe(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    out = tmp_path / name
+    return write_recipe(tmp_path / f"{name}.yaml", out, max_steps=MAX_STEPS, save_steps=MAX_STEPS, logging_steps=1), out
+
+
+def _train(recipe: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*HF_ASYNCPP, "train", str(recipe), *overrides], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory):
+    recipe, out = _recipe(tmp_path_factory.mktemp("stop"), "straight")
+    r = _train(recipe)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return out
+
+
+def _last_step(out: Path) -> int:
+    try:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    except OSError:
+        return 0
+    return max((r.get("step", 0) for r in rows), default=0)
+
+
+def _ranks(launcher: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(launcher).children(recursive=True):
+        try:
+            if "RANK" in p.environ():
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False) -> tuple[int, str]:
+    """Start ``cmd`` (in its own session), send ``sig`` to the launcher (or to the ranks alone) once metrics.jsonl
+    reaches SIGNAL_AT, and return its exit code and output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while _last_step(out) < SIGNAL_AT and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the signal: " + proc.stdout.read()[-3000:]
+        for p in (_ranks(proc.pid) if to_ranks else [psutil.Process(proc.pid)]):
+            p.send_signal(sig)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, text
+
+
+def _stopped_step(text: str, sig: str, out: Path) -> int:
+    m = re.search(rf"stopped by {sig} at step (\d+): saved (\S+); resume with", text)
+    assert m, text[-3000:]
+    step = int(m.group(1))
+    assert SIGNAL_AT <= step < MAX_STEPS and Path(m.group(2)) == out / f"checkpoint-{step:07d}", text[-3000:]
+    assert (out / f"checkpoint-{step:07d}" / "manifest.json").exists()
+    assert "Traceback" not in text.split("stopped by")[0], text[-3000:]  # the ranks stopped cleanly
+    return step
+
+
+def _resumes_exactly(recipe: Path, out: Path, never_stopped: Path) -> None:
+    r = _train(recipe, "--training.resume_from_checkpoint=latest")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert losses(out) == losses(never_stopped)  # bitwise, every step
+    for s in ("00", "01"):
+        a = load_file(str(never_stopped / f"checkpoint-{MAX_STEPS:07d}" / f"stage-{s}.safetensors"))
+        b = load_file(str(out / f"checkpoint-{MAX_STEPS:07d}" / f"stage-{s}.safetensors"))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_sigterm_to_hf_asyncpp_train_saves_and_resumes_exactly(tmp_path, never_stopped):
+    """What SLURM's preemption and ``scancel`` send, to the launcher ``hf-asyncpp train`` started: one line, no
+    traceback, exit code EXIT_STOPPED."""
+    recipe, out = _recipe(tmp_path, "term")
+    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe)], out, signal.SIGTERM)
+    assert rc == EXIT_STOPPED, text[-3000:]
+    _stopped_step(text, "SIGTERM", out)
+    assert text.count("stopped by SIGTERM") == 1 and "Traceback" not in text, text[-3000:]
+    _resumes_exactly(recipe, out, never_stopped)
+
+
+def test_sigusr1_to_the_ranks_alone_saves_and_resumes_exactly(tmp_path, never_stopped):
+    """SLURM's ``--signal=USR1@120`` reaches the ranks (an srun step's tasks): they agree on a step among themselves."""
+    recipe, out = _recipe(tmp_path, "usr1")
+    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe)], out, signal.SIGUSR1, to_ranks=True)
+    assert rc == EXIT_STOPPED, text[-3000:]
+    _stopped_step(text, "SIGUSR1", out)
+    _resumes_exactly(recipe, out, never_stopped)
+
+
+def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
+    """torchrun passes SIGTERM on to the ranks and gives them its shutdown timeout (30 s) to save; torchrun itself
+    then ends with its own report of the signal."""
+    recipe, out = _recipe(tmp_path, "torchrun")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "hf_asyncpp.cli.train", str(recipe)]
+    rc, text = _interrupt(cmd, out, signal.SIGTERM)
+    assert rc != 0
+    _stopped_step(text, "SIGTERM", out)
+    _resumes_exactly(recipe, out, never_stopped)
+
+
+def test_ctrl_c_to_accelerate_launch_saves_and_resumes_exactly(tmp_path, never_stopped):
+    """SIGINT (Ctrl-C) to ``accelerate launch`` with the shipped 2-process config."""
+    recipe, out = _recipe(tmp_path, "accelerate")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/cpu-2proc.yaml"),
+           "--main_process_port", str(free_port()), "-m", "hf_asyncpp.cli.train", str(recipe)]
+    rc, text = _interrupt(cmd, out, signal.SIGINT)
+    assert rc != 0
+    _stopped_step(text, "SIGINT", out)
+    _resumes_exactly(recipe, out, never_stopped)
