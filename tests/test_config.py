@@ -1,5 +1,6 @@
 """Recipe loading: every bad input names the dotted field and what is allowed."""
 import logging
+import re
 
 import pytest
 import yaml
@@ -124,3 +125,67 @@ def test_version_is_a_command(capsys):
     from hf_asyncpp.cli import main
 
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"hf-asyncpp {__version__}"
+
+
+def test_an_override_takes_the_next_argument_as_its_value(tmp_path):
+    """``--field value`` as ``--field=value`` (HfArgumentParser's and torchtitan's convention); a bare ``--flag``
+    is true for a true/false field and an error naming the field otherwise, never a silent default."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    r = load_recipe(path, ["--training.max_steps", "50", "--optimizer.learning_rate", "1e-3", "--training.bf16",
+                           "--data.train_files", "[a.txt, b.txt]", "--training.gradient_checkpointing", "false",
+                           "--training.resume_from_checkpoint"])
+    assert (r.training.max_steps, r.optimizer.learning_rate, r.training.bf16, r.data.train_files) == (50, 1e-3, True,
+                                                                                                     ["a.txt", "b.txt"])
+    assert r.training.gradient_checkpointing is False and r.training.resume_from_checkpoint == "latest"
+    assert load_recipe(path, ["--model.config.hidden_size", "64"]).model.config["hidden_size"] == 64
+    for argv in (["--training.max_steps"], ["--training.max_steps", "--training.bf16"]):
+        with pytest.raises(RecipeError, match=r"^--training\.max_steps: no value given \(an integer\); write "
+                                              r"--training\.max_steps=VALUE or --training\.max_steps VALUE$"):
+            load_recipe(path, argv)
+    with pytest.raises(RecipeError, match=r"^override '60': expected --section\.field=value or --section\.field value"):
+        load_recipe(path, ["--training.max_steps", "50", "60"])
+    with pytest.raises(RecipeError, match=r"^override --training\.max_steps\.x: training\.max_steps is a field"):
+        load_recipe(path, ["--training.max_steps.x=1"])
+
+
+FOREIGN = [  # what users bring from the HF Trainer, run_clm, trl and torch, and the field that means the same here
+    ("dataset_name", "data.dataset"), ("block_size", "data.seq_len"), ("eval_strategy", "training.eval_steps"),
+    ("hub_private_repo", "hub.private"), ("learning_rate", "optimizer.learning_rate"),
+    ("per_device_train_batch_size", "pipeline.microbatch_size"), ("num_train_epochs", "training.max_steps"),
+    ("output_dir", "training.output_dir"), ("max_steps", "training.max_steps"), ("save_steps", "training.save_steps"),
+    ("logging_steps", "training.logging_steps"), ("lr_scheduler_type", "training.lr_scheduler_type"),
+    ("warmup_steps", "training.warmup_steps"), ("weight_decay", "optimizer.weight_decay"), ("seed", "training.seed"),
+    ("bf16", "training.bf16"), ("push_to_hub", "hub.push_to_hub"), ("hub_model_id", "hub.hub_model_id"),
+    ("gradient_checkpointing", "training.gradient_checkpointing"),
+    ("resume_from_checkpoint", "training.resume_from_checkpoint"), ("optimizer.lr", "optimizer.learning_rate"),
+    ("training.learning_rate", "optimizer.learning_rate"), ("data.dataset_name", "data.dataset"),
+    ("max_seq_length", "data.seq_len"), ("dataset_text_field", "data.text_column"),
+    ("model_name_or_path", "model.name_or_path"), ("gradient_accumulation_steps", "pipeline.num_microbatches"),
+]
+
+
+@pytest.mark.parametrize("name,here", FOREIGN, ids=[n for n, _ in FOREIGN])
+def test_names_from_the_trainer_run_clm_and_trl_are_answered_with_the_field_here(tmp_path, name, here):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    for argv in ([f"--{name}", "1"], [f"--{name}=1"]):
+        with pytest.raises(RecipeError, match=rf"^--{re.escape(name)}: .*; here it is --{re.escape(here)}\b"):
+            load_recipe(path, argv)
+    section, _, field = name.rpartition(".")
+    in_file = {**BASE, section: {field: 1}} if section else {**BASE, field: 1}
+    with pytest.raises(RecipeError, match=rf"^{re.escape(name)}: .*; here it is {re.escape(here)}\b"):
+        recipe_from_dict(in_file)  # the same answer for a recipe file's key
+
+
+def test_every_name_from_elsewhere_points_at_a_field(tmp_path):
+    """Each field ``FOREIGN_NAMES`` answers with exists (or is a key inside ``model.config``), and no such name is a
+    field here itself (it would never be looked up)."""
+    from hf_asyncpp.config.names import FOREIGN_NAMES
+    from hf_asyncpp.config.reference import recipe_fields
+
+    fields = {f.dotted for f in recipe_fields()}
+    names = {f.name for f in recipe_fields()}
+    for name, (_, here, _) in FOREIGN_NAMES.items():
+        assert name not in names, name
+        assert here is None or here in fields or here.startswith("model.config."), (name, here)

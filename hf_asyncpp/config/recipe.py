@@ -21,7 +21,7 @@ import yaml
 from ..errors import RecipeError
 from ..schedules.records import NO_PIPELINE, SCHEDULES, get_simulated_delay, one_step_delay, pipelined
 from ..storage.write import write_file
-from .names import TRAINER_EQUIVALENTS
+from .names import FOREIGN_NAMES
 from .optimizer import EF_LEARNED, OptimizerConfig
 from .sources import ALTERNATIVES, DataConfig, ModelConfig, bounds as _range
 
@@ -301,21 +301,34 @@ def _build(cls, data, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        prefix, name = f"{where}." if where else "", unknown[0]
-        if name in TRAINER_EQUIVALENTS:
-            raise RecipeError(f"{prefix}{name}: transformers.TrainingArguments' name; here it is "
-                              f"{TRAINER_EQUIVALENTS[name]}")
-        near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.75)
-        raise RecipeError(
-            f"{prefix}{name}: unknown field;{f' did you mean {near[0]!r}?' if near else ''} allowed fields"
-            f"{' of ' + where if where else ''}: " + ", ".join(sorted(fields))
-        )
+        raise RecipeError(_unknown_field(where, unknown[0], fields))
     kwargs = {}
     for name, value in data.items():
         dotted = f"{where}.{name}" if where else name
         kwargs[name] = _convert(value, hints[name], dotted)
         _check_range(kwargs[name], fields[name].metadata, dotted)
     return cls(**kwargs)
+
+
+def _unknown_field(where: str, name: str, fields, *, flag: bool = False) -> str:
+    """The error for ``name``, not a field of section ``where`` ("": the top level): the field that means the same
+    when it is another tool's name (``FOREIGN_NAMES``) or a field of another section, else the closest field and the
+    allowed ones. ``flag``: names written as on the command line (``--data.seq_len``)."""
+    dash = "--" if flag else ""
+    full = f"{dash}{where + '.' if where else ''}{name}"
+    if name in FOREIGN_NAMES:
+        whose, here, note = FOREIGN_NAMES[name]
+        whose += "'" if whose.endswith("s") else "'s"
+        if here is None:
+            return f"{full}: {whose} name; {note}"
+        return f"{full}: {whose} name; here it is {dash}{here}{f' ({note})' if note else ''}"
+    elsewhere = [f"{dash}{s.name}.{name}" for s in dataclasses.fields(Recipe) if s.name != where
+                 and name in {f.name for f in dataclasses.fields(typing.get_type_hints(Recipe)[s.name])}]
+    if elsewhere:
+        return f"{full}: unknown field{' of ' + where if where else ''}; here it is {' or '.join(elsewhere)}"
+    near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.75)
+    return (f"{full}: unknown field;{f' did you mean {near[0]!r}?' if near else ''} allowed fields"
+            f"{' of ' + where if where else ''}: " + ", ".join(sorted(fields)))
 
 
 def _cross_checks(r: Recipe) -> None:
@@ -398,25 +411,78 @@ def _parse_scalar(text: str):
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``--section.field=value`` overrides (values parsed as YAML) to a raw recipe dict; a field given here
-    replaces its alternative in the file (:func:`_yield_to_command_line`)."""
+    """Apply command-line overrides to a raw recipe dict: ``--section.field=value`` or ``--section.field value``
+    (values parsed as YAML; a bare ``--section.flag`` is true for a true/false field), as the HF Trainer's
+    ``HfArgumentParser`` and torchtitan read them. Each names a field of the recipe or a key inside a mapping field
+    (``--model.config.hidden_size``); another name is an error naming the field meant, before anything else is read.
+    A field given here replaces its alternative in the file (:func:`_yield_to_command_line`)."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
     given = set()
-    for ov in overrides:
-        if not ov.startswith("--") or "=" not in ov:
-            raise RecipeError(f"override {ov!r}: expected --section.field=value, e.g. --training.max_steps=50")
-        key, value = ov[2:].split("=", 1)
+    for key, value in _pairs(overrides):
         parts = key.split(".")
         node = data
         for part in parts[:-1]:
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
-                raise RecipeError(f"override {ov!r}: {part} is not a section")
+                raise RecipeError(f"override --{key}: {part} is not a section")
             node = nxt
         node[parts[-1]] = _parse_scalar(value)
         given.add(key)
     _yield_to_command_line(data, given)
     return data
+
+
+def _pairs(args: list[str]) -> list[tuple[str, str]]:
+    """(dotted field, value text) of each override. A ``--field`` without ``=`` takes the next argument as its value
+    unless that is another ``--`` option or there is none: then it is ``true`` for a true/false field (as
+    ``--bf16`` is for the Trainer) and an error naming the field otherwise, never a silent default."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise RecipeError(f"override {arg!r}: expected --section.field=value or --section.field value, e.g. "
+                              "--training.max_steps=50")
+        key, eq, value = arg[2:].partition("=")
+        tp = _field_type(key)
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i += 1
+                value = args[i]
+            elif _takes_bool(tp):
+                value = "true"
+            else:
+                kind = f" ({_type_name(tp)})" if tp is not None else ""
+                raise RecipeError(f"--{key}: no value given{kind}; write --{key}=VALUE or --{key} VALUE")
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def _field_type(key: str):
+    """The type of the recipe field a dotted key names; None for a key inside a mapping field (``model.config.*``,
+    whose keys the model's config class checks: ``run/preflight.py``). An unknown name is an error naming the field
+    meant (:func:`_unknown_field`), written as on the command line."""
+    cls, where, parts = Recipe, "", key.split(".")
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise RecipeError(_unknown_field(where, part, names, flag=True))
+        tp = typing.get_type_hints(cls)[part]
+        where = f"{where}.{part}" if where else part
+        if i == len(parts) - 1:
+            return tp
+        if dataclasses.is_dataclass(tp):
+            cls = tp
+        elif any(a is dict or typing.get_origin(a) is dict for a in (typing.get_args(tp) or (tp,))):
+            return None
+        else:
+            raise RecipeError(f"override --{key}: {where} is a field ({_type_name(tp)}), not a section")
+    return None
+
+
+def _takes_bool(tp) -> bool:
+    """Whether a field's type admits true/false (``bool``, ``Optional[bool]``, ``resume_from_checkpoint``'s union)."""
+    return tp is bool or bool in typing.get_args(tp)
 
 
 def _yield_to_command_line(data: dict, given: set[str]) -> None:
