@@ -37,6 +37,12 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this rank's worker group (``--max-restarts``; 0 at the first start)."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(raw) if raw.isdigit() else 0
+
+
 def watch_parent(interval_s: float = 0.5) -> bool:
     """Watch the launcher from a daemon thread (launched ranks only); True when watching."""
     if _watched or not launched():

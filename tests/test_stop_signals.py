@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_asyncpp.errors import EXIT_STOPPED
+from hf_asyncpp.launch.spawn import RESTART_FIX
 from dist_utils import free_port
 from support import ROOT, losses, write_recipe
 
@@ -144,3 +145,41 @@ def test_ctrl_c_to_accelerate_launch_saves_and_resumes_exactly(tmp_path, never_s
     assert rc != 0
     _stopped_step(text, "SIGINT", out)
     _resumes_exactly(recipe, out, never_stopped)
+
+
+def _kill_rank_after_first_checkpoint(cmd: list[str], out: Path) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **RESTART_FIX}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not list(out.glob("checkpoint-*/manifest.json")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        while _last_step(out) < 6 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        ranks = {int(p.environ()["RANK"]): p for p in _ranks(proc.pid)}
+        ranks[1].kill()  # as an out-of-memory killer would
+        text, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, text
+
+
+@pytest.mark.parametrize("launcher", ["hf-asyncpp", "torchrun"])
+def test_a_restart_after_a_killed_rank_resumes_exactly(tmp_path, never_stopped, launcher):
+    """torchrun --max-restarts=1 (with torch 2.13's store fix, RESTART_FIX, which hf-asyncpp train's launcher sets
+    itself: --training.max_restarts=1): rank 1 killed after checkpoint 4; the restarted ranks resume it on their own
+    and the run ends equal to one never interrupted."""
+    recipe, out = _recipe(tmp_path, launcher)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=localhost:{free_port()}", "-m", "hf_asyncpp.cli.train", str(recipe), "--training.save_steps=4"]
+    else:
+        cmd = [*HF_ASYNCPP, "train", str(recipe), "--training.save_steps=4", "--training.max_restarts=1"]
+    rc, text = _kill_rank_after_first_checkpoint(cmd, out)
+    assert rc == 0, text[-4000:]
+    assert "resuming from the newest verified checkpoint" in text, text[-4000:]
+    assert losses(out)[-MAX_STEPS:] == losses(never_stopped)
+    a = load_file(str(never_stopped / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
+    b = load_file(str(out / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
