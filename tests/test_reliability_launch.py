@@ -103,9 +103,10 @@ def test_pipelined_checkpoint_damage_is_named_and_latest_falls_back(tmp_path):
 def test_every_rank_entry_point_notes_its_launcher_before_the_slow_imports():
     """``supervision`` notes the launcher's pid when it is imported; a launcher that dies during the seconds that
     torch and transformers take to import must still be noticed, so every entry point a rank runs imports it
-    before torch (the order of ``sys.modules`` is the order of first import)."""
+    before torch (the order of ``sys.modules`` is the order of first import). ``cli.train`` imports the training
+    machinery in ``main()``, once the recipe is read (test_cli_inputs.py): here imported after it, as main() does."""
     for entry in ("hf_asyncpp.cli.train", "hf_asyncpp.run.trainer"):
-        code = (f"import sys, {entry}; names = list(sys.modules); "
+        code = (f"import sys, {entry}, hf_asyncpp.run.trainer; names = list(sys.modules); "
                 "print(names.index('hf_asyncpp.supervision') < names.index('torch'))")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and r.stdout.strip() == "True", (entry, r.stdout, r.stderr[-2000:])

@@ -1,0 +1,79 @@
+"""``hf-asyncpp train`` as a new user meets it: ``--help`` lists every recipe field with its default (from the
+dataclasses), ``--help`` and a recipe mistake answer before torch, transformers and datasets are imported (a missing
+recipe file took 9.6 s), and a model type transformers does not know is one short line before anything runs."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import typing
+
+import yaml
+
+from hf_asyncpp.config.recipe import Recipe
+from hf_asyncpp.config.reference import as_typed
+from support import ROOT, tiny
+
+HEAVY = ("torch", "transformers", "datasets")
+
+
+def run(*code_or_args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "HF_ASYNCPP_DEBUG"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_lists_every_field_with_its_default():
+    r = run("-m", "hf_asyncpp", "train", "--help")
+    assert r.returncode == 0, r.stderr
+    sections = typing.get_type_hints(Recipe)
+    for section in dataclasses.fields(Recipe):
+        for f in dataclasses.fields(sections[section.name]):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            flag = f"--{section.name}.{f.name}={as_typed(default)}"
+            assert re.search(rf"^    {re.escape(flag)}( |$)", r.stdout, re.M), flag
+    assert "--training.max_steps=100 " in r.stdout and "--training.report_to=[tensorboard] " in r.stdout
+    assert "--section.field value" in r.stdout and "--block_size" in r.stdout
+    assert max(map(len, r.stdout.splitlines())) <= 120
+
+
+def test_help_and_recipe_mistakes_answer_before_the_training_machinery_is_imported(tmp_path):
+    """Deterministic where a wall-clock bound would not be on a shared machine: what takes the seconds is never
+    imported. The line and exit code are the ones the full machinery prints."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(tmp_path / "run")))
+    code = (
+        "import sys\nfrom hf_asyncpp.cli.train import main\n"
+        f"codes = [main(['--help']), main(['{tmp_path}/missing.yaml']), main(['{recipe}', '--block_size', '256']),\n"
+        f"         main(['{recipe}', '--training.max_stepz=5']), main(['{recipe}', '--training.max_steps'])]\n"
+        f"print(codes, [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)\n")
+    r = run("-c", code, cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.stderr.splitlines()[-1] == "[0, 2, 2, 2, 2] []", r.stderr[-3000:]
+    assert lines == [
+        f"error: recipe file '{tmp_path}/missing.yaml' not found",
+        "error: --block_size: run_clm's name; here it is --data.seq_len (tokens per packed training block)",
+        lines[2],
+        "error: --training.max_steps: no value given (an integer); write --training.max_steps=VALUE or "
+        "--training.max_steps VALUE",
+    ]
+    assert lines[2].startswith("error: --training.max_stepz: unknown field; did you mean 'max_steps'?")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_model_type_is_one_short_line_before_anything_runs(tmp_path, capsys):
+    """It used to come after the output folder was made and a tokenizer trained, as an 11,737-character line
+    listing every model type."""
+    from hf_asyncpp.cli.train import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(tmp_path / "run")))
+    assert main([str(recipe), "--model.config.model_type", "lama"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.config.model_type: 'lama' is not a model type transformers") and "'llama'" in err
+    assert "\n" not in err and len(err) < 300
+    assert not (tmp_path / "run").exists()  # nothing made, no tokenizer trained
