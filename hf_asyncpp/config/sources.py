@@ -25,8 +25,9 @@ one of the recipe file, so that ``--model.name_or_path=my-model`` over a random-
 @dataclass(kw_only=True)
 class ModelConfig:
     config: Optional[dict] = None
-    """Kwargs for ``AutoConfig.for_model`` (must contain ``model_type``): random init. Give this or ``name_or_path``;
-    ``--model.name_or_path=...`` on the command line replaces a recipe's ``config``."""
+    """Kwargs for ``AutoConfig.for_model`` (must contain ``model_type``): random init, each key checked against the
+    model type's config class before anything runs. Give this or ``name_or_path``; ``--model.name_or_path=...`` on
+    the command line replaces a recipe's ``config``."""
     name_or_path: Optional[str] = None
     """A local folder (written by ``save_pretrained``) or a Hub id for ``from_pretrained``: its weights and, unless
     ``tokenizer_name_or_path`` is set, its tokenizer (docs/bring-your-own.md)."""
@@ -59,7 +60,7 @@ class DataConfig:
     text_column: str = "text"
     """Column holding the document text (jsonl, parquet, Hub datasets)."""
     seq_len: int = field(default=128, metadata=bounds(lo=2))
-    """Tokens per packed training block."""
+    """Tokens per packed training block; at most the model's positions (``max_position_embeddings``)."""
     shuffle_buffer: int = field(default=1000, metadata=bounds(lo=0))
     """Documents in the streaming shuffle buffer (0: no shuffle)."""
     prefetch_batches: int = field(default=2, metadata=bounds(lo=0))
