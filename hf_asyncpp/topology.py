@@ -52,6 +52,18 @@ class Topology:
         return stage * self.dp_size + self.dp_rank
 
 
+def one_process_group(pipelined: bool, timeout: timedelta) -> bool:
+    """Make the default process group of a pipelined run that no launcher started (``hf-asyncpp train`` with
+    ``pipeline.num_stages: 1``, or a resume onto one stage, docs/checkpoints.md): its one process still builds its
+    stage's groups (:func:`make_groups`) and gathers over them, and accelerate creates no group for a single
+    process. One gloo rank over an in-memory store: nothing to rendezvous with, no port. True when it made the
+    group (``Accelerator.end_training`` destroys it); a process with a group already (any launcher) keeps its own."""
+    if not pipelined or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True
+
+
 def local_device() -> torch.device:
     """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
     if torch.cuda.is_available():

@@ -221,6 +221,22 @@ def test_resume_onto_another_topology(tmp_path, two_stage_run):
         assert abs(x - y) <= 1e-4 * abs(x), (a, b)
 
 
+def test_resume_onto_one_stage_with_hf_asyncpp_train(tmp_path, caplog):
+    """docs/checkpoints.md's resume onto one stage, with the documented command: ``hf-asyncpp train`` of a 1-stage
+    2BW recipe is one process no launcher started, which makes its own process group (it crashed in make_groups)."""
+    from hf_asyncpp.cli.train import main
+
+    moved = tmp_path / "moved"
+    rc, log = launch(write_recipe(tmp_path / "b.yaml", moved, stop_after_steps=4), *EXACT)
+    assert rc == 0, log[-3000:]
+    caplog.set_level("INFO", logger="hf_asyncpp")
+    assert main([str(tmp_path / "b.yaml"), *EXACT, "--pipeline.num_stages=1", "--training.resume_from_checkpoint=latest",
+                 "--training.stop_after_steps=null"]) == 0
+    assert "resumed a 2-process, 2-stage checkpoint on 1 processes, 1 stages" in caplog.text
+    assert [r["step"] for r in map(json.loads, (moved / "metrics.jsonl").read_text().splitlines()) if "loss" in r] \
+        == list(range(1, 9))
+
+
 def test_logging_steps_change_nothing_computed(tmp_path, straight_24):
     """logging_steps 1 and 7 give bit-identical losses, grad norms, lrs and weights: logging never drains the
     pipeline, so what it reports cannot change what is computed."""

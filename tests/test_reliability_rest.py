@@ -1,0 +1,50 @@
+"""The smaller findings of the reliability review, each where a user meets it: a pipelined run on one process
+started without a launcher, a same-size edit of a training file, symbolic links in the output folder, a checkpoint
+without its manifest, JSON that another tool can read after a run with nothing to train, the step a non-finite
+error names, and what the launcher leaves in the temporary folder."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from hf_asyncpp.run.reporting import read_metrics
+from support import tiny
+
+
+def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(tiny(out, **overrides)))
+    return str(path)
+
+
+def run_main(capsys, *argv) -> tuple[int, str]:
+    """``hf-asyncpp train ARGV`` in this process (no launcher): its exit code and stderr."""
+    from hf_asyncpp.cli.train import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def train_steps(out: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+# ---------------------------------------------------------------------------- one pipelined process, no launcher
+
+ONE_STAGE = dict(pipeline__schedule="2bw", pipeline__num_stages=1, training__max_steps=4, training__save_steps=2)
+
+
+def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, capsys, caplog):
+    """``hf-asyncpp train`` of a 1-stage 2BW recipe is one process that no launcher started: it makes its own
+    one-process group (it crashed in make_groups with "Default process group has not been initialized")."""
+    out = tmp_path / "one"
+    recipe = recipe_file(tmp_path, out, **ONE_STAGE, training__stop_after_steps=2)
+    code, err = run_main(capsys, recipe)
+    assert code == 0, err
+    assert train_steps(out) == [1, 2]
+    code, err = run_main(capsys, recipe, "--training.resume_from_checkpoint=latest", "--training.stop_after_steps=null")
+    assert code == 0, err
+    assert train_steps(out) == [1, 2, 3, 4]
+    assert json.loads((out / "checkpoint-0000004" / "run_state.json").read_text())["num_stages"] == 1
