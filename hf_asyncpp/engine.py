@@ -49,13 +49,16 @@ def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | No
     is applied. Not when its gradient norm (or its loss, where this process has it) is not finite: skipped under
     ``training.on_nonfinite: skip``, NonFiniteError under ``stop``. One function because a schedule is tested
     against its single-process reference step for step: both must skip (or stop at) the same steps.
+
+    ``step`` is the engines' 0-based index; the message names the step as ``metrics.jsonl`` and the progress bar
+    number it (``step + 1``), so that the user finds it there.
     """
     if math.isfinite(grad_norm) and (loss is None or math.isfinite(loss)):
         return True
     if on_nonfinite == "stop":
         what = f"gradient norm {grad_norm}" if loss is None else f"loss {loss} or grad norm {grad_norm}"
         raise NonFiniteError(
-            f"step {step}: non-finite {what}; stopping (training.on_nonfinite: stop). Checkpoints already written "
+            f"step {step + 1}: non-finite {what}; stopping (training.on_nonfinite: stop). Checkpoints already written "
             "are left as they are; if this is the first step after a resume, suspect the checkpoint, else lower "
             "optimizer.learning_rate or set training.on_nonfinite: skip")
     return False

@@ -248,7 +248,7 @@ def test_one_non_finite_rule():
     assert not finite_step(3, float("nan"), "skip")
     assert not finite_step(3, 1.0, "skip", loss=float("inf"))
     with pytest.raises(NonFiniteError, match=r"step 3: non-finite .*training.on_nonfinite: stop"):
-        finite_step(3, float("inf"), "stop")
+        finite_step(2, float("inf"), "stop")  # the engines' 0-based index; metrics.jsonl's (1-based) step in words
     found = [(p, n.lineno) for p, tree in _sources().items() for n in ast.walk(tree)
              if isinstance(n, ast.Attribute) and n.attr == "isfinite"]
     assert {p for p, _ in found} == {"engine.py"}, f"decide a step's finiteness with engine.finite_step: {found}"

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.run.reporting import read_metrics
 from support import tiny
 
@@ -48,3 +51,30 @@ def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, cap
     assert code == 0, err
     assert train_steps(out) == [1, 2, 3, 4]
     assert json.loads((out / "checkpoint-0000004" / "run_state.json").read_text())["num_stages"] == 1
+
+
+# ---------------------------------------------------------------------------- the step a non-finite error names
+
+
+@pytest.mark.parametrize("schedule", ["none", "2bw"])
+def test_the_non_finite_error_names_the_step_as_metrics_jsonl_numbers_it(tmp_path, schedule):
+    """The step ``on_nonfinite: skip`` marks as skipped in metrics.jsonl is the one ``stop`` names, in the single
+    process and in the pipeline (whose error comes from the step reports); the steps before it are in metrics.jsonl.
+    (It named the step before: the engines count from 0, metrics.jsonl and the progress bar from 1.)"""
+    from hf_asyncpp.run.trainer import train
+
+    blowup = dict(optimizer__name="sgd", optimizer__learning_rate=1e30, training__max_grad_norm=0.0,
+                  training__max_steps=6, training__save_steps=0, pipeline__schedule=schedule, pipeline__num_stages=1)
+    skipped = tmp_path / "skip"
+    try:
+        train(recipe_from_dict(tiny(skipped, **blowup, training__on_nonfinite="skip")))
+    except NonFiniteError:  # skip mode gives up; the skipped step is recorded first
+        pass
+    rows = read_metrics(skipped / "metrics.jsonl")
+    first = next(r["step"] for r in rows if r.get("skipped_nonfinite"))
+    assert first > 1
+    stopped = tmp_path / "stop"
+    with pytest.raises(NonFiniteError) as e:
+        train(recipe_from_dict(tiny(stopped, **blowup, training__on_nonfinite="stop")))
+    assert str(e.value).startswith(f"step {first}: non-finite"), (first, str(e.value))
+    assert train_steps(stopped) == list(range(1, first))
