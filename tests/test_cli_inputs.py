@@ -77,3 +77,12 @@ def test_an_unknown_model_type_is_one_short_line_before_anything_runs(tmp_path, 
     assert err.startswith("error: model.config.model_type: 'lama' is not a model type transformers") and "'llama'" in err
     assert "\n" not in err and len(err) < 300
     assert not (tmp_path / "run").exists()  # nothing made, no tokenizer trained
+
+
+def test_the_debug_flag_read_before_the_imports_is_the_launchers():
+    """``cli/train.py`` reads ``--debug`` and ``HF_ASYNCPP_DEBUG`` before ``launch.failures`` (and torch) is imported;
+    they must stay the ones every started process reads."""
+    from hf_asyncpp.cli import train
+    from hf_asyncpp.launch import failures
+
+    assert (train.DEBUG_FLAG, train.DEBUG_ENV) == (failures.DEBUG_FLAG, failures.DEBUG_ENV)
