@@ -5,6 +5,8 @@ error names, and what the launcher leaves in the temporary folder."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import yaml
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.run.reporting import read_metrics
-from support import tiny
+from support import FIXTURE, tiny
 
 
 def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
@@ -78,3 +80,83 @@ def test_the_non_finite_error_names_the_step_as_metrics_jsonl_numbers_it(tmp_pat
         train(recipe_from_dict(tiny(stopped, **blowup, training__on_nonfinite="stop")))
     assert str(e.value).startswith(f"step {first}: non-finite"), (first, str(e.value))
     assert train_steps(stopped) == list(range(1, first))
+
+
+# ---------------------------------------------------------------------------- the data fingerprint
+
+
+def same_size_edit(path: Path) -> None:
+    """A word changed for another of its length: the size stays, the text (and the blocks the stream makes) not."""
+    text = path.read_text()
+    assert " the " in text
+    path.write_text(text.replace(" the ", " tha "))
+
+
+def test_a_same_size_edit_of_a_training_file_is_named_on_resume(tmp_path, capsys, caplog):
+    """The checkpoint's data fingerprint holds a digest of each file's bytes: a same-size edit is a change, named,
+    and the stream starts at the beginning of the new text (it resumed at the old position on other text, silently).
+    A copy of the files elsewhere is the same data; a checkpoint written before the digest ([name, size]) is compared
+    as it was then."""
+    from hf_asyncpp.run.checkpointer import data_fingerprint, sampled_digest
+    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
+
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    shutil.copy(FIXTURE, data)
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, data__train_files=[str(data)], training__stop_after_steps=3)
+    code, err = run_main(capsys, recipe)
+    assert code == 0, err
+    saved = out / checkpoint_name(3)
+    assert ckpt.load_json(saved / RUN_STATE)["data_files"] == data_fingerprint([str(data)])
+    resume = ("--training.resume_from_checkpoint=latest", "--training.stop_after_steps=null")
+
+    def resumed(folder: Path, files: Path) -> str:
+        caplog.clear()
+        code, err = run_main(capsys, recipe, f"--training.output_dir={folder}", f"--data.train_files=[{files}]", *resume)
+        assert code == 0, err
+        return caplog.text
+
+    caplog.set_level(logging.INFO)
+    moved = tmp_path / "moved" / "train.jsonl"  # the same bytes in another folder: no warning
+    moved.parent.mkdir()
+    shutil.copy(data, moved)
+    shutil.copytree(out, tmp_path / "a")
+    assert "differ" not in resumed(tmp_path / "a", moved)
+
+    same_size_edit(data)
+    shutil.copytree(out, tmp_path / "b")
+    log = resumed(tmp_path / "b", data)
+    assert ("data.train_files differ from the ones checkpoint-0000003 was trained on: train.jsonl (the same size, "
+            "other content): the data stream starts at the beginning of the new files") in log
+
+    # an old checkpoint's fingerprint has no digest: name and size, as then (no warning for what it cannot see)
+    shutil.copytree(out, tmp_path / "c")
+    state = ckpt.load_json(tmp_path / "c" / checkpoint_name(3) / RUN_STATE)
+    state["data_files"] = [entry[:2] for entry in state["data_files"]]
+    (tmp_path / "c" / checkpoint_name(3) / RUN_STATE).write_text(json.dumps(state))
+    (tmp_path / "c" / checkpoint_name(3) / "manifest.json").write_text(json.dumps(_rehashed(tmp_path / "c" / checkpoint_name(3))))
+    assert "differ" not in resumed(tmp_path / "c", data)
+
+    # a file larger than what is read of it: its ends and the sampled blocks
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(range(256)) * (5 * 4096))  # 5 MiB
+    before = sampled_digest(big)
+    for offset in (10, big.stat().st_size - 10, 1 << 20):
+        raw = bytearray(big.read_bytes())
+        raw[offset] ^= 0xFF
+        changed = tmp_path / "changed.bin"
+        changed.write_bytes(bytes(raw))
+        assert sampled_digest(changed) != before, offset
+
+
+def _rehashed(path: Path) -> dict:
+    """The checkpoint's manifest with its files' sizes and sha256 as they are now (a run_state.json edited on
+    purpose must still verify)."""
+    from hf_asyncpp.storage import files as ckpt
+
+    manifest = ckpt.load_json(path / "manifest.json")
+    for name in manifest["files"]:
+        manifest["files"][name] = {"size": (path / name).stat().st_size, "sha256": ckpt.sha256_of(path / name)}
+    return manifest

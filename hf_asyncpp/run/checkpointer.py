@@ -15,6 +15,7 @@ the data-parallel size changed.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import uuid
@@ -69,11 +70,57 @@ def trainer_state(recipe: Recipe, state: RunState, records: list[dict]) -> Train
                         log_history=log_history(records, t.logging_steps, t.max_steps, state.step))
 
 
+SAMPLE_ENDS = 1 << 20  # bytes hashed at each end of a training file
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 1 << 16  # and this many blocks of this size spread evenly between the ends
+
+
+def sampled_digest(path: str | os.PathLike) -> str | None:
+    """sha256 of a training file's size and bytes: all of them for a file up to 3 MiB, else its first and last MiB
+    and 16 blocks of 64 KiB spread evenly between them (at most 3 MiB read whatever the file's size, so a corpus of
+    many large shards is fingerprinted in seconds; the name and size alone missed a same-size edit). A same-size
+    edit of a large file that touches no sampled byte goes unseen. None: not a readable file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h = hashlib.sha256(str(size).encode())
+            if size <= 2 * SAMPLE_ENDS + SAMPLE_BLOCKS * SAMPLE_BLOCK:
+                while chunk := f.read(SAMPLE_ENDS):
+                    h.update(chunk)
+                return h.hexdigest()
+            middle = size - 2 * SAMPLE_ENDS - SAMPLE_BLOCK
+            spans = [(0, SAMPLE_ENDS), *((SAMPLE_ENDS + middle * i // (SAMPLE_BLOCKS - 1), SAMPLE_BLOCK)
+                                         for i in range(SAMPLE_BLOCKS)), (size - SAMPLE_ENDS, SAMPLE_ENDS)]
+            for start, length in spans:
+                f.seek(start)
+                h.update(f.read(length))
+            return h.hexdigest()
+    except OSError:
+        return None
+
+
 def data_fingerprint(files: list[str] | None) -> list | None:
-    """What identifies the training files across a moved folder: (name, size) of each."""
+    """What identifies the training files across a moved folder: [name, size, :func:`sampled_digest`] of each (the
+    folder they are in is not part of it: a corpus copied elsewhere is the same data)."""
     if files is None:
         return None
-    return [[Path(f).name, os.path.getsize(f) if os.path.exists(f) else None] for f in files]
+    return [[Path(f).name, os.path.getsize(f) if os.path.exists(f) else None, sampled_digest(f)] for f in files]
+
+
+def data_changes(saved: list, now: list) -> list[str]:
+    """How this run's training files differ from those a checkpoint was trained on (empty: the same data), each
+    change naming its file: added, gone, resized, or the same size with other bytes. A checkpoint written before the
+    digest was recorded ([name, size] per file) is compared by name and size, as it was then."""
+    names_then, names_now = [e[0] for e in saved], [e[0] for e in now]
+    if names_then != names_now:
+        added, gone = [n for n in names_now if n not in names_then], [n for n in names_then if n not in names_now]
+        return ([f"{n} (new)" for n in added] + [f"{n} (gone)" for n in gone]) or ["the same files in another order"]
+    changes = []
+    for then, cur in zip(saved, now):
+        if then[1] != cur[1]:
+            changes.append(f"{cur[0]} ({then[1]} bytes then, {cur[1]} now)")
+        elif len(then) > 2 and then[2] != cur[2]:
+            changes.append(f"{cur[0]} (the same size, other content)")
+    return changes
 
 
 class Checkpointer:
@@ -83,7 +130,15 @@ class Checkpointer:
                  pusher: Pusher | None = None):
         self.out, self.recipe, self.topo, self.accelerator, self.tokenizer = out, recipe, topo, accelerator, tokenizer
         self.pusher = pusher  # the main process's background Hub pushes (None elsewhere or without push_to_hub)
-        self.data_files = data_fingerprint(data_files)
+        self._data_files, self._fingerprint = data_files, None
+
+    @property
+    def data_files(self) -> list | None:
+        """The training files' :func:`data_fingerprint`, taken when first needed (a save on the main process, a resume
+        on a rank that reads data): a middle stage never reads the files."""
+        if self._fingerprint is None:
+            self._fingerprint = data_fingerprint(self._data_files)
+        return self._fingerprint
 
     def _from_main(self, obj):
         if self.topo.world_size == 1:
@@ -201,12 +256,15 @@ class Checkpointer:
         same = meta["world_size"] == topo.world_size and meta["num_stages"] == topo.num_stages
         engine.load(path)
         old_dp = meta["world_size"] // meta["num_stages"]
-        saved_files, files = meta.get("data_files"), self.data_files
-        if saved_files is not None and files is not None and saved_files != files:
-            log.warning("data.train_files differ from the ones %s was trained on (%d files then, %d now): the data stream "
-                        "starts at the beginning of the new files", path.name, len(saved_files), len(files))
-        elif stream is None:  # a middle stage: no data position to restore
+        saved_files = meta.get("data_files")
+        changes = [] if stream is None or saved_files is None or self.data_files is None else \
+            data_changes(saved_files, self.data_files)
+        if stream is None:  # a middle stage: no data position to restore
             pass
+        elif changes:
+            log.warning("data.train_files differ from the ones %s was trained on: %s: the data stream starts at the "
+                        "beginning of the new files", path.name, "; ".join(changes[:5]) +
+                        (f"; and {len(changes) - 5} more" if len(changes) > 5 else ""))
         elif old_dp == topo.dp_size:
             stream.load_state_dict(meta["data"][topo.dp_rank])  # the first stage's (ranks 0..dp-1) position
         else:
