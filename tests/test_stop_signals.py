@@ -183,3 +183,32 @@ def test_a_restart_after_a_killed_rank_resumes_exactly(tmp_path, never_stopped, 
     a = load_file(str(never_stopped / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
     b = load_file(str(out / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
     assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_two_runs_started_into_one_folder_at_once_one_refuses(tmp_path):
+    """Both pass the fresh-run check at the same moment unless the folder is locked: the second is refused in one line
+    naming the first, which trains on (and stops when told)."""
+    recipe, out = _recipe(tmp_path, "both")
+    cmd = [*HF_ASYNCPP, "train", str(recipe), "--training.max_steps=100000", "--training.save_steps=100000"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        deadline = time.time() + 300
+        while all(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.05)
+        loser = next(p for p in procs if p.poll() is not None)
+        winner = next(p for p in procs if p is not loser)
+        text = loser.stdout.read()
+        assert loser.returncode == 2, text[-3000:]
+        assert re.search(rf"error: training.output_dir: {out} is in use by another run \(pid \d+ on ", text), text[-3000:]
+        assert "Traceback" not in text
+        while _last_step(out) < 2 and winner.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert winner.poll() is None, winner.stdout.read()[-3000:]
+        winner.send_signal(signal.SIGTERM)
+        rest, _ = winner.communicate(timeout=300)
+        assert winner.returncode == EXIT_STOPPED and "stopped by SIGTERM at step" in rest, rest[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
