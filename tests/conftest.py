@@ -76,13 +76,14 @@ def _recipe_warnings_said_afresh():
 TIERS = {
     "unit": ("test_autosplit", "test_bring_your_own", "test_config", "test_data", "test_delay", "test_evaluation",
              "test_export", "test_failures", "test_layout", "test_model_config", "test_optim", "test_partition",
-             "test_partition_sweep", "test_promises", "test_schedules"),
+             "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points"),
     "distributed": ("test_bf16_versions", "test_checkpointing", "test_host_overhead", "test_nccl_order",
                     "test_recipes", "test_recv_wait", "test_reducer", "test_runtime", "test_runtime_families",
                     "test_sharding", "test_stage_local"),
     "e2e": ("test_cli_inputs", "test_cluster_launch", "test_data_path", "test_downstream", "test_gpu_bench",
             "test_launch", "test_lm_eval_parity", "test_memory_plan", "test_packaging", "test_preflight",
-            "test_reliability", "test_reliability_launch", "test_reliability_rest", "test_resume_changes", "test_safety", "test_trainer"),
+            "test_reliability", "test_reliability_launch", "test_reliability_rest", "test_resume_changes",
+            "test_safety", "test_stop_signals", "test_trainer"),
 }
 """Each test file's tier, by what its tests start: ``unit`` starts no process and no training run (pure Python: the
 schedules, the recipe, the optimizers, the partitioner; the inner loop, ``pytest -m unit``), ``distributed`` spawns
