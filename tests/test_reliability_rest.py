@@ -55,6 +55,47 @@ def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, cap
     assert json.loads((out / "checkpoint-0000004" / "run_state.json").read_text())["num_stages"] == 1
 
 
+# ---------------------------------------------------------------------------- valid JSON, always
+
+
+def _refuse(token: str):
+    raise ValueError(f"{token} is not JSON")
+
+
+def assert_strict_json(folder: Path) -> list[Path]:
+    """Every JSON file under ``folder`` parses with NaN and Infinity refused (jq's and JavaScript's JSON); the files."""
+    found = sorted(folder.rglob("*.json")) + sorted(folder.rglob("*.jsonl"))
+    for path in found:
+        text = path.read_text()
+        for line in text.splitlines() if path.suffix == ".jsonl" else [text]:
+            try:
+                json.loads(line, parse_constant=_refuse)
+            except ValueError as e:
+                raise AssertionError(f"{path}: {e}") from None
+    return found
+
+
+def test_a_resume_with_nothing_left_to_train_writes_valid_json(tmp_path, capsys):
+    """Resuming a finished pipelined run trains no step: its pipeline profile has no measured time, and its bubble
+    (0/0) is written as null, not as Python's NaN, which no other JSON reader accepts."""
+    out = tmp_path / "done"
+    recipe = recipe_file(tmp_path, out, **ONE_STAGE)
+    code, err = run_main(capsys, recipe)
+    assert code == 0, err
+    code, err = run_main(capsys, recipe, "--training.resume_from_checkpoint=latest")
+    assert code == 0, err
+    assert json.loads((out / "pipeline_profile.json").read_text())["simulated_steady_bubble"] is None
+    assert out / "pipeline_profile.json" in assert_strict_json(out)
+
+
+def test_the_run_refuses_to_write_nan_into_json():
+    """The run's one JSON writer: non-finite numbers become null; anything else non-JSON fails at the writer."""
+    from hf_asyncpp.storage.write import json_text
+
+    assert json.loads(json_text({"a": float("nan"), "b": [float("inf"), 1.5, (float("-inf"),)]})) == \
+        {"a": None, "b": [None, 1.5, [None]]}
+
+
 # ---------------------------------------------------------------------------- the step a non-finite error names
 
 
@@ -72,6 +113,7 @@ def test_the_non_finite_error_names_the_step_as_metrics_jsonl_numbers_it(tmp_pat
         train(recipe_from_dict(tiny(skipped, **blowup, training__on_nonfinite="skip")))
     except NonFiniteError:  # skip mode gives up; the skipped step is recorded first
         pass
+    assert_strict_json(skipped)  # a skipped step's non-finite loss or norm is null in metrics.jsonl
     rows = read_metrics(skipped / "metrics.jsonl")
     first = next(r["step"] for r in rows if r.get("skipped_nonfinite"))
     assert first > 1

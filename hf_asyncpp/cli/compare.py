@@ -19,7 +19,6 @@ over its own budget), gets there in less time. Budgets up to the step-rate gain 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from ..config.recipe import load_recipe
 from ..errors import RecipeError
 from ..run.reporting import read_metrics
 from ..storage.names import METRICS
-from ..storage.write import write_file
+from ..storage.write import json_text, write_file
 
 ARMS = {
     "sync": ("synchronous 1F1B + Muon", ["--pipeline.schedule=1f1b", "--optimizer.name=muon",
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     res = compare(runs["sync"], runs["2bw"])
     budget = f"{args.steps} steps" if async_steps == args.steps else f"sync {args.steps} / 2BW {async_steps} steps"
     plot(res, out / "time_to_loss.png", f"{Path(args.recipe).stem}: {budget} on {p} stages, same seed and data")
-    text = json.dumps(res, indent=1)
+    text = json_text(res, indent=1)
     write_file(out / "compare.json", lambda f: f.write(text.encode("utf-8")))
     print(summary(res) + f"\nplot: {out / 'time_to_loss.png'}")
     return 0

@@ -10,7 +10,6 @@ Prints a table, writes JSON (--out, default ./eval_results.json) and a bar chart
 to each model's card.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from ..config.recipe import DataConfig
 from ..data.stream import eval_blocks, expand_files
 from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
 from ..run.model_card import add_eval_results
-from ..storage.write import write_file
+from ..storage.write import json_text, write_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     single = len(args.model_dirs) == 1 and tasks == ["perplexity"]
     payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": counts[0]} if single else results
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_file(out, lambda f: f.write(json.dumps(payload, indent=1).encode()))
+    write_file(out, lambda f: f.write(json_text(payload, indent=1).encode()))
     if any(t != "perplexity" for t in tasks):
         print(f"chart: {plot_results(results, out.with_suffix('.png'), names)}")
     if not args.no_card:

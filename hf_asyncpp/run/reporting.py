@@ -25,7 +25,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from ..storage.names import LOSS_CURVE, METRICS
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
-from ..storage.write import write_file, writing
+from ..storage.write import json_text, write_file, writing
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -180,13 +180,13 @@ class RunLog:
     def _truncate(self, step: int) -> None:
         """On resume, drop records past the checkpoint so metrics.jsonl reads as one uninterrupted run."""
         keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
-        data = "".join(json.dumps(r) + "\n" for r in keep).encode()
+        data = "".join(json_text(r) + "\n" for r in keep).encode()
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         write_file(tmp, lambda f: f.write(data))
         os.replace(tmp, self.path)  # a kill here leaves the old file or the new one, never half of one
 
     def _write(self, rec: dict) -> None:
-        data = (json.dumps(rec) + "\n").encode()
+        data = (json_text(rec) + "\n").encode()
         write_file(self.path, lambda f: f.write(data), append=True, fsync=False)
 
     def restart_clock(self) -> None:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save as safetensors_bytes
 
 from ..errors import CheckpointError
 from .names import MANIFEST
-from .write import Written, write_file
+from .write import Written, json_text, write_file
 
 _LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
 _written: dict[str, Written] = {}  # absolute path -> size and sha256 of what this process wrote, until commit
@@ -57,7 +57,7 @@ def save_state(path: Path, obj) -> Written:
 
 
 def save_json(path: Path, obj) -> Written:
-    data = json.dumps(obj, indent=1).encode()
+    data = json_text(obj, indent=1).encode()
     return _record(path, write_file(path, lambda f: f.write(data)))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -159,6 +161,24 @@ def write_error(path: Path, exc: BaseException) -> WriteError:
     if cause is None:
         cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'write failed'}"
     return WriteError(f"cannot write {path}: {cause} ({human(free)} free on its file system)")
+
+
+def json_text(obj, indent: int | None = None) -> str:
+    """``obj`` as JSON that every reader accepts, for every JSON file the run writes: a non-finite float (the bubble
+    of a run that trained no step, a skipped step's loss) is written as null. Python would write ``NaN``, which is
+    not JSON: jq, JavaScript and strict parsers refuse the whole file. ``allow_nan=False``: anything that still
+    carries one fails here, at the writer, not in someone's reader."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def check_output_dir(path: str) -> Path:
