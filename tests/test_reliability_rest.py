@@ -55,6 +55,53 @@ def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, cap
     assert json.loads((out / "checkpoint-0000004" / "run_state.json").read_text())["num_stages"] == 1
 
 
+# ---------------------------------------------------------------------------- symbolic links in the output folder
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_a_link_where_the_run_writes_is_refused_naming_it(tmp_path, capsys):
+    """A symlinked ``tokenizer/`` or ``recipe.yaml`` was written through on resume (the target outside the folder
+    changed), and ``overwrite_output_dir`` died in rmtree with a traceback: now one line names the link and the fix,
+    and nothing is written; the output folder itself may be a link."""
+    real = tmp_path / "real"
+    out = tmp_path / "run"
+    real.mkdir()
+    out.symlink_to(real, target_is_directory=True)  # allowed: the folder itself
+    recipe = recipe_file(tmp_path, out, training__max_steps=3, training__save_steps=3)
+    code, err = run_main(capsys, recipe)
+    assert code == 0, err
+
+    victim_tok, victim_recipe, victim_ckpt = tmp_path / "victim_tok", tmp_path / "victim_recipe.yaml", tmp_path / "victim_ck"
+    victim_tok.mkdir()
+    (victim_tok / "tokenizer.json").write_text("theirs")
+    victim_recipe.write_text("theirs")
+    shutil.rmtree(real / "tokenizer")
+    (real / "tokenizer").symlink_to(victim_tok, target_is_directory=True)
+    (real / "recipe.yaml").unlink()
+    (real / "recipe.yaml").symlink_to(victim_recipe)
+    code, err = run_main(capsys, recipe, "--training.resume_from_checkpoint=latest", "--training.max_steps=4")
+    assert code == 2 and "Traceback" not in err
+    [line] = error_lines(err)
+    assert f"{out / 'recipe.yaml'} -> {victim_recipe}, {out / 'tokenizer'} -> {victim_tok} are symbolic links" in line
+    assert f"rm {out / 'recipe.yaml'} {out / 'tokenizer'}" in line
+    assert (victim_tok / "tokenizer.json").read_text() == "theirs" and victim_recipe.read_text() == "theirs"
+    assert train_steps(out) == [1, 2, 3]
+
+    (real / "tokenizer").unlink()
+    (real / "recipe.yaml").unlink()
+    victim_ckpt.mkdir()
+    (victim_ckpt / "keep.txt").write_text("theirs")
+    (real / "checkpoint-0000009").symlink_to(victim_ckpt, target_is_directory=True)
+    code, err = run_main(capsys, recipe, "--training.overwrite_output_dir=true")
+    assert code == 2 and "Traceback" not in err
+    [line] = error_lines(err)
+    assert f"{out / 'checkpoint-0000009'} -> {victim_ckpt} is a symbolic link" in line
+    assert (victim_ckpt / "keep.txt").read_text() == "theirs" and (real / "checkpoint-0000003").is_dir()
+
+
 # ---------------------------------------------------------------------------- valid JSON, always
 
 

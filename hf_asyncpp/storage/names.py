@@ -42,6 +42,12 @@ RUN_LOCK = ".run.lock"  # held by a run's main process for its life (run/folder.
 RUN_OUTPUTS = (METRICS, FINAL_EVAL, EXPORT_DIR, LOSS_CURVE, PROFILE, TIMELINE, LOGS_DIR, TOKENIZER_DIR, RECIPE_FILE)
 
 
+def run_owned(name: str) -> bool:
+    """Whether an entry of ``output_dir`` named ``name`` is one the run writes, replaces or removes: its outputs,
+    its checkpoints, and the hidden names it makes (temporary checkpoints and exports, staging, the lock)."""
+    return name in RUN_OUTPUTS or bool(CHECKPOINT_DIR.match(name)) or name.startswith(".")
+
+
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank:03d}.pt"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import RecipeError, WriteError
+from .names import run_owned
 
 _CAUSES = {
     errno.ENOSPC: "no space left on device",
@@ -182,7 +183,8 @@ def _finite(obj):
 
 
 def check_output_dir(path: str) -> Path:
-    """The run's output folder, created; refused, naming the field, where this process cannot write."""
+    """The run's output folder, created; refused, naming the field, where this process cannot write, or where an
+    entry the run writes or removes is a symbolic link (:func:`check_no_links`)."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -191,4 +193,19 @@ def check_output_dir(path: str) -> Path:
         probe.unlink()
     except OSError as e:
         raise RecipeError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
+    check_no_links(out)
     return out
+
+
+def check_no_links(out: Path) -> None:
+    """Refuse an output folder where an entry the run writes, replaces or removes (``tokenizer/``, ``recipe.yaml``,
+    a checkpoint, ...) is a symbolic link: writing the tokenizer or the recipe would change the link's target outside
+    the folder, and ``overwrite_output_dir`` cannot remove it. Refused rather than the link replaced: the link was
+    put there by someone, on purpose or not, and its target may be theirs. The folder itself may be a link."""
+    links = sorted(p for p in out.iterdir() if run_owned(p.name) and p.is_symlink())
+    if links:
+        named = ", ".join(f"{p} -> {os.readlink(p)}" for p in links)
+        raise RecipeError(f"training.output_dir: {named} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
+                          "the run writes and removes its own files there and never through a link, which would change "
+                          f"what it points to: remove the link ({'rm ' + ' '.join(str(p) for p in links)}: its target "
+                          "stays) or choose another training.output_dir")
