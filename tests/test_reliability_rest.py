@@ -102,6 +102,44 @@ def test_a_link_where_the_run_writes_is_refused_naming_it(tmp_path, capsys):
     assert (victim_ckpt / "keep.txt").read_text() == "theirs" and (real / "checkpoint-0000003").is_dir()
 
 
+# ---------------------------------------------------------------------------- a checkpoint without its manifest
+
+
+def test_a_checkpoint_without_its_manifest_is_named_and_not_exported_unverified(tmp_path, capsys, caplog):
+    """``latest`` passes over a ``checkpoint-N`` that lost its manifest.json with one warning naming it (it was
+    silent), and ``hf-asyncpp export`` of it refuses, naming the folder and ``--unverified`` (it exported the files
+    unverified, without a word)."""
+    from hf_asyncpp.cli.export import main as export_main
+    from hf_asyncpp.storage.names import checkpoint_name
+
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3)
+    code, err = run_main(capsys, recipe)
+    assert code == 0, err
+    bare = out / checkpoint_name(6)
+    (bare / "manifest.json").unlink()
+
+    caplog.set_level(logging.INFO)
+    code, err = run_main(capsys, recipe, "--training.resume_from_checkpoint=latest", "--training.max_steps=7")
+    assert code == 0, err
+    [line] = [r.getMessage() for r in caplog.records if "checkpoint-0000006" in r.getMessage()
+              and r.levelno == logging.WARNING]
+    assert line.startswith("not resuming checkpoint-0000006: no manifest.json, so not a complete checkpoint"), line
+    assert f"resumed from {out / checkpoint_name(3)} at step 3" in caplog.text
+    assert train_steps(out) == list(range(1, 8))
+
+    shutil.copytree(out / checkpoint_name(7), tmp_path / "bare")
+    (tmp_path / "bare" / "manifest.json").unlink()
+    assert export_main([str(tmp_path / "bare"), str(tmp_path / "refused")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'bare'}: no manifest.json, so its files cannot be verified" in err and "--unverified" in err
+    assert not (tmp_path / "refused").exists()
+    caplog.clear()
+    assert export_main([str(tmp_path / "bare"), str(tmp_path / "exported"), "--unverified"]) == 0
+    assert "exporting its files unverified (--unverified)" in caplog.text
+    assert (tmp_path / "exported" / "config.json").is_file()
+
+
 # ---------------------------------------------------------------------------- valid JSON, always
 
 

@@ -21,9 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--max-shard-size", default="2GB", help="split safetensors shards above this size (e.g. 500MB)")
     ap.add_argument("--model-id", default=None, help="Hub id for the card title and the usage snippet")
+    ap.add_argument("--unverified", action="store_true",
+                    help="export a folder without manifest.json (hand-assembled) unverified; refused otherwise")
     args = ap.parse_args(argv)
     try:
-        state, config, tok = load_checkpoint_state(args.checkpoint)
+        state, config, tok = load_checkpoint_state(args.checkpoint, unverified=args.unverified)
         card = card_from_checkpoint(args.checkpoint)
         if args.model_id:
             card["model_id"] = args.model_id

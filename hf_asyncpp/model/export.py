@@ -17,6 +17,7 @@ pull in evaluation, the model card or the Hub. The card comes from the caller as
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 from collections import Counter
@@ -35,6 +36,8 @@ from ..storage.write import writing
 
 __all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
            "load_checkpoint_state", "shard_file", "tokenizer_for_export", "write_shard"]
+
+log = logging.getLogger("hf_asyncpp")
 
 CardWriter = Callable[[Any, Path, Path], None]
 """Writes README.md (and what it links, e.g. the loss-curve image) into a folder being built: called with the model
@@ -332,8 +335,11 @@ def _finish_folder(tmp: Path, shards: list[tuple[str, dict[str, int]]], config, 
 # checkpoints
 
 
-def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, object]:
-    """(merged weights, config, tokenizer or None) of a checkpoint (layout in the module docstring).
+def load_checkpoint_state(ckpt_dir, unverified: bool = False) -> tuple[dict[str, torch.Tensor], object, object]:
+    """(merged weights, config, tokenizer or None) of a checkpoint (layout in the module docstring), verified
+    against its manifest. A folder without one is refused: a training checkpoint always has one, so it was removed
+    or the folder is incomplete, and nothing would say whether its files are the ones written. ``unverified``
+    (``hf-asyncpp export --unverified``): read it anyway (a hand-assembled folder), with a warning.
 
     Stage files are merged by name; a name in several files (a tied head) must hold equal values.
     ``stage-XX-versions.safetensors`` (2BW's older weight version) is not part of the model.
@@ -348,10 +354,16 @@ def load_checkpoint_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], object, ob
         raise FileNotFoundError(f"{path}: no model.safetensors or stage-XX.safetensors; is it a hf_asyncpp checkpoint?")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: config.json is missing")
-    if (path / MANIFEST).is_file():  # hand-assembled folders have none; a training checkpoint is verified
+    if (path / MANIFEST).is_file():
         problems = ckpt.verify(path)
         if problems:
             raise CheckpointError(f"{path} does not match its manifest: {'; '.join(problems)}")
+    elif not unverified:
+        raise CheckpointError(f"{path}: no {MANIFEST}, so its files cannot be verified (a training checkpoint always "
+                              "has one: it was removed, or the folder is incomplete); export a complete checkpoint, or "
+                              "pass --unverified to export this folder's files as they are")
+    else:
+        log.warning("%s: no %s; exporting its files unverified (--unverified)", path, MANIFEST)
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for f in files:

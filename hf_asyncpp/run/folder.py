@@ -35,6 +35,17 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def incomplete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """``checkpoint-N`` folders without a manifest (a copy or a hand that removed it: an interrupted save never gets
+    the final name), which no resume uses, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_DIR.match(p.name)) and p.is_dir()
+             and not (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
 def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
     """The checkpoints a resume may use, in the order to try them: for ``latest`` every complete one, newest
     first (a damaged one falls back to the next); for an explicit path only that one. Completeness only: the one
@@ -186,6 +197,11 @@ def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None
     an explicit path that fails is an error naming the file. None: nothing to resume.
     """
     candidates = resume_candidates(out, setting)
+    incomplete = incomplete_checkpoints(out) if setting == "latest" and topo.is_main else []
+    if incomplete:  # said, not silently passed over: someone may think the newest one is resumed
+        log.warning("not resuming %s: no %s, so not a complete checkpoint (its manifest was removed, or it was copied "
+                    "in part); a save at its step replaces it (resume it by restoring its manifest.json)",
+                    ", ".join(p.name for p in incomplete), MANIFEST)
     skipped = []
     for path in candidates:
         problems = _verify_shared(path, topo)
