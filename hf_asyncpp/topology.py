@@ -6,11 +6,13 @@ Every group is created collectively, in the same order on every rank (``make_gro
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .schedules.channels import all_channels
 
@@ -64,6 +66,31 @@ def one_process_group(pipelined: bool, timeout: timedelta) -> bool:
     return True
 
 
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a collective or transfer that waited past its timeout (gloo's and NCCL's wording)."""
+    return isinstance(e, RuntimeError) and "timed out" in str(e).lower()
+
+
+def silent_ranks(tag: str, wait_s: float = 30.0) -> list[int]:
+    """After a collective timed out: the ranks that do not answer now (stopped, hung), to be named in the error.
+    Found through the launcher's rendezvous store, which does not go through the process group that hung: every
+    rank that got here marks itself under ``tag`` (its own timeout fired too, at about the same moment), and the
+    ranks not marked within ``wait_s`` are the silent ones. Empty where there is no store (one process)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return []
+    world, me = dist.get_world_size(), dist.get_rank()
+    keys = [f"hf_asyncpp/answering/{tag}/{r}" for r in range(world)]
+    store.set(keys[me], "1")
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.2)
+
+
 def local_device() -> torch.device:
     """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
     if torch.cuda.is_available():
@@ -87,6 +114,19 @@ class Groups:
     # point-to-point: one group per direction between adjacent stages of this replica (``pipeline.channels``),
     # this rank's only
     p2p: dict = field(default_factory=dict)
+
+    def _collective(self) -> list:
+        return [g for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values())
+                            if x is not None and x is not dist.GroupMember.NON_GROUP_MEMBER}.values()]
+
+    def set_timeouts(self, timeout: timedelta, p2p: timedelta) -> None:
+        """The groups' own timeouts from now on (gloo's transport, NCCL's watchdog): ``timeout`` for the collective
+        groups, ``p2p`` for the point-to-point ones. Set through torch's ``_set_pg_timeout``, as torchtitan shortens
+        them after the first step."""
+        for g in self._collective():
+            _set_pg_timeout(timeout, g)
+        for g in self.p2p.values():
+            _set_pg_timeout(p2p, g)
 
     def destroy(self) -> None:
         for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values(), *self.p2p.values())

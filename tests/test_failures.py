@@ -22,7 +22,8 @@ def _rank_main(rank, world, port, die_after, err_path):
     from support import LLAMA, build, make_batches, make_recipe
 
     recipe = make_recipe(LLAMA, "2bw", 2, 2, 2, "adamw")
-    assert recipe.pipeline.p2p_timeout_s >= 300 and recipe.pipeline.collective_timeout_s >= 300  # the defaults
+    rp = recipe.pipeline  # the defaults: a death is found at once, long before any timeout could end the run
+    assert rp.p2p_timeout_s >= 100 and rp.collective_timeout_s >= 100 and rp.init_timeout_s >= 600
     eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
     try:
         for k in range(1000):

@@ -127,7 +127,7 @@ def test_one_communicator_for_both_directions_hangs_under_the_rule():
     from support import LLAMA, scenario
 
     rec, replica, _, _ = scenario(LLAMA, "2bw", 2, 2, 2, "muon", False)
-    rec.pipeline.p2p_timeout_s = 4.0
+    rec.pipeline.p2p_timeout_s = rec.pipeline.init_timeout_s = 4.0  # the hang comes in the first step
     msgs = run_distributed(_pipeline_worker, 2, [(rec, replica)], True)
     # both stages stop with PeerFailure; the first to time out names the rule, its peer may see the closed connection
     assert all(isinstance(m, str) and "timed out after 4s" in m for m in msgs), msgs

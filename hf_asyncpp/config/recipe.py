@@ -66,11 +66,12 @@ class PipelineConfig:
     extra_warmup: int = field(default=0, metadata=_range(lo=0))
     """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
     the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""
-    p2p_timeout_s: float = field(default=600.0, metadata=_range(lo=0.0, lo_open=True))
-    """A neighbouring stage silent for this long (no activation or gradient arrives) is declared dead or hung and
-    every rank exits. A peer that dies is found at once whatever this is (gloo: its connection closes; NCCL: the
-    launcher ends the other ranks), so this only bounds a hang; long enough for a stage stalled on data or a
-    checkpoint write."""
+    p2p_timeout_s: float = field(default=90.0, metadata=_range(lo=0.0, lo_open=True))
+    """A neighbouring stage silent for this long (no activation or gradient arrives) once the stream's first step is
+    done is declared hung, and the job ends with the rank named. A peer that dies is found at once whatever this is
+    (gloo: its connection closes; NCCL: the launcher ends the other ranks), so this only bounds a hang: with the
+    launcher's 30 s for the other ranks to exit, a hung job ends within 2 minutes (torchtitan waits 100 s); the first
+    step and the checkpoints have ``init_timeout_s``."""
     recv_wait: Literal["auto", "poll", "block"] = "auto"
     """How a rank waits for a neighbour's activations or gradients: ``poll`` spins on the transfer (yielding its
     core to its own threads at every turn), as MPI waits by default, so the core never idles between actions;
@@ -78,11 +79,14 @@ class PipelineConfig:
     (``pipeline/p2p.py: polls``). On a VM an idle virtual CPU halts, and a rank that slept ran its next forwards and
     backwards up to 25% slower (docs/benchmarks.md, "Waiting by polling": +4% in process, within the noise through
     the command line). NCCL's receives are waited for by the stream, whatever this says."""
-    collective_timeout_s: float = field(default=1800.0, metadata=_range(lo=0.0, lo_open=True))
-    """How long a collective (data-parallel all-reduce, grad norm, loss reports, checkpoint gathers; NCCL's
-    watchdog) may wait for a slow replica before the run is declared hung. Separate from ``p2p_timeout_s`` and
-    longer: one replica's stall (a data download, a checkpoint write) holds every other replica at its next
-    all-reduce."""
+    collective_timeout_s: float = field(default=90.0, metadata=_range(lo=0.0, lo_open=True))
+    """How long an all-reduce of a training step (data-parallel gradients, the grad norm, the loss reports; NCCL's
+    watchdog) may wait for a slow replica once the stream's first step is done, before the job is declared hung."""
+    init_timeout_s: float = field(default=900.0, metadata=_range(lo=0.0, lo_open=True))
+    """The longer budget of what may be slow without hanging: setting up the process groups, the first step of each
+    stream of steps (after the start, a resume, an evaluation or a checkpoint: compiling, the data's first read, a
+    neighbour still writing its checkpoint), and the gathers of checkpoints, exports and evaluations. A rank that
+    does not answer within it is named (``PeerFailure``)."""
 
     @property
     def split(self) -> Optional[list[int]]:
@@ -146,11 +150,25 @@ class TrainingConfig:
     step, its checkpoints as they were (a pipeline finds out when the step's report lands, so STEP never waits for
     the device); ``skip`` leaves the weights as they were and counts it (``skipped_nonfinite`` in metrics.jsonl):
     deciding before the step, it reads the norm back once per step."""
+    max_consecutive_skips: int = field(default=10, metadata=_range(lo=1))
+    """``on_nonfinite: skip`` gives up (``NonFiniteError``, exit code 3) after this many skipped steps in a row: the
+    model has stopped training, and going on would save and export it as if it had."""
+    max_skipped_fraction: float = field(default=0.05, metadata=_range(lo=0.0, hi=1.0))
+    """``on_nonfinite: skip`` also gives up once more than this fraction of ``max_steps`` was skipped in all, so a run
+    that exits 0 trained at least the rest."""
     torch_threads: Optional[int] = field(default=None, metadata=_range(lo=1))
     """Intra-op threads per process (None: 1 per rank when several ranks share the CPU)."""
     stop_after_steps: Optional[int] = field(default=None, metadata=_range(lo=1))
     """Checkpoint and exit at this step without changing the schedule (like Megatron's --exit-interval);
     continue later with ``resume_from_checkpoint: latest``."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    """Signals that stop the run safely: every rank finishes its step, one checkpoint is saved at a step they agree on
+    (within 4 steps of the signal), and the run exits with code 10 and one line naming the checkpoint. SLURM's
+    preemption, ``scancel`` and a time limit send SIGTERM; ``--signal=USR1@120`` asks for SIGUSR1 two minutes before
+    the limit; a second SIGINT (Ctrl-C) stops at once, unsaved. [] keeps the signals' default (the process dies)."""
+    max_restarts: int = field(default=0, metadata=_range(lo=0))
+    """``hf-asyncpp train`` starting the stage processes itself: restart them this many times after a failure (as
+    ``torchrun --max-restarts``); a restarted run resumes from the newest verified checkpoint."""
     export: bool = True
     """Export an HF folder (``output_dir/export``) and evaluate it at the end."""
 
@@ -310,6 +328,9 @@ def _build(cls, data, where: str):
     return cls(**kwargs)
 
 
+STOP_SIGNALS_ALLOWED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
 def _unknown_field(where: str, name: str, fields, *, flag: bool = False) -> str:
     """The error for ``name``, not a field of section ``where`` ("": the top level): the field that means the same
     when it is another tool's name (``FOREIGN_NAMES``) or a field of another section, else the closest field and the
@@ -338,6 +359,10 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError(f"model: give exactly one of model.config (random init) or model.name_or_path{both}")
     if r.model.config is not None and "model_type" not in r.model.config:
         raise RecipeError("model.config.model_type: missing; give a transformers model_type such as 'llama'")
+    bad = [n for n in r.training.stop_signals if n not in STOP_SIGNALS_ALLOWED]
+    if bad:
+        raise RecipeError(f"training.stop_signals: {', '.join(map(repr, bad))} cannot be caught for a safe stop; choose from "
+                          f"{', '.join(STOP_SIGNALS_ALLOWED)} ([] keeps the signals' default)")
     p = r.pipeline
     delay = get_simulated_delay(r.optimizer.simulate_delay)
     o = r.optimizer

@@ -149,14 +149,15 @@ class PipelineEngine:
         if recipe.optimizer.shard_across_replicas and topo.dp_size > 1:
             sizes = {n: q.numel() for n, q in self.params.items()}
             self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
-        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s for a slow replica
-        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.collective_timeout_s),
-                                  p2p_timeout=timedelta(seconds=rc.p2p_timeout_s),
+        # every wait starts with the long budget (init_timeout_s: the first step of a stream); once this rank has run
+        # its first STEP, receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
+        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
+                                  p2p_timeout=timedelta(seconds=rc.init_timeout_s),
                                   sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage")
-        self.reducer = Reducer(self.groups, topo, tied, rc.collective_timeout_s, self.global_norm, owner_of=self.owner_of)
-        self.p2p = P2P(topo, rc.p2p_timeout_s, self.device, self.groups.p2p,
+        self.reducer = Reducer(self.groups, topo, tied, rc.init_timeout_s, self.global_norm, owner_of=self.owner_of)
+        self.p2p = P2P(topo, rc.init_timeout_s, self.device, self.groups.p2p,
                        poll=polls(rc.recv_wait, self.device, ranks_on_this_node(topo.world_size)))
-        self.reports = StepReports(self.groups.report, topo.dp_size, rc.collective_timeout_s,
+        self.reports = StepReports(self.groups.report, topo.dp_size, rc.init_timeout_s,
                                    stop_on_nonfinite=recipe.training.on_nonfinite == "stop")
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
         # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of
@@ -167,6 +168,7 @@ class PipelineEngine:
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.nonfinite_skipped = 0
         self.stopped = False  # the last ``run`` ended early, at a stop every rank agreed to
+        self._long_timeouts = True  # the groups and waits were made with init_timeout_s
         self.peak_inflight = 0
         self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
         self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1,
@@ -196,6 +198,7 @@ class PipelineEngine:
             w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
                         end_step=first_step + num_steps)
         self.stopped = False
+        self._use_timeouts(first_step=True)  # until this rank's first STEP of the stream
         actions = self._window_actions(w, num_steps)
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
         reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
@@ -223,6 +226,7 @@ class PipelineEngine:
         if on_gpu:
             self.gpu_timer.collect(secs)
         yield from self.reports.drain()
+        self._use_timeouts(first_step=True)  # what follows a drain (a checkpoint, an evaluation) has the long budget
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         """``run`` over a list, collected (drained at the end)."""
@@ -255,6 +259,20 @@ class PipelineEngine:
         w.end_step = last + 1
         self.stopped = True
         yield from short
+
+    def _use_timeouts(self, first_step: bool) -> None:
+        """The first step of a stream (and what follows its drain) waits up to ``init_timeout_s``; the steps after it
+        ``p2p_timeout_s`` for a neighbour and ``collective_timeout_s`` for an all-reduce, so that a rank that hangs
+        mid-run ends the job within about two minutes (the process groups' own timeouts, which NCCL's watchdog
+        enforces, follow the same rule)."""
+        if first_step == self._long_timeouts:
+            return
+        rc = self.recipe.pipeline
+        p2p, coll = (rc.init_timeout_s, rc.init_timeout_s) if first_step else (rc.p2p_timeout_s, rc.collective_timeout_s)
+        self.p2p.set_timeout(timedelta(seconds=p2p))
+        self.reducer.timeout = self.reports.timeout = timedelta(seconds=coll)
+        self.groups.set_timeouts(timedelta(seconds=coll), p2p=timedelta(seconds=p2p))
+        self._long_timeouts = first_step
 
     def agree_stop(self) -> bool:
         """At a drain point: whether a stop signal reached any rank (collective, on the report group)."""
@@ -392,6 +410,8 @@ class PipelineEngine:
         lam = torch.stack([values[i] for i in self.lam_reported]).sum() if values and self.lam_reported else None
         self.reports.post(k, loss, norm, lr, finite, lam, len(self.lam_reported) if values else 0,
                           log_norm=self.global_norm)
+        if self._long_timeouts:  # this rank's first step of the stream is done
+            self._use_timeouts(first_step=False)
 
     def _broadcast_new_version(self) -> None:
         """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in the same order on each, at

@@ -116,6 +116,12 @@ class P2P:
         # polling replaces the host's waits; NCCL's receives are waited for by the stream, never by the host
         self.waiter = PollingWaiter() if poll and not self.stream_ordered else None
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """How long a receive waits from now on (the executor's first-step and steady budgets)."""
+        self.timeout = timeout
+        if hasattr(self.transport, "timeout"):
+            self.transport.timeout = timeout
+
     def _group(self, src: int, dst: int):
         return self.groups[channel(src, dst)]
 

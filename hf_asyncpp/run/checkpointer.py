@@ -29,14 +29,14 @@ from transformers import TrainerState
 from .. import supervision
 from ..config.recipe import Recipe, save_recipe
 from ..engine import Engine
-from ..errors import CheckpointError, RecipeError, WriteError
+from ..errors import CheckpointError, PeerFailure, RecipeError, WriteError
 from ..model.build import build_config
 from ..model.export import export_engine
 from ..storage import files as ckpt, write as storage
 from ..storage.names import (CONFIG_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
                              checkpoint_name, rng_file, temp_dir)
 from ..storage.write import human, write_error, writing
-from ..topology import Topology
+from ..topology import Topology, silent_ranks, timed_out
 from .folder import clear_stale, list_checkpoints, prune
 from .hub import Pusher, snapshot
 from .model_card import card_from_recipe, card_writer
@@ -165,7 +165,22 @@ class Checkpointer:
                 "latest (free space, then resume with --training.resume_from_checkpoint=latest)")
 
     def save(self, state: RunState, engine: Engine, stream) -> Path:
-        """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied)."""
+        """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied). A rank
+        that stops answering meanwhile (its gather waits ``pipeline.init_timeout_s``) is named in a PeerFailure,
+        instead of a gather's traceback blaming the rank that waited."""
+        try:
+            return self._save(state, engine, stream)
+        except RuntimeError as e:
+            if not timed_out(e) or isinstance(e, (WriteError, PeerFailure)):
+                raise
+            silent = silent_ranks(checkpoint_name(state.step), wait_s=min(30.0, self.recipe.pipeline.init_timeout_s))
+            who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering" if silent else
+                   "a rank stopped answering")
+            raise PeerFailure(f"rank {self.topo.rank}: writing {checkpoint_name(state.step)}: {who} (nothing within "
+                              f"pipeline.init_timeout_s={self.recipe.pipeline.init_timeout_s:g}s: stalled or hung, see "
+                              f"its log); {self._latest()}") from None
+
+    def _save(self, state: RunState, engine: Engine, stream) -> Path:
         acc, topo = self.accelerator, self.topo
         tmp = temp_dir(self.out, state.step)
         problem = None

@@ -23,8 +23,10 @@ UNCHANGED_NUMBERS = {
     "eval": None,  # downstream tasks are scored apart from training
     "training": {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps",
                  "save_total_limit", "eval_steps", "report_to", "run_name", "project", "peak_tflops", "torch_threads",
-                 "stop_after_steps", "export"},
-    "pipeline": {"schedule", "num_stages", "layers_per_stage", "extra_warmup", "p2p_timeout_s", "collective_timeout_s"},
+                 "stop_after_steps", "export", "stop_signals", "max_restarts", "max_consecutive_skips",
+                 "max_skipped_fraction"},
+    "pipeline": {"schedule", "num_stages", "layers_per_stage", "extra_warmup", "p2p_timeout_s", "collective_timeout_s",
+                 "init_timeout_s"},
     "data": {"train_files"},
 }
 """Recipe fields whose change leaves every computed number as it was (None: the whole section)."""

@@ -54,8 +54,8 @@ def make_accelerator(recipe: Recipe):
         cpu=not torch.cuda.is_available(),
         log_with=report_to or None,
         project_config=ProjectConfiguration(project_dir=recipe.training.output_dir, logging_dir=str(Path(recipe.training.output_dir) / LOGS_DIR)),
-        # the default group carries checkpoint and export gathers: a slow replica must not time it out
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.collective_timeout_s))],
+        # the default group carries checkpoint, export and evaluation gathers: pipeline.init_timeout_s
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.init_timeout_s))],
     )
 
 
@@ -113,7 +113,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     supervision.clear_stop()
     supervision.stop_on(t.stop_signals)  # a scheduler's signal now asks for a checkpoint and a stop
     accelerator = make_accelerator(recipe)
-    one_process_group(pipelined(rp.schedule), timedelta(seconds=rp.collective_timeout_s))  # no launcher made one
+    one_process_group(pipelined(rp.schedule), timedelta(seconds=rp.init_timeout_s))  # no launcher made one
     world, rank = accelerator.num_processes, accelerator.process_index
     check_topology(recipe, world, recipe_path)
     threads = t.torch_threads or (1 if world > 1 else None)

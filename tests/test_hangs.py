@@ -1,0 +1,68 @@
+"""A rank that hangs but stays alive (SIGSTOP: a stuck file system, a deadlocked library) ends the job within the
+timeouts, with one line naming it: mid-run (pipeline.p2p_timeout_s, collective_timeout_s) and while a checkpoint is
+written (pipeline.init_timeout_s). Short timeouts here; the defaults (120 s, 120 s, 900 s) follow the same code."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dist_utils import free_port
+from support import ROOT
+from test_stop_signals import ENV, _last_step, _ranks, _recipe
+
+
+def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
+    """Start ``cmd``, SIGSTOP rank 1 once ``until()`` holds; (seconds from the stall to the first ``error:`` line,
+    the output so far). The job is then killed: torchrun would end the stopped rank only after its 30 s grace."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    text = []
+    try:
+        deadline = time.time() + 300
+        while not until() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        {int(p.environ()["RANK"]): p for p in _ranks(proc.pid)}[1].suspend()
+        t0 = time.time()
+        while time.time() < t0 + 120:
+            try:
+                text.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            if text[-1].startswith("error:"):
+                return time.time() - t0, "".join(text)
+        raise AssertionError("no error line within 120 s of the stall: " + "".join(text)[-3000:])
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _torchrun(recipe: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+            "-m", "hf_asyncpp.cli.train", str(recipe), *overrides]
+
+
+def test_a_rank_hung_mid_run_ends_the_job_naming_it(tmp_path):
+    recipe, out = _recipe(tmp_path, "midrun")
+    took, text = _stall_rank_1(_torchrun(recipe, "--training.max_steps=100000", "--pipeline.p2p_timeout_s=6",
+                                         "--pipeline.collective_timeout_s=6"), lambda: _last_step(out) >= 3)
+    assert re.search(r"error: PeerFailure: rank 0 \(stage 0\): .* rank 1 failed or timed out after 6s", text), text[-3000:]
+    assert "Traceback" not in text and took < 30, (took, text[-3000:])
+
+
+def test_a_rank_hung_during_a_checkpoint_is_named(tmp_path):
+    recipe, out = _recipe(tmp_path, "ckpt")
+    took, text = _stall_rank_1(_torchrun(recipe, "--training.save_steps=4", "--pipeline.init_timeout_s=8"),
+                               lambda: any(out.glob(".tmp-checkpoint-*")))
+    assert re.search(r"error: PeerFailure: rank 0: writing checkpoint-0000004: rank 1 stopped answering \(nothing "
+                     r"within pipeline.init_timeout_s=8s", text), text[-3000:]
+    assert "no checkpoint was completed yet" in text and "Traceback" not in text and took < 40, (took, text[-3000:])
+    assert not (out / "checkpoint-0000004").exists()
