@@ -22,6 +22,7 @@ from hf_asyncpp.run.checkpointer import Checkpointer
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.hub import push_folder
 from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import checkpoint_name
 from hf_asyncpp.topology import Topology
 from support import tiny
 from hf_asyncpp.run.folder import list_checkpoints
@@ -138,11 +139,31 @@ def test_non_finite_steps(tmp_path, policy):
             train(rec)
         good = choose_resume(out, "latest", Topology())
         assert good is not None and torch.isfinite(ckpt.load_tensors(good / "model.safetensors")["model.norm.weight"]).all()
-    else:
+    else:  # skipping itself, without the limits that make a run of skips give up (test_skip_mode_gives_up)
+        rec.training.max_skipped_fraction, rec.training.max_consecutive_skips = 1.0, 10
         train(rec)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         skipped = [r["step"] for r in rows if r.get("skipped_nonfinite")]
         assert skipped and len([r for r in rows if "loss" in r]) == 4
+
+
+def test_skip_mode_gives_up(tmp_path):
+    """A run whose steps are all skipped has stopped training: it ends with NonFiniteError (exit code 3) at the
+    step that crossed the limit, never as a finished run (it exited 0, saved, exported and said "done")."""
+    from hf_asyncpp.errors import NonFiniteError
+    from hf_asyncpp.run.trainer import train
+
+    out = tmp_path / "run"
+    rec = recipe_from_dict(tiny(out, optimizer__name="sgd", optimizer__learning_rate=1e30, training__max_grad_norm=0.0,
+                                training__max_steps=40, training__save_steps=0, training__on_nonfinite="skip",
+                                training__max_skipped_fraction=1.0, training__max_consecutive_skips=3))
+    with pytest.raises(NonFiniteError, match=r"non-finite gradients skipped in 3 steps in a row "
+                                             r"\(training.max_consecutive_skips: 3\)"):
+        train(rec)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped_nonfinite")][-3:] == [rows[-1]["step"] - 2, rows[-1]["step"] - 1,
+                                                                           rows[-1]["step"]]
+    assert rows[-1]["step"] < 40 and not (out / checkpoint_name(40)).exists()
 
 
 def test_unwritable_output_dir_fails_before_training(tmp_path):
@@ -160,6 +181,7 @@ sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from hf_asyncpp.run.folder import prune
 from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import checkpoint_name
 from hf_asyncpp.storage.names import checkpoint_name, temp_dir
 out = Path(sys.argv[1])
 step = 0

@@ -10,6 +10,7 @@ this file only wires them together.
 from __future__ import annotations
 
 import logging
+import math
 from datetime import timedelta
 from pathlib import Path
 
@@ -170,7 +171,7 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
         log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
 
     batches = stream  # None on a middle stage
-    skips = SkipLimit(t.max_consecutive_skips, int(t.max_skipped_fraction * t.max_steps))
+    skips = SkipLimit(t.max_consecutive_skips, math.ceil(t.max_skipped_fraction * t.max_steps))
     saved_at = state.step if resume is not None else None  # the step of the newest checkpoint of this run
     stopping = False
     runlog.restart_clock()
