@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import yaml
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.run.reporting import read_metrics
-from support import FIXTURE, tiny
+from support import FIXTURE, ROOT, tiny
 
 
 def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
@@ -287,3 +290,28 @@ def _rehashed(path: Path) -> dict:
     for name in manifest["files"]:
         manifest["files"][name] = {"size": (path / name).stat().st_size, "sha256": ckpt.sha256_of(path / name)}
     return manifest
+
+
+# ---------------------------------------------------------------------------- what the launcher leaves in /tmp
+
+
+def test_the_launcher_leaves_nothing_in_the_temporary_folder(tmp_path):
+    """``hf-asyncpp train`` starting its own stage processes: torchrun's logs go into the launcher's own temporary
+    folder, removed at the end (one /tmp/torchelastic_* per run piled up), and the folder a SIGKILLed launcher left
+    behind (its cleanup never ran) is removed by the next launcher; a live launcher's folder is not."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    stale, live = tmp / f"hf_asyncpp-errors-{gone.pid}-x1", tmp / f"hf_asyncpp-errors-{os.getpid()}-x2"
+    for folder in (stale, live):
+        (folder / "torchelastic").mkdir(parents=True)
+    recipe = recipe_file(tmp_path, tmp_path / "run", pipeline__schedule="2bw", pipeline__num_stages=2,
+                         training__max_steps=2, training__save_steps=0)
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), recipe], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "starting 2 local processes" in r.stdout
+    left = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "hf_asyncpp-errors-")))
+    assert left == [live.name], left

@@ -297,7 +297,8 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
             os.environ["ACCELERATE_USE_CPU"] = "1"  # gloo process groups; the stages still compute on the GPU
     print(f"hf_asyncpp: pipeline.num_stages={n} needs {n} processes and 1 was started: starting {n} local processes "
           f"({how}; set {NO_SPAWN}=1 to launch them yourself)", flush=True)
-    with tempfile.TemporaryDirectory(prefix="hf_asyncpp-errors-") as errors:
+    remove_stale_folders()  # of launchers killed before they could remove their own
+    with tempfile.TemporaryDirectory(prefix=f"{ERRORS_PREFIX}{os.getpid()}-") as errors:
         # torchrun's own logs in the folder removed at the end (else one /tmp/torchelastic_* per run, never removed)
         args = torchrun.get_args_parser().parse_args(
             ["--standalone", f"--nproc_per_node={n}", f"--max-restarts={recipe.training.max_restarts}",
@@ -322,6 +323,29 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
         print(stopped[0], file=sys.stderr, flush=True)
         return stopped[1]
     return 0
+
+
+ERRORS_PREFIX = "hf_asyncpp-errors-"
+"""The launcher's temporary folder (the ranks' error lines, torchrun's logs), named ``hf_asyncpp-errors-PID-*`` after
+the launcher's pid, so that a later launcher can tell the folder of a launcher that is gone."""
+
+
+def remove_stale_folders(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the temporary folders of launchers that were killed before they could remove them (``kill -9``, the
+    OOM killer: the ``TemporaryDirectory`` cleanup never runs): this user's ``hf_asyncpp-errors-PID-*`` whose PID
+    no longer runs. A PID reused meanwhile keeps its folder until that process ends; another user's folders and
+    those of earlier versions (no pid in the name) are left alone. The folders removed."""
+    removed = []
+    for p in Path(root or tempfile.gettempdir()).glob(f"{ERRORS_PREFIX}*-*"):
+        m = re.fullmatch(rf"{ERRORS_PREFIX}(\d+)-.+", p.name)
+        try:
+            if m is None or p.is_symlink() or p.stat().st_uid != os.getuid() or psutil.pid_exists(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
 
 
 RESTART_FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
