@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hf_asyncpp.cli.export import main as export_main
+from hf_asyncpp.cli.train import main
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import NonFiniteError
+from hf_asyncpp.run.checkpointer import data_fingerprint, sampled_digest
 from hf_asyncpp.run.reporting import read_metrics
+from hf_asyncpp.run.trainer import train
+from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
+from hf_asyncpp.storage.write import json_text
 from support import FIXTURE, ROOT, tiny
 
 
@@ -29,8 +36,6 @@ def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
 
 def run_main(capsys, *argv) -> tuple[int, str]:
     """``hf-asyncpp train ARGV`` in this process (no launcher): its exit code and stderr."""
-    from hf_asyncpp.cli.train import main
-
     code = main(list(argv))
     return code, capsys.readouterr().err
 
@@ -44,7 +49,7 @@ def train_steps(out: Path) -> list[int]:
 ONE_STAGE = dict(pipeline__schedule="2bw", pipeline__num_stages=1, training__max_steps=4, training__save_steps=2)
 
 
-def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, capsys, caplog):
+def test_a_one_stage_2bw_run_trains_and_resumes_without_a_launcher(tmp_path, capsys):
     """``hf-asyncpp train`` of a 1-stage 2BW recipe is one process that no launcher started: it makes its own
     one-process group (it crashed in make_groups with "Default process group has not been initialized")."""
     out = tmp_path / "one"
@@ -112,9 +117,6 @@ def test_a_checkpoint_without_its_manifest_is_named_and_not_exported_unverified(
     """``latest`` passes over a ``checkpoint-N`` that lost its manifest.json with one warning naming it (it was
     silent), and ``hf-asyncpp export`` of it refuses, naming the folder and ``--unverified`` (it exported the files
     unverified, without a word)."""
-    from hf_asyncpp.cli.export import main as export_main
-    from hf_asyncpp.storage.names import checkpoint_name
-
     out = tmp_path / "run"
     recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3)
     code, err = run_main(capsys, recipe)
@@ -178,8 +180,6 @@ def test_a_resume_with_nothing_left_to_train_writes_valid_json(tmp_path, capsys)
 
 def test_the_run_refuses_to_write_nan_into_json():
     """The run's one JSON writer: non-finite numbers become null; anything else non-JSON fails at the writer."""
-    from hf_asyncpp.storage.write import json_text
-
     assert json.loads(json_text({"a": float("nan"), "b": [float("inf"), 1.5, (float("-inf"),)]})) == \
         {"a": None, "b": [None, 1.5, [None]]}
 
@@ -192,8 +192,6 @@ def test_the_non_finite_error_names_the_step_as_metrics_jsonl_numbers_it(tmp_pat
     """The step ``on_nonfinite: skip`` marks as skipped in metrics.jsonl is the one ``stop`` names, in the single
     process and in the pipeline (whose error comes from the step reports); the steps before it are in metrics.jsonl.
     (It named the step before: the engines count from 0, metrics.jsonl and the progress bar from 1.)"""
-    from hf_asyncpp.run.trainer import train
-
     blowup = dict(optimizer__name="sgd", optimizer__learning_rate=1e30, training__max_grad_norm=0.0,
                   training__max_steps=6, training__save_steps=0, pipeline__schedule=schedule, pipeline__num_stages=1)
     skipped = tmp_path / "skip"
@@ -227,10 +225,6 @@ def test_a_same_size_edit_of_a_training_file_is_named_on_resume(tmp_path, capsys
     and the stream starts at the beginning of the new text (it resumed at the old position on other text, silently).
     A copy of the files elsewhere is the same data; a checkpoint written before the digest ([name, size]) is compared
     as it was then."""
-    from hf_asyncpp.run.checkpointer import data_fingerprint, sampled_digest
-    from hf_asyncpp.storage import files as ckpt
-    from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
-
     data = tmp_path / "data" / "train.jsonl"
     data.parent.mkdir()
     shutil.copy(FIXTURE, data)
@@ -284,8 +278,6 @@ def test_a_same_size_edit_of_a_training_file_is_named_on_resume(tmp_path, capsys
 def _rehashed(path: Path) -> dict:
     """The checkpoint's manifest with its files' sizes and sha256 as they are now (a run_state.json edited on
     purpose must still verify)."""
-    from hf_asyncpp.storage import files as ckpt
-
     manifest = ckpt.load_json(path / "manifest.json")
     for name in manifest["files"]:
         manifest["files"][name] = {"size": (path / name).stat().st_size, "sha256": ckpt.sha256_of(path / name)}
