@@ -184,12 +184,12 @@ def test_load_checkpoint_state_merges_stage_files(tmp_path):
               str(tmp_path / "stage-01.safetensors"))
     save_file({"model.norm.weight": torch.zeros(32)}, str(tmp_path / "stage-01-versions.safetensors"))  # 2BW's old version
     model.config.to_json_file(str(tmp_path / "config.json"))
-    state, config, tok = load_checkpoint_state(tmp_path)
+    state, config, tok = load_checkpoint_state(tmp_path, unverified=True)  # hand-made: no manifest
     assert tok is None and config.model_type == "llama" and set(state) == set(sd)
     assert all(torch.equal(state[k], sd[k]) for k in sd)
     save_file({"model.embed_tokens.weight": sd["model.embed_tokens.weight"] + 1}, str(tmp_path / "stage-02.safetensors"))
     with pytest.raises(ValueError, match="model.embed_tokens.weight differs between stage-01.safetensors and stage-02"):
-        load_checkpoint_state(tmp_path)
+        load_checkpoint_state(tmp_path, unverified=True)
 
 
 def test_scripts_export_and_evaluate(tmp_path, tok):
@@ -220,7 +220,7 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
 
     env = {"HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    r = run("scripts/export.py", str(ckpt), str(tmp_path / "hf"))
+    r = run("scripts/export.py", str(ckpt), str(tmp_path / "hf"), "--unverified")  # hand-made: no manifest
     assert r.returncode == 0, r.stderr
     card = ModelCard.load(tmp_path / "hf" / "README.md")
     assert {"1f1b", "muon"} <= set(card.data.tags) and "| Optimizer steps | 10 |" in card.text

@@ -23,7 +23,7 @@ def _rank_main(rank, world, port, die_after, err_path):
 
     recipe = make_recipe(LLAMA, "2bw", 2, 2, 2, "adamw")
     rp = recipe.pipeline  # the defaults: a death is found at once, long before any timeout could end the run
-    assert rp.p2p_timeout_s >= 100 and rp.collective_timeout_s >= 100 and rp.init_timeout_s >= 600
+    assert rp.p2p_timeout_s >= 60 and rp.collective_timeout_s >= 60 and rp.init_timeout_s >= 600
     eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)
     try:
         for k in range(1000):

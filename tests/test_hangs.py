@@ -3,6 +3,7 @@ timeouts, with one line naming it: mid-run (pipeline.p2p_timeout_s, collective_t
 written (pipeline.init_timeout_s). Short timeouts here; the defaults (120 s, 120 s, 900 s) follow the same code."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -13,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from dist_utils import free_port
 from support import ROOT
 from test_stop_signals import ENV, _last_step, _ranks, _recipe
@@ -25,12 +27,13 @@ def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    text = []
+    text, ranks = [], []
     try:
         deadline = time.time() + 300
         while not until() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
-        {int(p.environ()["RANK"]): p for p in _ranks(proc.pid)}[1].suspend()
+        ranks = _ranks(proc.pid)
+        next(p for p in ranks if p.environ()["RANK"] == "1").suspend()
         t0 = time.time()
         while time.time() < t0 + 120:
             try:
@@ -41,6 +44,9 @@ def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
                 return time.time() - t0, "".join(text)
         raise AssertionError("no error line within 120 s of the stall: " + "".join(text)[-3000:])
     finally:
+        for p in ranks:  # in sessions of their own (torchrun's workers), and the stopped one cannot notice anything
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 

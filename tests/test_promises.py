@@ -80,6 +80,8 @@ WRITE_EXCEPTIONS = {
     ("storage/write.py", "open"): "the edge itself: open_for_write, which write_file writes through (and tests fake)",
     ("storage/write.py", "write_text"): "a probe of whether training.output_dir is writable: its failure is the answer, "
                                     "turned into a RecipeError naming the field",
+    ("storage/write.py", "os.open"): "the run lock (lock_output_dir): flock needs a file descriptor; its record is a "
+                                     "few bytes, and a failure to open it is a RecipeError naming the file",
     ("cli/compare.py", "open"): "a log file handed to a child process as its stdout: the child writes the bytes",
     ("testing.py", "open"): "a spawned worker's traceback, into the harness's temp folder: no run's file",
 }

@@ -24,7 +24,7 @@ from hf_asyncpp.storage import files as ckpt
 from hf_asyncpp.topology import Topology
 from support import losses, tiny, tiny_llama
 from hf_asyncpp.run.folder import list_checkpoints, prune
-from hf_asyncpp.storage.names import MANIFEST, RUN_STATE, TRAINER_STATE, checkpoint_name
+from hf_asyncpp.storage.names import MANIFEST, RUN_LOCK, RUN_STATE, TRAINER_STATE, checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -389,11 +389,13 @@ def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
 
     out = tmp_path / "run"
     train(recipe_from_dict(tiny(out)))
-    before = {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")}
+    # nothing of the old run is written; .run.lock is the folder's (its lock, which the refused run held a moment)
+    before = {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*") if p.name != RUN_LOCK}
     with pytest.raises(RecipeError, match=r"holds another run \(checkpoint-0000003/, checkpoint-0000006/, metrics"
                                           r".*resume_from_checkpoint=latest.*overwrite_output_dir=true"):
         train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0)))
-    assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
+    assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*") if p.name != RUN_LOCK} == before
+    assert (out / RUN_LOCK).read_text() == ""  # released, with no holder left to name
     train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0, training__overwrite_output_dir=True)))
     assert [p.name for _, p in list_checkpoints(out)] == [checkpoint_name(2)]
     assert len(losses(out)) == 2  # the new run's 2 steps, none of the old run's 6

@@ -1,22 +1,15 @@
 """The run folder: its checkpoints, which one a resume takes, and whether a fresh run may start in it."""
 from __future__ import annotations
 
-import datetime
-import errno
-import fcntl
-import json
 import logging
-import os
 import shutil
-import socket
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ..errors import CheckpointError, MissingCheckpoint, RecipeError
 from ..storage import files as ckpt
-from ..storage.names import CHECKPOINT_DIR, MANIFEST, RUN_LOCK, RUN_OUTPUTS
+from ..storage.names import CHECKPOINT_DIR, MANIFEST, RUN_OUTPUTS
 from ..topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
@@ -107,66 +100,6 @@ def _verify_shared(path: Path, topo: Topology) -> list[str]:
     parts = [None] * topo.world_size
     dist.all_gather_object(parts, mine)
     return sorted(p for part in parts for p in part)
-
-
-_held: dict[Path, int] = {}  # folder -> its lock's file descriptor, open until the run ends (or the process does)
-
-
-def lock_output_dir(out: Path) -> None:
-    """One run per output folder: an exclusive ``flock`` on ``out/.run.lock``, taken by the main process before it
-    looks at the folder and held until the process ends (any end: the kernel releases it, so a crashed or killed run
-    leaves no lock behind). Two runs started into one folder at the same moment, or a resume launched while the run
-    still trains, would otherwise both pass the fresh-run check and replace each other's checkpoints; the second
-    is refused naming the first (pid, host, start). A lock file whose holder is gone (a dead process, a dead
-    host whose NFS locks were recovered) is free and is taken over with a line naming who left it."""
-    path = out / RUN_LOCK
-    if out.resolve() in _held:  # this process holds it already (a run before this one in the same process)
-        return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        why = "is a symbolic link: remove it" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
-        raise RecipeError(f"training.output_dir: {path} {why}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = _describe(_read_holder(fd))
-        os.close(fd)
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise RecipeError(f"training.output_dir: {path} cannot be locked ({e.strerror}); a file system without "
-                              "locks cannot keep two runs apart: choose an output_dir on a local or NFSv4 disk") from None
-        raise RecipeError(f"training.output_dir: {out} is in use by another run ({holder}); wait for it to end, stop "
-                          "it, or choose another output_dir") from None
-    before = _read_holder(fd)
-    if before.get("pid") and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
-        log.info("%s: the lock left by %s is free (that run has ended): taken over", path, _describe(before))
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv)}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    _held[out.resolve()] = fd
-
-
-def unlock_output_dir(out: Path) -> None:
-    """Release the folder at the end of a run (a process that ends releases it anyway)."""
-    fd = _held.pop(out.resolve(), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _read_holder(fd: int) -> dict:
-    try:
-        record = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _describe(holder: dict) -> str:
-    if not holder:
-        return "its process did not say which"
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
-            f"{holder.get('command', '')}").strip()
 
 
 def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None = None) -> None:

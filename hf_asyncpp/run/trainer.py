@@ -34,11 +34,11 @@ from ..pipeline.executor import PipelineEngine
 from ..pipeline.profile import write_report
 from ..schedules.records import pipelined
 from ..storage.names import LOGS_DIR, RECIPE_FILE, TOKENIZER_DIR, checkpoint_name
-from ..storage.write import check_output_dir, writing
+from ..storage.write import check_output_dir, lock_output_dir, unlock_output_dir, writing
 from ..topology import Topology, local_device, one_process_group
 from .checkpointer import Checkpointer, RunState, check_model
 from .evaluator import Evaluator
-from .folder import check_fresh_run, choose_resume, lock_output_dir, unlock_output_dir
+from .folder import check_fresh_run, choose_resume
 from .hub import Pusher
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .seeds import rank_seed, set_seed
@@ -109,6 +109,13 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
 
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
+    try:
+        return _train(recipe, recipe_path)
+    finally:  # the output folder's lock, however the run ended (a process that dies releases it too)
+        unlock_output_dir(Path(recipe.training.output_dir))
+
+
+def _train(recipe: Recipe, recipe_path: str) -> dict:
     t, rp = recipe.training, recipe.pipeline
     supervision.watch_parent()  # a rank never outlives its launcher
     supervision.clear_stop()
@@ -210,7 +217,6 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
                    "checkpoint": str(out / checkpoint_name(saved_at)) if saved_at is not None else None}
         if stopping:
             summary["stopped_by"] = supervision.stop_signal_name() or "a stop signal to another rank"
-        unlock_output_dir(out)
         return summary
     last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
@@ -226,7 +232,6 @@ def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     accelerator.wait_for_everyone()
     engine.close()
     accelerator.end_training()
-    unlock_output_dir(out)
     if pusher is not None:  # every file is written: now a push that never landed fails the run
         pusher.raise_failures(out)
     return summary
