@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -212,3 +213,33 @@ def test_two_runs_started_into_one_folder_at_once_one_refuses(tmp_path):
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_a_signal_stops_the_single_process_engine_at_the_next_step(tmp_path):
+    """``schedule: none`` (LocalEngine) in this process: SIGUSR1 after step 2 stops it at the step that signal's
+    vote is read in, saved there; the resume equals an uninterrupted run bitwise."""
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.run.trainer import train
+    from support import tiny
+
+    common = dict(training__max_steps=8, training__save_steps=0, training__logging_steps=1)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(recipe_from_dict(tiny(straight, **common)))
+    before = signal.getsignal(signal.SIGUSR1)
+    signaller = threading.Thread(target=_signal_self_at_step, args=(stopped, 2), daemon=True)
+    signaller.start()
+    try:
+        summary = train(recipe_from_dict(tiny(stopped, **common)))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert summary["stopped_by"] == "SIGUSR1" and 2 <= summary["step"] < 8, summary
+    assert summary["checkpoint"] == str(stopped / f"checkpoint-{summary['step']:07d}")
+    train(recipe_from_dict(tiny(stopped, training__resume_from_checkpoint="latest", **common)))
+    assert losses(stopped) == losses(straight)
+
+
+def _signal_self_at_step(out: Path, step: int) -> None:
+    deadline = time.time() + 120
+    while _last_step(out) < step and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGUSR1)
