@@ -86,17 +86,25 @@ def _orphaned() -> None:
 # ---------------------------------------------------------------------------- stop signals
 
 
-def stop_on(names: list[str]) -> list[int]:
-    """Make the named signals (``SIGTERM``, ``SIGUSR1``, ...) ask for a stop instead of killing the process; the
-    signal numbers handled. Only the main thread may install handlers: elsewhere (a test's thread) nothing is done."""
+def stop_on(names: list[str]) -> dict:
+    """Make the named signals (``SIGTERM``, ``SIGUSR1``, ...) ask for a stop instead of killing the process; returns
+    their previous handlers, for :func:`restore_signals` when the run is over (a process that trains twice, a test
+    suite, must not keep ignoring SIGTERM). Only the main thread may install handlers: elsewhere nothing is done."""
     if threading.current_thread() is not threading.main_thread():
-        return []
-    handled = []
+        return {}
+    previous = {}
     for name in names:
         sig = signal.Signals[name]
-        signal.signal(sig, _note_stop)
-        handled.append(int(sig))
-    return handled
+        previous[sig] = signal.signal(sig, _note_stop)
+    return previous
+
+
+def restore_signals(previous: dict) -> None:
+    """Put back the handlers :func:`stop_on` replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _note_stop(signum: int, frame) -> None:

@@ -67,7 +67,7 @@ def test_a_stop_signal_is_noted_and_a_second_sigint_interrupts():
     old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGINT)}
     supervision.clear_stop()
     try:
-        assert supervision.stop_on(["SIGUSR1", "SIGINT"]) == [signal.SIGUSR1, signal.SIGINT]
+        assert set(supervision.stop_on(["SIGUSR1", "SIGINT"])) == {signal.SIGUSR1, signal.SIGINT}
         os.kill(os.getpid(), signal.SIGUSR1)  # handled between bytecodes: the process goes on
         assert supervision.stop_requested() and supervision.stop_signal_name() == "SIGUSR1"
         with pytest.raises(KeyboardInterrupt):  # a stop is already asked for: a SIGINT is the impatient second one
@@ -78,6 +78,15 @@ def test_a_stop_signal_is_noted_and_a_second_sigint_interrupts():
             signal.signal(s, h)
         supervision.clear_stop()
     assert not supervision.stop_requested()
+
+
+def test_the_handlers_are_put_back_when_the_run_is_over():
+    """A process that trained once (a test suite, a notebook) must not keep ignoring SIGTERM afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    previous = supervision.stop_on(["SIGTERM"])
+    assert signal.getsignal(signal.SIGTERM) is not before
+    supervision.restore_signals(previous)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_first_ctrl_c_asks_for_a_saved_stop_the_second_interrupts():

@@ -109,17 +109,18 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
 
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
+    supervision.clear_stop()
+    previous = supervision.stop_on(recipe.training.stop_signals)  # a scheduler's signal now asks for a saved stop
     try:
         return _train(recipe, recipe_path)
-    finally:  # the output folder's lock, however the run ended (a process that dies releases it too)
+    finally:  # however the run ended: the output folder's lock (a process that dies releases it too), the signals
         unlock_output_dir(Path(recipe.training.output_dir))
+        supervision.restore_signals(previous)
 
 
 def _train(recipe: Recipe, recipe_path: str) -> dict:
     t, rp = recipe.training, recipe.pipeline
     supervision.watch_parent()  # a rank never outlives its launcher
-    supervision.clear_stop()
-    supervision.stop_on(t.stop_signals)  # a scheduler's signal now asks for a checkpoint and a stop
     accelerator = make_accelerator(recipe)
     one_process_group(pipelined(rp.schedule), timedelta(seconds=rp.init_timeout_s))  # no launcher made one
     world, rank = accelerator.num_processes, accelerator.process_index
