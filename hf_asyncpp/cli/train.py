@@ -88,6 +88,8 @@ def summary_line(summary: dict) -> str | None:
     """What the main process prints at the end of a run."""
     if not summary.get("is_main", True):
         return None
+    if summary.get("complete"):
+        return summary["complete"]
     if summary.get("stopped_by"):
         saved = f"saved {summary['checkpoint']}" if summary.get("checkpoint") else "nothing to save"
         return (f"stopped by {summary['stopped_by']} at step {summary['step']}: {saved}; resume with the same command "

@@ -31,8 +31,14 @@ def stage_shares(seconds: dict[str, float]) -> tuple[float, float]:
     return (sum(seconds.get(k, 0.0) for k in BUSY) / total, sum(seconds.get(k, 0.0) for k in WAITING) / total)
 
 
-def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad_norm: float) -> dict:
-    """Write pipeline_profile.json and pipeline_timeline.png into ``out``; returns the summary for the run's log."""
+def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad_norm: float) -> dict | None:
+    """Write pipeline_profile.json and pipeline_timeline.png into ``out``; returns the summary for the run's log.
+    A process that trained no step (a run resumed at its end to finish its export) measured nothing: it writes
+    nothing and returns None, so the run's measured report is never replaced by an empty one (all zeros, a
+    "bubble 100%" picture)."""
+    if not any(st["counts"].get("F") for st in prof):
+        log.info("pipeline: no step trained in this process: %s and %s are left as they are", PROFILE, TIMELINE)
+        return None
     sched = get_schedule(pipeline.schedule)
     stages = []
     for st in prof:

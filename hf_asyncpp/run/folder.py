@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, MissingCheckpoint, RecipeError
 from ..storage import files as ckpt
-from ..storage.names import CHECKPOINT_DIR, MANIFEST, RUN_OUTPUTS
+from ..storage.names import CHECKPOINT_DIR, EXPORT_DIR, FINAL_EVAL, MANIFEST, RUN_OUTPUTS, RUN_STATE
 from ..topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
@@ -156,3 +156,22 @@ def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None
         raise CheckpointError(f"no checkpoint in {out} matches its manifest: {'; '.join(skipped)}; move them "
                                    "aside to start afresh")
     return None
+
+
+def finished_run(out: Path, resume: Path, training) -> str | None:
+    """Why resuming ``resume`` into ``out`` has nothing left to do, or None. A run is finished when its checkpoint
+    is at ``training.max_steps`` (or past it) and, with ``training.export``, its end is written too: ``export/``
+    and ``final_eval.json`` (the last file the end writes, after the export, its evaluation and the final push). A
+    run killed during its export or its final push is not finished: resuming it writes its end again. Resuming a
+    finished run used to re-run that end on zero trained steps, replacing the measured pipeline profile with an
+    empty one and appending a second final evaluation; now it is said and nothing is written. Raising
+    ``max_steps`` continues the run."""
+    step = ckpt.load_json(resume / RUN_STATE)["step"]
+    if step < training.max_steps:
+        return None
+    if training.export and not ((out / EXPORT_DIR).is_dir() and (out / FINAL_EVAL).is_file()):
+        return None
+    end = f", and its {EXPORT_DIR}/ and {FINAL_EVAL} are written" if training.export else ""
+    return (f"training.resume_from_checkpoint: the run in {out} is complete: {resume.name} is at step {step} "
+            f"(training.max_steps {training.max_steps}){end}; nothing was changed. To train on, raise "
+            "--training.max_steps")

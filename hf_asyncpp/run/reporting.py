@@ -162,6 +162,7 @@ class RunLog:
         self.flops_per_token = flops_per_token
         self.interval: list[dict] = []
         self.bar = None
+        self.evaluated: set[int] = set()  # steps metrics.jsonl holds an evaluation of (a resume keeps those before it)
         if self.main:
             self._truncate(state.step)
             t = recipe.training
@@ -180,6 +181,7 @@ class RunLog:
     def _truncate(self, step: int) -> None:
         """On resume, drop records past the checkpoint so metrics.jsonl reads as one uninterrupted run."""
         keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
+        self.evaluated = {r["step"] for r in keep if "eval_loss" in r}
         data = "".join(json_text(r) + "\n" for r in keep).encode()
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         write_file(tmp, lambda f: f.write(data))
@@ -232,8 +234,11 @@ class RunLog:
             self.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:.0f}")
 
     def eval(self, step: int, nll: float, tokens: int, res: dict) -> dict:
+        """One evaluation record per step: a run resumed at its end (to write an export a kill interrupted) measures
+        the same weights again, and its second record would read as another evaluation."""
         rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens}
-        if self.main:
+        if self.main and step not in self.evaluated:
+            self.evaluated.add(step)
             self._write(rec)
             self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
                                   "eval/tokens": tokens}, step=step)

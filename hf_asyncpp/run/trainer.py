@@ -38,7 +38,7 @@ from ..storage.write import check_output_dir, lock_output_dir, unlock_output_dir
 from ..topology import Topology, local_device, one_process_group
 from .checkpointer import Checkpointer, RunState, check_model
 from .evaluator import Evaluator
-from .folder import check_fresh_run, choose_resume
+from .folder import check_fresh_run, choose_resume, finished_run
 from .hub import Pusher
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .seeds import rank_seed, set_seed
@@ -134,6 +134,9 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
         lock_output_dir(out)  # one run per folder, before anything looks at it; held for the process's life
     topo = Topology(rank=rank, world_size=world, num_stages=processes_needed(recipe))
     resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
+    complete = finished_run(out, resume, t) if resume is not None else None
+    if complete is not None:  # a finished run resumed: said, and nothing of it is written again
+        return {"complete": complete, "is_main": accelerator.is_main_process}
     if resume is None:  # a fresh run: never into another run's folder unless told to replace it
         with accelerator.main_process_first():
             check_fresh_run(out, t.overwrite_output_dir, accelerator.is_main_process, t.resume_from_checkpoint)
