@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, plot_results, predictions, results_table,
-                                        score_task)
+from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, model_names, plot_results, predictions,
+                                        results_table, score_task)
 from hf_asyncpp.eval.tasks import Item, load_items, load_task
 
 from support import TASK_FILES as FILES
@@ -61,13 +61,13 @@ def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
     png = plot_results(res, tmp_path / "chart.png")
     assert Path(png).stat().st_size > 1000
     r = subprocess.run([sys.executable, "scripts/eval_models.py", *dirs, "--tasks", "arc_easy,mmlu", "--task-file",
-                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r.json"),
+                        f"arc_easy={FILES['arc_easy']}", "--task-file", f"mmlu={FILES['mmlu']}", "--out", str(tmp_path / "r"),
                         "--device", "cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                                                                                    "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "r.png").exists()
-    card = ModelCard.load(Path(dirs[0]) / "README.md")
+    assert (tmp_path / "r" / "eval_results.png").exists()
+    card = ModelCard.load(tmp_path / "r" / model_names(dirs)[0] / "README.md")  # the card goes to --out, not dirs[0]
     # lm-eval reports MMLU acc only (its acc_norm divides single letters by 1, i.e. is acc)
     assert any(e.dataset_name == "mmlu" and e.metric_type == "acc" for e in card.data.eval_results)
     assert not any(e.dataset_name == "mmlu" and e.metric_type == "acc_norm" for e in card.data.eval_results)
@@ -217,15 +217,15 @@ def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_o
     b = export_hf_model(AutoModelForCausalLM.from_config(cfg).state_dict(), cfg, tmp_path / "runs" / "async" / "export",
                         tokenizer=tok)
     data = FILES["arc_easy"]
-    both = tmp_path / "new" / "folder" / "both.json"
+    both = tmp_path / "new" / "folder" / "both"
     assert main([str(a), str(b), "--data", data, "--text-column", "question", "--out", str(both)]) == 0
     table = capsys.readouterr().out
     assert "| task | metric | sync/export | async/export |" in table
-    alone = tmp_path / "alone.json"
+    alone = tmp_path / "alone"
     assert main([str(b), "--data", data, "--text-column", "question", "--out", str(alone), "--no-card"]) == 0
-    side_by_side = json.loads(both.read_text())[str(b)]["perplexity"]["eval_ppl"]
-    assert side_by_side == json.loads(alone.read_text())["eval_ppl"]
-    card = ModelCard.load(Path(b) / "README.md")
+    side_by_side = json.loads((both / "eval_results.json").read_text())[str(b)]["perplexity"]["eval_ppl"]
+    assert side_by_side == json.loads((alone / "eval_results.json").read_text())["eval_ppl"]
+    card = ModelCard.load(both / "async--export" / "README.md")
     assert "Downstream evaluation" not in card.text and card.data.eval_results[0].metric_type == "perplexity"
 
 

@@ -229,9 +229,9 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps({"text": s * 3}) + "\n" for s in SENTENCES[:5]))
     r = run("scripts/eval_models.py", str(tmp_path / "hf"), "--data", str(data), "--seq-len", "16", "--max-blocks", "4",
-            "--out", str(tmp_path / "ppl.json"), "--no-card")
+            "--out", str(tmp_path / "ppl"), "--no-card")
     assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "ppl.json").read_text())
+    res = json.loads((tmp_path / "ppl" / "eval_results.json").read_text())
     assert res["blocks"] == 4 and res["num_tokens"] == 4 * 15 and math.isclose(res["eval_ppl"], math.exp(res["eval_loss"]))
     cfg = DataConfig(seq_len=16, shuffle_buffer=0, min_document_tokens=0)  # the blocks the script scores, in process
     direct = evaluate_model_dir(tmp_path / "hf", eval_blocks(cfg, tok, [str(data)], 4))

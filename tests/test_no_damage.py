@@ -87,3 +87,68 @@ def test_a_finished_run_killed_in_its_export_writes_it_on_resume_and_keeps_its_p
     assert not (out / ".export.partial").exists()
     for name, data in kept.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten by a resume that trained no step"
+
+
+# ---------------------------------------------------------------------------- evaluate: only into --out
+
+
+@pytest.fixture
+def cached_snapshot(tmp_path) -> Path:
+    """A model as the Hugging Face cache holds it: ``snapshots/<rev>/`` is a folder of symbolic links into ``blobs/``
+    (README.md among them), the layout that ``evaluate`` wrote through into the shared blob."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.data.tokenizer import train_tokenizer
+    from hf_asyncpp.model.export import export_hf_model
+
+    tok = train_tokenizer([str(FIXTURE)], 300)
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=64,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    folder = export_hf_model(AutoModelForCausalLM.from_config(cfg).state_dict(), cfg, tmp_path / "made", tokenizer=tok)
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# someone's model\n")
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / blob)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    return snapshot
+
+
+def test_evaluate_writes_only_into_a_new_folder_beside_what_it_scores(cached_snapshot, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import ModelCard
+
+    hub = tmp_path / "hub"
+    before = tree(hub)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    args = [str(cached_snapshot), "--data", str(FIXTURE), "--seq-len", "16", "--max-blocks", "2", "--device", "cpu"]
+    assert evaluate_main(args) == 0
+    assert tree(hub) == before  # not the README.md blob, not a new file in the snapshot
+    [out] = [p for p in work.iterdir()]  # the default --out: a new folder in the current one
+    assert out.name.startswith("eval-") and f"results: {out}" in capsys.readouterr().out
+    assert json.loads((out / "eval_results.json").read_text())["blocks"] == 2
+    card = ModelCard.load(out / "0123abc" / "README.md")  # the model's card, with the results added
+    assert card.data.license == "mit" and card.data.eval_results[0].metric_type == "perplexity"
+    assert not (out / "0123abc" / "README.md").is_symlink()
+
+    assert evaluate_main(args) == 0  # a second evaluation: another new folder, the first one kept
+    assert len(list(work.iterdir())) == 2 and tree(hub) == before
+
+
+@pytest.mark.parametrize("inside", ["snapshot", "snapshot/results", "json"])
+def test_evaluate_refuses_an_out_inside_what_it_scores(cached_snapshot, tmp_path, capsys, inside):
+    hub = tmp_path / "hub"
+    before = tree(hub)
+    out = {"snapshot": cached_snapshot, "snapshot/results": cached_snapshot / "results",
+           "json": tmp_path / "r.json"}[inside]
+    code = evaluate_main([str(cached_snapshot), "--data", str(FIXTURE), "--max-blocks", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--out" in err, err
+    assert tree(hub) == before and not (tmp_path / "r.json").exists()

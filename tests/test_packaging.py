@@ -66,7 +66,8 @@ def test_wheel_install_trains_exports_and_evaluates_outside_the_checkout(tmp_pat
     r = subprocess.run([cli, "evaluate", "again", "--data", str(FIXTURE), "--seq-len", "16", "--max-blocks", "2",
                         "--no-card"], cwd=work, capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((work / "eval_results.json").read_text())["num_tokens"] == 2 * 15
+    [results] = work.glob("eval-*/eval_results.json")  # the default --out: a new folder where it is run
+    assert json.loads(results.read_text())["num_tokens"] == 2 * 15
 
 
 def test_tools_write_where_they_are_run_not_into_the_checkout(tmp_path):

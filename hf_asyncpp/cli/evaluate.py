@@ -6,18 +6,22 @@ several models side by side.
     hf-asyncpp evaluate MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
     hf-asyncpp evaluate MODEL --tasks mmlu,hellaswag --backend lm_eval --device cuda:0     # lm-eval itself
 
-Prints a table, writes JSON (--out, default ./eval_results.json) and a bar chart PNG next to it, and adds the results
-to each model's card.
+Prints a table and writes everything into one folder, --out (default: a new eval-YYYYMMDD-HHMMSS folder in the
+current directory): eval_results.json, eval_results.png (a bar chart of the tasks) and, unless --no-card, each
+model's card with the results added (NAME/README.md, to publish with the model). It writes nothing into the folders
+it scores (an --out inside one is refused) and never through a symbolic link: a Hugging Face cache snapshot is a
+folder of links into blobs that other snapshots share.
 """
 import argparse
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from ..config.recipe import DataConfig
 from ..data.stream import eval_blocks, expand_files
 from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
 from ..run.model_card import add_eval_results
-from ..storage.write import json_text, write_file
+from ..storage.write import json_text, replace_file, write_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=int, default=64)
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--batch-size", type=int, default=8, help="starting batch size; halved on an out-of-memory error")
-    ap.add_argument("--out", default=None, help="JSON results (default: eval_results.json in the current directory)")
+    ap.add_argument("--out", default=None, help="the folder for the results, created if missing: eval_results.json, "
+                    "eval_results.png and each model's card with the results (NAME/README.md); never inside a folder "
+                    "it scores (default: a new eval-YYYYMMDD-HHMMSS folder in the current directory)")
     ap.add_argument("--names", default=None, help="comma-separated column and legend names, one per model (default: "
                     "each folder's name, with parent folders where two would read the same)")
-    ap.add_argument("--no-card", action="store_true", help="do not add the results to the model cards")
+    ap.add_argument("--no-card", action="store_true", help="do not write the models' cards with the results into --out")
     args = ap.parse_args(argv)
     tasks = args.tasks.split(",") if args.tasks else (["perplexity"] if args.data else [])
     if not tasks:
@@ -51,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names.split(",") if args.names else model_names(args.model_dirs)
     if len(names) != len(args.model_dirs) or len(set(names)) != len(names):
         ap.error(f"--names: give {len(args.model_dirs)} distinct names, one per model")
+    problem = out_problem(args.out, args.model_dirs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     blocks, counts = None, []
     try:
         for d in args.model_dirs:
@@ -70,18 +80,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(results_table(results, names))
-    out = Path(args.out or "eval_results.json")
+    out = Path(args.out) if args.out else new_folder(Path.cwd())
     single = len(args.model_dirs) == 1 and tasks == ["perplexity"]
     payload = {**results[args.model_dirs[0]]["perplexity"], "model_dir": args.model_dirs[0], "blocks": counts[0]} if single else results
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_file(out, lambda f: f.write(json_text(payload, indent=1).encode()))
+    out.mkdir(parents=True, exist_ok=True)
+    data = json_text(payload, indent=1).encode()
+    replace_file(out / RESULTS, lambda tmp: write_file(tmp, lambda f: f.write(data)))
     if any(t != "perplexity" for t in tasks):
-        print(f"chart: {plot_results(results, out.with_suffix('.png'), names)}")
+        print(f"chart: {replace_file(out / CHART, lambda tmp: plot_results(results, tmp, names))}")
     if not args.no_card:
-        for d, r in results.items():
-            add_eval_results(d, r)
+        for (d, r), name in zip(results.items(), names):
+            print(f"card: {add_eval_results(d, r, out / name.replace('/', '--'))}")
     print(f"results: {out}")
     return 0
+
+
+RESULTS, CHART = "eval_results.json", "eval_results.png"
+
+
+def out_problem(out: str | None, model_dirs: list[str]) -> str | None:
+    """Why ``--out`` cannot be used, or None: it is a folder, and never one of the scored folders or inside one
+    (links followed: a cache snapshot's files are links into its blobs)."""
+    if out is None:
+        return None
+    if Path(out).suffix == ".json":
+        return (f"--out {out}: --out is a folder (it gets {RESULTS}, {CHART} and the models' cards); give a "
+                f"folder, e.g. --out {Path(out).with_suffix('')}")
+    where = Path(out).resolve()
+    for d in model_dirs:
+        scored = Path(d).resolve()
+        if where == scored or scored in where.parents:
+            return (f"--out {out} is inside {d}, a folder it scores: evaluate writes nothing into what it reads; "
+                    f"choose a folder beside it, e.g. --out {scored.name}-eval")
+    return None
+
+
+def new_folder(parent: Path) -> Path:
+    """The default ``--out``: ``eval-YYYYMMDD-HHMMSS`` in ``parent`` (``-2``, ``-3``, ... when taken), created now,
+    so that an evaluation never mixes its files with an earlier one's."""
+    base = f"eval-{datetime.now():%Y%m%d-%H%M%S}"
+    for n in range(1, 1000):
+        path = parent / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: {base} and 998 more are taken; give --out")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from ..schedules.records import SCHEDULES, get_simulated_delay
 from ..storage.files import library_versions
 from ..storage.names import EXPORT_DIR, METRICS, RECIPE_FILE, RUN_STATE
 from ..storage.shipped import shipped_file
+from ..storage.write import replace_file
 from .reporting import read_metrics
 
 __all__ = ["CARD_FIELDS", "add_eval_results", "card_from_checkpoint", "card_from_recipe", "card_writer", "clean_card",
@@ -311,10 +312,12 @@ def _downstream_section(results: list) -> str | None:
     return "\n".join(lines + [DOWNSTREAM_END])
 
 
-def add_eval_results(model_dir, task_results: dict[str, dict]) -> None:
-    """Put the results into the model card (creating a minimal card if there is none): the model-index, where they
-    replace earlier results of the same task, metric and split (re-evaluating never duplicates a score), and a
-    table in the card text, rewritten from the model-index."""
+def add_eval_results(model_dir, task_results: dict[str, dict], out_dir=None) -> Path:
+    """Put the results into the model card of ``model_dir`` (creating a minimal card if there is none): the
+    model-index, where they replace earlier results of the same task, metric and split (re-evaluating never
+    duplicates a score), and a table in the card text, rewritten from the model-index. The card is written to
+    ``out_dir/README.md`` (default: ``model_dir``'s own, for the run's export), whole and never through a link;
+    returns its path. ``hf-asyncpp evaluate`` gives an ``out_dir``: it never writes into the folder it scores."""
     from huggingface_hub import ModelCard, ModelCardData
 
     path = Path(model_dir) / "README.md"
@@ -329,4 +332,6 @@ def add_eval_results(model_dir, task_results: dict[str, dict]) -> None:
         text = text[: text.index(DOWNSTREAM_BEGIN)].rstrip("\n") + text[text.index(DOWNSTREAM_END) + len(DOWNSTREAM_END):]
     section = _downstream_section(card.data.eval_results)  # None: no downstream score, no empty table
     card.text = text.rstrip("\n") + ("\n\n" + section if section else "") + "\n"
-    card.save(path)
+    target = Path(out_dir if out_dir is not None else model_dir) / "README.md"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return replace_file(target, lambda tmp: card.save(str(tmp)))

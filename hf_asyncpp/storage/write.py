@@ -124,6 +124,27 @@ def writing(path: str | os.PathLike):
         raise
 
 
+def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Write ``path`` whole or not at all, and never through a symbolic link: ``write(tmp)`` makes the file at a
+    temporary name beside it (a library's writer: ``savefig``, ``ModelCard.save``), which then replaces ``path``. A
+    link at ``path`` is replaced by the file, its target left as it was (a model card in the Hugging Face cache is a
+    link into a blob other snapshots share); a reader sees the old file or the new one, never half of one.
+
+    Raises:
+        WriteError: naming the file, the cause and the free space.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # the suffix kept: writers go by it
+    try:
+        with writing(path):
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
 def disk_free(path: str | os.PathLike) -> int | None:
     """Free bytes on the file system holding ``path`` (or its nearest existing parent); None if unknown."""
     p = Path(path).absolute()
