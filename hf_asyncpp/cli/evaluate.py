@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chart: {replace_file(out / CHART, lambda tmp: plot_results(results, tmp, names))}")
     if not args.no_card:
         for (d, r), name in zip(results.items(), names):
-            print(f"card: {add_eval_results(d, r, out / name.replace('/', '--'))}")
+            print(f"card: {add_eval_results(d, r, out / name.replace('/', '--'), task_files)}")
     print(f"results: {out}")
     return 0
 

@@ -32,10 +32,10 @@ from ..errors import CheckpointError
 from ..storage import files as ckpt
 from ..storage.files import replace_dir
 from ..storage.names import MANIFEST, MODEL_FILE, TOKENIZER_DIR, stage_weight_files
-from ..storage.write import writing
+from ..storage.write import follow_umask, writing
 
 __all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
-           "load_checkpoint_state", "shard_file", "tokenizer_for_export", "write_shard"]
+           "load_checkpoint_state", "shard_file", "tied_names", "tokenizer_for_export", "write_shard"]
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -213,6 +213,7 @@ def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tok
                 tokenizer.save_pretrained(str(tmp))
             if card is not None:
                 card(model, tmp, out)
+            follow_umask(tmp)
             replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -261,6 +262,12 @@ def _meta_model(config, dtype: torch.dtype = torch.float32):
         return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
 
 
+def tied_names(config) -> set[str]:
+    """The weight names the model ties to another (a tied head): ``from_pretrained`` re-ties them, so a folder's
+    index leaves them out, as ``save_pretrained`` does."""
+    return set(getattr(_meta_model(config), "all_tied_weights_keys", None) or {})
+
+
 def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict[str, int]:
     """Write one stage's weights (original HF names) as one safetensors shard of the HF folder; returns
     {on-disk name: bytes}. The on-disk layout is the one ``from_pretrained`` expects: transformers' own weight
@@ -298,6 +305,7 @@ def export_engine(engine, out_dir, *, tokenizer=None, card: CardWriter | None = 
     try:
         with writing(tmp):
             _finish_folder(tmp, shards, engine.config, tokenizer, card, out)
+            follow_umask(tmp)
             replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

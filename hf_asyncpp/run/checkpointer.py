@@ -31,10 +31,10 @@ from ..config.recipe import Recipe, save_recipe
 from ..engine import Engine
 from ..errors import CheckpointError, PeerFailure, RecipeError, WriteError
 from ..model.build import build_config
-from ..model.export import export_engine
+from ..model.export import export_engine, tied_names
 from ..storage import files as ckpt, write as storage
-from ..storage.names import (CONFIG_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
-                             checkpoint_name, rng_file, temp_dir)
+from ..storage.names import (CONFIG_FILE, INDEX_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
+                             checkpoint_name, rng_file, stage_weight_files, temp_dir)
 from ..storage.write import human, write_error, writing
 from ..topology import Topology, silent_ranks, timed_out
 from .folder import clear_stale, list_checkpoints, prune
@@ -223,6 +223,9 @@ class Checkpointer:
                     "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
                     "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
                     "schedule": self.recipe.pipeline.schedule})
+                index = ckpt.weight_index(tmp, leave_out=tied_names(engine.config)) if stage_weight_files(tmp) else None
+                if index is not None:  # from_pretrained(checkpoint) reads the stage files through it
+                    ckpt.save_json(tmp / INDEX_FILE, index)
                 with writing(tmp / TRAINER_STATE):
                     trainer_state(self.recipe, state, read_metrics(self.out / METRICS)).save_to_json(
                         str(tmp / TRAINER_STATE))

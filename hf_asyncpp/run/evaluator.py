@@ -27,7 +27,7 @@ from ..model.export import assemble_model, export_engine
 from ..storage import files as ckpt
 from ..storage.names import EXPORT_DIR, FINAL_EVAL, METRICS
 from .hub import Pusher
-from .model_card import add_eval_results, card_from_recipe, card_writer
+from .model_card import add_eval_results, card_from_recipe, card_writer, held_out_prompt
 from .reporting import RunLog, read_metrics
 
 log = logging.getLogger("hf_asyncpp")
@@ -95,8 +95,8 @@ class Evaluator:
         out, recipe = self.out, self.recipe
         main = not dist.is_initialized() or dist.get_rank() == 0
         metrics = read_metrics(out / METRICS) if main else []
-        card = card_writer(card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None)) \
-            if main else None
+        card = card_writer({**card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None),
+                            "prompt": held_out_prompt(self.tokenizer, self.held_out)}) if main else None
         export_dir = export_engine(self.engine, out / EXPORT_DIR, tokenizer=self.tokenizer, card=card)
         # read back through the pipeline, each stage its own tensors (collective): the whole model never sits on one
         # device beside a stage; None where a stage cannot be read alone, or in one process
@@ -127,7 +127,7 @@ class Evaluator:
             else:
                 res = evaluate_models([str(export_dir)], ev.tasks, task_files=ev.task_files, limit=ev.limit,
                                       perplexity_blocks=self.held_out, backend=ev.backend)[str(export_dir)]
-            add_eval_results(export_dir, res)
+            add_eval_results(export_dir, res, task_files=ev.task_files)
             result["downstream"] = res
             log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))
         if self.pusher is not None:  # the final model, after the pushes already queued; wait for all of them

@@ -55,6 +55,7 @@ CARD_FIELDS = {
     "continued_from": "what training continued from (model.name_or_path: a Hub id, or a local folder's name)",
     "library_versions": "{library: version} of the run (hf_asyncpp, transformers, torch, ...)",
     "loss_curve": "loss-curve image: an existing file is copied next to the card; otherwise used as a link relative to it",
+    "prompt": "the 'How to use' snippet's prompt: the first words of a held-out document (default: a neutral 'The')",
 }
 """The keys of the card fields taken by :func:`card_writer`; every one is optional (missing or None is omitted)."""
 
@@ -193,7 +194,22 @@ def render_model_card(card: dict | None, model, load_path: str = "path/to/this/f
     return ModelCard.from_template(
         data, template_path=str(TEMPLATE), model_id=name, model_description=description,
         load_path=str(c.get("model_id") or f"./{Path(load_path).name}"), training_rows=_training_rows(c), eval_rows=_eval_rows(c),
-        schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), **_architecture(model))
+        schedule=c.get("schedule"), loss_curve=c.get("loss_curve"), prompt=c.get("prompt") or NEUTRAL_PROMPT,
+        license=c.get("license"), **_architecture(model))
+
+
+NEUTRAL_PROMPT = "The"
+"""The usage snippet's prompt when the run's data gives none: no claim about what the model was trained on."""
+
+
+def held_out_prompt(tokenizer, blocks, words: int = 6) -> str | None:
+    """The first ``words`` words of the first held-out block (the start of a held-out document): a prompt in the
+    language and style of the training data, for the card's usage snippet, instead of a fixed sentence that claims a
+    corpus the model may never have seen. None when there is no text."""
+    if blocks is None or len(blocks) == 0:
+        return None
+    text = tokenizer.decode(blocks[0][: 8 * words].tolist(), skip_special_tokens=True)
+    return " ".join(text.split()[:words]) or None
 
 
 def card_writer(card: dict | None):
@@ -265,10 +281,12 @@ def _result_key(e) -> tuple:
     return (e.task_type, e.dataset_name, e.dataset_config, e.dataset_split, e.metric_type)
 
 
-def _eval_results(task_results: dict[str, dict]) -> list:
+def _eval_results(task_results: dict[str, dict], task_files: dict[str, str] | None = None) -> list:
     """EvalResults of downstream scores: n, limit and shots in ``dataset_args`` (``num_few_shot`` as the Open LLM
     Leaderboard's cards write it), the scorer in ``metric_config``, and all of it in the metric's pretty name, which
-    is what the Hub shows: a 200-item score must not read as the full test set."""
+    is what the Hub shows: a 200-item score must not read as the full test set. A task scored on a local file
+    (``eval.task_files``, ``--task-file``) is labelled with that file's name and item count, never as the public
+    dataset it imitates: 12 local items are not ARC-Easy's test split."""
     from huggingface_hub import EvalResult
 
     results = []
@@ -278,20 +296,26 @@ def _eval_results(task_results: dict[str, dict]) -> list:
                                       metric_type="perplexity", metric_value=round(r["eval_ppl"], 4),
                                       dataset_args={"n": r.get("num_tokens")}, metric_config=SCORER))
             continue
-        try:
-            spec = task_spec(t)
-            hub_id, config, split = spec.hub_id, spec.hub_config, spec.split
-        except ValueError:  # an lm-eval task this package does not define: lm-eval knows its data
-            hub_id, config, split = t, None, None
+        local = Path((task_files or {}).get(t) or "").name or None
+        if local:
+            hub_id, name, config, split = local, f"{t} (local file {local}, {r['n']} items)", None, None
+        else:
+            try:
+                spec = task_spec(t)
+                hub_id, config, split = spec.hub_id, spec.hub_config, spec.split
+            except ValueError:  # an lm-eval task this package does not define: lm-eval knows its data
+                hub_id, config, split = t, None, None
+            name = t
         shots, limit = r.get("num_fewshot", 0), r.get("limit")
         scope = f"{shots}-shot, n={r['n']}" + (f", limit {limit} per task" if limit else "")
         for m in ("acc", "acc_norm"):
             if m in r:
                 results.append(EvalResult(
-                    task_type="multiple-choice", dataset_type=hub_id, dataset_name=t, dataset_config=config,
+                    task_type="multiple-choice", dataset_type=hub_id, dataset_name=name, dataset_config=config,
                     dataset_split=split, metric_type=m, metric_value=round(r[m], 4),
-                    metric_name=f"{t} {m} ({scope}; {r.get('scorer', SCORER)})",
-                    dataset_args={"num_few_shot": shots, "limit": limit, "n": r["n"]},
+                    metric_name=f"{name} {m} ({scope}; {r.get('scorer', SCORER)})",
+                    dataset_args={"num_few_shot": shots, "limit": limit, "n": r["n"],
+                                  **({"data_file": local} if local else {})},
                     metric_config=r.get("scorer", SCORER)))
     return results
 
@@ -312,7 +336,8 @@ def _downstream_section(results: list) -> str | None:
     return "\n".join(lines + [DOWNSTREAM_END])
 
 
-def add_eval_results(model_dir, task_results: dict[str, dict], out_dir=None) -> Path:
+def add_eval_results(model_dir, task_results: dict[str, dict], out_dir=None,
+                     task_files: dict[str, str] | None = None) -> Path:
     """Put the results into the model card of ``model_dir`` (creating a minimal card if there is none): the
     model-index, where they replace earlier results of the same task, metric and split (re-evaluating never
     duplicates a score), and a table in the card text, rewritten from the model-index. The card is written to
@@ -322,7 +347,7 @@ def add_eval_results(model_dir, task_results: dict[str, dict], out_dir=None) -> 
 
     path = Path(model_dir) / "README.md"
     card = ModelCard.load(path) if path.exists() else ModelCard.from_template(ModelCardData(model_name=Path(model_dir).name))
-    new = _eval_results(task_results)
+    new = _eval_results(task_results, task_files)
     keys = {_result_key(e) for e in new}
     card.data.eval_results = [e for e in (card.data.eval_results or []) if _result_key(e) not in keys] + new
     if not card.data.model_name:

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save as safetensors_bytes
 
 from ..errors import CheckpointError
-from .names import MANIFEST
+from .names import MANIFEST, stage_weight_files
 from .write import Written, json_text, write_file
 
 _LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
@@ -240,3 +240,24 @@ def checkpoint_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+
+
+def weight_index(path: Path, leave_out: set[str] = frozenset()) -> dict | None:
+    """The ``model.safetensors.index.json`` of a pipelined checkpoint: every weight name of its ``stage-XX.safetensors``
+    files (their headers only; not the optimizer or 2BW's ``-versions`` files) mapped to its file, so that
+    ``AutoModelForCausalLM.from_pretrained(checkpoint)`` loads the model, as from a Trainer checkpoint. A name in
+    several stage files (a tied embedding each stage holds a copy of, equal values) maps to the first; the names in
+    ``leave_out`` (a tied head, which ``from_pretrained`` re-ties to the embedding) are left out, as
+    ``save_pretrained`` leaves them out of its files. None where a stage file holds such a name: ``from_pretrained``
+    reads every tensor of a file the index names, so the file's own head copy would be loaded and tied over the
+    embedding (a tied head in a one-stage 2BW checkpoint is not the embedding's value): no index rather than a
+    wrong model."""
+    weight_map, total = {}, 0
+    for f in stage_weight_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in leave_out:
+                    return None
+                weight_map.setdefault(name, f.name)
+        total += f.stat().st_size
+    return {"metadata": {"total_size": total}, "weight_map": weight_map}

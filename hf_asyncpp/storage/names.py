@@ -10,6 +10,7 @@ The layout of a checkpoint::
       config.json  tokenizer/  recipe.yaml
       model.safetensors  optimizer.pt                                      single-process run
       stage-00.safetensors  stage-00-optimizer.pt  [stage-00-versions.safetensors]   pipelined run, per stage
+      model.safetensors.index.json   pipelined run: each weight's stage file, so from_pretrained loads the folder
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 TRAINER_STATE = "trainer_state.json"  # transformers.TrainerState of the run: what tools for Trainer checkpoints read
 MODEL_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a pipelined checkpoint's stage files by name: from_pretrained opens it
 OPTIMIZER_FILE = "optimizer.pt"
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _VERSIONS = "-versions.safetensors"

@@ -145,6 +145,29 @@ def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     return path
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: str | os.PathLike) -> None:
+    """Give every file under ``folder`` the mode ``open()`` gives a new file (0644 under the usual umask 022), as
+    ``save_pretrained`` would: safetensors' writer makes its files 0600, which a group sharing the models (a lab's
+    model folder, a serving user) cannot read."""
+    mode = 0o666 & ~umask()
+    for p in Path(folder).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def disk_free(path: str | os.PathLike) -> int | None:
     """Free bytes on the file system holding ``path`` (or its nearest existing parent); None if unknown."""
     p = Path(path).absolute()

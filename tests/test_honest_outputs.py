@@ -1,0 +1,74 @@
+"""Honest outputs (issue 43, item 4): a model card says what was measured on what (a local task file is not the
+public dataset), what the model was trained on (its usage prompt comes from the run's data, or is neutral) and
+whether a license was chosen; exported files are readable as ``save_pretrained`` leaves them (the umask, not
+0600); a pipelined checkpoint opens with ``from_pretrained``, as a Trainer checkpoint does."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import torch
+import yaml
+
+from hf_asyncpp.cli.train import main as train_main
+from hf_asyncpp.run.model_card import add_eval_results, render_model_card
+from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage.names import INDEX_FILE, MANIFEST, checkpoint_name
+from hf_asyncpp.storage.write import umask
+from support import TASK_FILES, make_model, tiny, tiny_llama
+
+ARC = {"acc": 0.5, "acc_norm": 0.25, "n": 12, "limit": None, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"}
+
+
+def test_a_local_task_file_is_labelled_as_local_never_as_the_public_dataset(tmp_path):
+    from huggingface_hub import ModelCard
+
+    add_eval_results(tmp_path, {"arc_easy": ARC}, task_files={"arc_easy": TASK_FILES["arc_easy"]})
+    card = ModelCard.load(tmp_path / "README.md")
+    for e in card.data.eval_results:
+        assert e.dataset_type == "arc_easy.jsonl" and "allenai" not in e.dataset_type
+        assert e.dataset_split is None and e.dataset_config is None
+        assert "local file arc_easy.jsonl, 12 items" in e.dataset_name and "local file" in e.metric_name
+    assert "allenai/ai2_arc" not in (tmp_path / "README.md").read_text()
+    add_eval_results(tmp_path / "hub", {"arc_easy": ARC})  # the Hub's data keeps its id, config and split
+    [hub] = ModelCard.load(tmp_path / "hub" / "README.md").data.eval_results[:1]
+    assert (hub.dataset_type, hub.dataset_split) == ("allenai/ai2_arc", "test")
+
+
+def test_the_usage_prompt_comes_from_the_data_or_is_neutral_and_the_license_is_said():
+    model = make_model("llama")
+    plain = render_model_card({"steps": 3}, model)
+    assert "state of the Union" not in str(plain) and 'tokenizer("The", return_tensors="pt")' in str(plain)
+    assert "license" not in plain.data.to_dict() and "License: not set" in plain.text  # no invented license
+    own = render_model_card({"prompt": 'Mr. Speaker, "the" year', "license": "apache-2.0"}, model)
+    assert 'tokenizer("Mr. Speaker, \\"the\\" year", return_tensors="pt")' in str(own)
+    assert own.data.license == "apache-2.0" and "License: `apache-2.0`" in own.text
+
+
+def test_exports_follow_the_umask_and_checkpoints_open_with_from_pretrained(tmp_path):
+    """A pipelined run (2BW, one process): its export's files have the mode open() gives (0600 from safetensors'
+    writer before), and its checkpoint has a model.safetensors.index.json of the stage file only (not the 2BW
+    versions nor the optimizer), listed in its manifest, so from_pretrained loads the checkpoint's weights (an
+    untied model: a tied head's stage copy gets no index yet, see weight_index)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(out, pipeline__schedule="2bw", pipeline__num_stages=1, training__max_steps=2,
+                                          training__save_steps=2, training__export=True,
+                                          model__config=tiny_llama(2, tie_word_embeddings=False))))
+    assert train_main([str(recipe)]) == 0
+    want = 0o666 & ~umask()
+    for f in (out / "export").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == want, (f.name, oct(f.stat().st_mode))
+    saved = out / checkpoint_name(2)
+    index = json.loads((saved / INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == {"stage-00.safetensors"}
+    assert INDEX_FILE in json.loads((saved / MANIFEST).read_text())["files"] and ckpt.verify(saved) == []
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    exported = AutoModelForCausalLM.from_pretrained(out / "export")
+    for name, value in exported.state_dict().items():  # the checkpoint's model is the exported one
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+
