@@ -120,7 +120,8 @@ def test_nonfinite_stop_ends_the_pipeline_naming_the_step_without_a_sync_at_step
     with pytest.raises(RuntimeError) as err:
         run_distributed(nan_worker, 2, make_recipe(LLAMA, "2bw", 2, 2, 2, "muon", True), make_batches(6, 2, 2, 11))
     text = str(err.value)
-    assert "NonFiniteError" in text and f"step {NAN_STEP}: non-finite gradient norm nan" in text, text[-3000:]
+    # named as metrics.jsonl numbers steps (from 1): the engine's step NAN_STEP (from 0) is step NAN_STEP + 1
+    assert "NonFiniteError" in text and f"step {NAN_STEP + 1}: non-finite gradient norm nan" in text, text[-3000:]
     assert "training.on_nonfinite: stop" in text
 
 
