@@ -132,11 +132,13 @@ def test_a_stage_of_a_pretrained_model_reads_only_its_own_tensors(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral_tied", "qwen2_moe", "deepseek_v3", "gemma3_text"])
 def test_a_stage_built_alone_has_the_whole_models_random_init(arch):
     """``init_stage`` on a stage of the meta model draws, bit for bit, what ``build_model`` draws for the whole model
-    (per-module seeds): for every stage of two splits, tied heads and shared blocks included."""
+    (per-module seeds): for every stage of three splits, tied heads and shared blocks included, and the parameters
+    the whole model's stage shares between modules are shared here too (one stage holding the embedding and the tied
+    head trained them apart: ``to_empty`` gave each module its own tensor)."""
     cfg = make_config(arch)
     rec = make_recipe({k: v for k, v in cfg.to_dict().items() if not k.startswith("_")
                        and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}, "2bw", 2, 2, 2)
-    for p in (2, 3):
+    for p in (1, 2, 3):
         torch.manual_seed(11)
         whole = partition_model(build_model(rec.model), p, seq_len=16)
         meta = meta_model(rec.model)
@@ -146,6 +148,15 @@ def test_a_stage_built_alone_has_the_whole_models_random_init(arch):
             assert want.keys() == got.keys()
             for n in want:
                 assert torch.equal(want[n], got[n]), (arch, p, i, n)
+            assert _sharing(stage) == _sharing(whole[i]), (arch, p, i)
+
+
+def _sharing(module) -> set[tuple[str, ...]]:
+    """The names under which one parameter appears, for each parameter appearing under several."""
+    names: dict[int, list[str]] = {}
+    for n, t in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(t), []).append(n)
+    return {tuple(v) for v in names.values() if len(v) > 1}
 
 
 def test_seeded_init_is_the_models_own_initializer():

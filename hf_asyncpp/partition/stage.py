@@ -282,8 +282,20 @@ class Stage(nn.Module):
                                              "not restore; build the stage from a real (non-meta) model")
 
     def to_empty(self, *, device, recurse: bool = True):
-        """``nn.Module.to_empty``, then the non-persistent buffers recomputed; parameters still need loading."""
+        """``nn.Module.to_empty``, then the non-persistent buffers recomputed; parameters still need loading.
+
+        ``to_empty`` gives every module a new tensor of its own, so a parameter two of the stage's modules share
+        (the tied head of a stage that also holds the embedding: a 1-stage pipeline) would come out as two, trained
+        apart: the sharing is put back, as in the model the stage was cut from."""
+        shared: dict[int, list[str]] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(p), []).append(name)
         super().to_empty(device=device, recurse=recurse)
+        for first, *others in (names for names in shared.values() if len(names) > 1):
+            kept = self.get_parameter(first)
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(owner), attr, kept)
         self._init_buffers()
         return self
 
