@@ -136,6 +136,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     resume = choose_resume(out, t.resume_from_checkpoint, topo)  # verified against its manifest
     complete = finished_run(out, resume, t) if resume is not None else None
     if complete is not None:  # a finished run resumed: said, and nothing of it is written again
+        check_model(resume, recipe, checkpoint_tokenizer(resume / TOKENIZER_DIR, recipe.model))  # still refused if it contradicts
         return {"complete": complete, "is_main": accelerator.is_main_process}
     if resume is None:  # a fresh run: never into another run's folder unless told to replace it
         with accelerator.main_process_first():
