@@ -66,19 +66,6 @@ def _dominant_float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
-def _untie_shared_storage(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Clone tensors that are views of one storage (e.g. flat pipeline buffers): safetensors refuses shared storage."""
-    by_storage: dict[tuple, list[str]] = {}
-    for k, t in state_dict.items():
-        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(k)
-    out = dict(state_dict)
-    for keys in by_storage.values():
-        if len(keys) > 1:
-            for k in keys:
-                out[k] = state_dict[k].clone()
-    return out
-
-
 def _unset(value: torch.Tensor) -> bool:
     if value.is_floating_point():
         return bool(value.isnan().any())
@@ -148,7 +135,7 @@ def assemble_model(state_dict: dict[str, torch.Tensor], config):
             if source in sd and not torch.equal(head.to(sd[source].device), sd[source]):
                 raise ValueError(f"export: {target} is tied to {source} (tie_word_embeddings=True) but their values differ; "
                                  "export the weights the model was trained with, or set tie_word_embeddings=False")
-    missing, unexpected = model.load_state_dict(_untie_shared_storage(sd), strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(ckpt.untie_shared_storage(sd), strict=False, assign=True)
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise StateDictMismatchError(
@@ -278,7 +265,7 @@ def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict
     model = _meta_model(config, _dominant_float_dtype(state_dict))
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     sd = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tied}
-    sd = revert_weight_conversion(model, _untie_shared_storage(sd)) if sd else {}
+    sd = revert_weight_conversion(model, ckpt.untie_shared_storage(sd)) if sd else {}
     with writing(path):
         save_file(sd, str(path), metadata={"format": "pt"})
     return {k: v.numel() * v.element_size() for k, v in sd.items()}

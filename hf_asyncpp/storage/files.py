@@ -46,9 +46,25 @@ def _record(path: Path, written: Written) -> Written:
     return written
 
 
+def untie_shared_storage(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Clone tensors that are views of one storage (flat pipeline buffers, a tied head on the stage that holds the
+    embedding): safetensors refuses shared storage. Loading both names back into the module, which shares them
+    again, gives the same values."""
+    by_storage: dict[tuple, list[str]] = {}
+    for k, t in state_dict.items():
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(k)
+    out = dict(state_dict)
+    for keys in by_storage.values():
+        if len(keys) > 1:
+            for k in keys:
+                out[k] = state_dict[k].clone()
+    return out
+
+
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> Written:
     """Write safetensors through the storage edge (serialized in memory first: one file's worth of bytes)."""
-    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    tensors = untie_shared_storage({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    data = safetensors_bytes(tensors, metadata=metadata)
     return _record(path, write_file(path, lambda f: f.write(data)))
 
 
