@@ -66,15 +66,17 @@ def _ranks(launcher: int) -> list[psutil.Process]:
     return out
 
 
-def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False) -> tuple[int, str]:
+def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False, meanwhile=None) -> tuple[int, str]:
     """Start ``cmd`` (in its own session), send ``sig`` to the launcher (or to the ranks alone) once metrics.jsonl
-    reaches SIGNAL_AT, and return its exit code and output."""
+    reaches SIGNAL_AT (after running ``meanwhile()`` while it trains), and return its exit code and output."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         deadline = time.time() + 300
         while _last_step(out) < SIGNAL_AT and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
+        if meanwhile is not None:
+            meanwhile()
         assert proc.poll() is None, "the run ended before the signal: " + proc.stdout.read()[-3000:]
         for p in (_ranks(proc.pid) if to_ranks else [psutil.Process(proc.pid)]):
             p.send_signal(sig)
@@ -85,11 +87,11 @@ def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = 
     return proc.returncode, text
 
 
-def _stopped_step(text: str, sig: str, out: Path) -> int:
+def _stopped_step(text: str, sig: str, out: Path, longest: int = MAX_STEPS) -> int:
     m = re.search(rf"stopped by {sig} at step (\d+): saved (\S+); resume with", text)
     assert m, text[-3000:]
     step = int(m.group(1))
-    assert SIGNAL_AT <= step < MAX_STEPS and Path(m.group(2)) == out / f"checkpoint-{step:07d}", text[-3000:]
+    assert SIGNAL_AT <= step < longest and Path(m.group(2)) == out / f"checkpoint-{step:07d}", text[-3000:]
     assert (out / f"checkpoint-{step:07d}" / "manifest.json").exists()
     assert "Traceback" not in text.split("stopped by")[0], text[-3000:]  # the ranks stopped cleanly
     return step
@@ -116,13 +118,24 @@ def test_sigterm_to_hf_asyncpp_train_saves_and_resumes_exactly(tmp_path, never_s
     _resumes_exactly(recipe, out, never_stopped)
 
 
-def test_sigusr1_to_the_ranks_alone_saves_and_resumes_exactly(tmp_path, never_stopped):
-    """SLURM's ``--signal=USR1@120`` reaches the ranks (an srun step's tasks): they agree on a step among themselves."""
+def test_sigusr1_to_the_ranks_alone_stops_them_at_one_step(tmp_path):
+    """SLURM's ``--signal=USR1@120`` reaches the ranks (an srun step's tasks): they agree on a step among themselves
+    and save there (what a checkpoint resumes to is the same whichever way the stop came: the other tests).
+    Meanwhile a resume launched into the folder while the run trains (a requeue while the old job lingers) is
+    refused in one line naming the run that holds it."""
     recipe, out = _recipe(tmp_path, "usr1")
-    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe)], out, signal.SIGUSR1, to_ranks=True)
+
+    def second_run():
+        r = _train(recipe, "--training.resume_from_checkpoint=latest")
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        assert re.search(rf"error: training.output_dir: {out} is in use by another run \(pid \d+ on ", r.stderr), r.stderr
+        assert "Traceback" not in r.stderr
+
+    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe), "--training.max_steps=100000",
+                           "--training.save_steps=100000"], out, signal.SIGUSR1, to_ranks=True, meanwhile=second_run)
     assert rc == EXIT_STOPPED, text[-3000:]
-    _stopped_step(text, "SIGUSR1", out)
-    _resumes_exactly(recipe, out, never_stopped)
+    step = _stopped_step(text, "SIGUSR1", out, longest=100000)
+    assert json.loads((out / f"checkpoint-{step:07d}" / "run_state.json").read_text())["step"] == step
 
 
 def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
@@ -184,35 +197,6 @@ def test_a_restart_after_a_killed_rank_resumes_exactly(tmp_path, never_stopped, 
     a = load_file(str(never_stopped / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
     b = load_file(str(out / f"checkpoint-{MAX_STEPS:07d}" / "stage-01.safetensors"))
     assert all((a[k] == b[k]).all() for k in a)
-
-
-def test_two_runs_started_into_one_folder_at_once_one_refuses(tmp_path):
-    """Both pass the fresh-run check at the same moment unless the folder is locked: the second is refused in one line
-    naming the first, which trains on (and stops when told)."""
-    recipe, out = _recipe(tmp_path, "both")
-    cmd = [*HF_ASYNCPP, "train", str(recipe), "--training.max_steps=100000", "--training.save_steps=100000"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for _ in range(2)]
-    try:
-        deadline = time.time() + 300
-        while all(p.poll() is None for p in procs) and time.time() < deadline:
-            time.sleep(0.05)
-        loser = next(p for p in procs if p.poll() is not None)
-        winner = next(p for p in procs if p is not loser)
-        text = loser.stdout.read()
-        assert loser.returncode == 2, text[-3000:]
-        assert re.search(rf"error: training.output_dir: {out} is in use by another run \(pid \d+ on ", text), text[-3000:]
-        assert "Traceback" not in text
-        while _last_step(out) < 2 and winner.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert winner.poll() is None, winner.stdout.read()[-3000:]
-        winner.send_signal(signal.SIGTERM)
-        rest, _ = winner.communicate(timeout=300)
-        assert winner.returncode == EXIT_STOPPED and "stopped by SIGTERM at step" in rest, rest[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def test_a_signal_stops_the_single_process_engine_at_the_next_step(tmp_path):

@@ -30,7 +30,7 @@ from ..config.recipe import DataConfig, ModelConfig, Recipe
 from ..data.files import expand_files, screen_files
 from ..data.stream import nothing_usable
 from ..errors import DataError, RecipeError
-from ..storage.write import check_output_dir
+from ..storage.write import check_output_dir, check_output_dir_free
 from .folder import check_fresh_run
 from .hub import cause_of, check_repo
 from .reporting import check_trackers
@@ -42,6 +42,7 @@ def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
     check_model_config(recipe.model, recipe.data)
     check_trackers(t.report_to)
     out = check_output_dir(t.output_dir)
+    check_output_dir_free(out)  # another run holds it: said first, whatever else the folder holds
     if t.resume_from_checkpoint is None:
         check_fresh_run(out, t.overwrite_output_dir, main=False)  # refuses another run's folder; removes nothing
     check_model(recipe.model, recipe.data)

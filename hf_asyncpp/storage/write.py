@@ -243,9 +243,34 @@ def lock_output_dir(out: Path) -> None:
     still trains, would otherwise both pass the fresh-run check and replace each other's checkpoints; the second
     is refused naming the first (pid, host, start). A lock file whose holder is gone (a dead process, a dead
     host whose NFS locks were recovered) is free and is taken over with a line naming who left it."""
-    path = out / RUN_LOCK
     if out.resolve() in _held:  # this process holds it already (a run before this one in the same process)
         return
+    path, fd = out / RUN_LOCK, _take_lock(out)
+    before = _read_holder(fd)
+    if before.get("pid") and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
+        log.warning("%s: the lock left by %s is free (that run ended without releasing it: killed, or its host "
+                    "died): taken over", path, _describe(before))
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv)}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    _held[out.resolve()] = fd
+
+
+def check_output_dir_free(out: Path) -> None:
+    """Refuse, naming the holder, a folder another run holds now (the launcher's check before it starts any rank, so
+    a second run's first line is this and not what it would meet in the folder); takes nothing. The main rank takes
+    the lock itself (:func:`lock_output_dir`)."""
+    if not (out / RUN_LOCK).exists() or out.resolve() in _held:
+        return
+    fd = _take_lock(out)
+    os.close(fd)  # closing the descriptor releases the lock
+
+
+def _take_lock(out: Path) -> int:
+    """``out/.run.lock`` opened (never through a link) and locked; its descriptor. RecipeError, naming the holder,
+    when another process holds it."""
+    path = out / RUN_LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
@@ -261,15 +286,7 @@ def lock_output_dir(out: Path) -> None:
                               "locks cannot keep two runs apart: choose an output_dir on a local or NFSv4 disk") from None
         raise RecipeError(f"training.output_dir: {out} is in use by another run ({holder}); wait for it to end, stop "
                           "it, or choose another output_dir") from None
-    before = _read_holder(fd)
-    if before.get("pid") and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
-        log.warning("%s: the lock left by %s is free (that run ended without releasing it: killed, or its host "
-                    "died): taken over", path, _describe(before))
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv)}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    _held[out.resolve()] = fd
+    return fd
 
 
 def unlock_output_dir(out: Path) -> None:
