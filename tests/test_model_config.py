@@ -84,3 +84,17 @@ def test_the_keys_recipes_and_tests_use_pass(tmp_path):
         except RecipeError as e:
             refused[arch] = str(e).split(":")[0]
     assert refused == {"gpt2": "model.config.intermediate_size"}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--pipeline.num_stages=8 --pipeline.num_microbatches=8",
+     r"pipeline.num_stages: 8 stages for 4 decoder layers; use at most 4 stages"),
+    ("--pipeline.layers_per_stage=[1,2]", r"pipeline.layers_per_stage: \[1, 2\] must have 2 non-negative integers "
+                                          r"summing to the 4 decoder layers \(it has 2 entries summing to 3\)"),
+])
+def test_stages_that_do_not_fit_the_layers_are_refused_before_any_process_starts(tmp_path, override, message):
+    """Checked on the config by the partitioner's own plan in the launcher's checks: it was found after starting a
+    process per stage, each printing its traceback (247 lines for 8 stages on 2 cores)."""
+    recipe = load_recipe(ROOT / "recipes/cpu-tiny.yaml", [*override.split(), f"--training.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(RecipeError, match=message):
+        check_recipe(recipe, hub=False)

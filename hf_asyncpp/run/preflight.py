@@ -26,10 +26,12 @@ import datasets
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer
 
-from ..config.recipe import DataConfig, ModelConfig, Recipe
+from ..config.recipe import DataConfig, ModelConfig, PipelineConfig, Recipe
 from ..data.files import expand_files, screen_files
 from ..data.stream import nothing_usable
 from ..errors import DataError, RecipeError
+from ..partition import PartitionError, partition_plan
+from ..schedules.records import pipelined
 from ..storage.write import check_output_dir, check_output_dir_free
 from .folder import check_fresh_run
 from .hub import cause_of, check_repo
@@ -39,7 +41,9 @@ from .reporting import check_trackers
 def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
     """Every check below (``hub``: also the Hub token and repository, when the run pushes)."""
     t = recipe.training
-    check_model_config(recipe.model, recipe.data)
+    config = check_model_config(recipe.model, recipe.data)
+    if config is not None:
+        check_stage_split(recipe.pipeline, config, recipe.data.seq_len)
     check_trackers(t.report_to)
     out = check_output_dir(t.output_dir)
     check_output_dir_free(out)  # another run holds it: said first, whatever else the folder holds
@@ -67,11 +71,12 @@ def _loadable(field: str, name: str, load, what: str):
         raise RecipeError(f"{field}: {name!r} has no {what} that transformers can load ({where}: {cause_of(e)})") from e
 
 
-def check_model_config(model: ModelConfig, data: DataConfig) -> None:
+def check_model_config(model: ModelConfig, data: DataConfig):
     """A random-init ``model.config`` names a model type transformers knows and only keys its config class takes,
-    with values the class accepts, and ``data.seq_len`` fits the positions it gives the model."""
+    with values the class accepts, and ``data.seq_len`` fits the positions it gives the model; the config built
+    (None for a pretrained model)."""
     if model.config is None:
-        return
+        return None
     kwargs = dict(model.config)
     model_type = kwargs.pop("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -96,6 +101,19 @@ def check_model_config(model: ModelConfig, data: DataConfig) -> None:
     _check_positions(data, getattr(config, "max_position_embeddings", None),
                      f"model.config.{name}{'' if given else f', {cls.__name__} default'}",
                      f"lower data.seq_len or raise model.config.{name}")
+    return config
+
+
+def check_stage_split(pipeline: PipelineConfig, config, seq_len: int) -> None:
+    """The stages fit the model's decoder layers (``pipeline.num_stages``, a ``layers_per_stage`` list), checked on
+    the config by the partitioner's own plan, before any stage process starts (it was found after starting them all,
+    in one traceback per process)."""
+    if not pipelined(pipeline.schedule):
+        return
+    try:
+        partition_plan(config, pipeline.num_stages, pipeline.split, seq_len=seq_len)
+    except PartitionError as e:
+        raise RecipeError(f"pipeline.{e}") from None
 
 
 def config_keys(cls) -> list[str]:
