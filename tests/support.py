@@ -110,6 +110,28 @@ def tiny(out: Path, **overrides) -> dict:
     return d
 
 
+def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
+    """The tiny recipe (``tiny``) written to a YAML file beside ``out``: what a user's command line reads."""
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(tiny(out, **overrides)))
+    return str(path)
+
+
+def run_main(capsys, *argv) -> tuple[int, str]:
+    """``hf-asyncpp train ARGV`` in this process (no launcher): its exit code and stderr."""
+    from hf_asyncpp.cli.train import main  # support is imported by spawned workers: the CLI only where used
+
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def train_steps(out: Path) -> list[int]:
+    """The steps ``out/metrics.jsonl`` records a training loss for (read as a resume reads it)."""
+    from hf_asyncpp.run.reporting import read_metrics  # as run_main: only where used
+
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
 def losses(out: Path) -> list[float]:
     """The training losses a run logged to ``out/metrics.jsonl``, step by step."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import RecipeError
@@ -23,27 +22,10 @@ from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.reporting import read_metrics
 from hf_asyncpp.storage import files as ckpt, write as storage
 from hf_asyncpp.topology import Topology
-from support import FIXTURE, assert_each_damage_is_named, flip, tiny
+from support import FIXTURE, assert_each_damage_is_named, flip, recipe_file, run_main, tiny, train_steps
 from hf_asyncpp.errors import CheckpointError
 from hf_asyncpp.run.folder import list_checkpoints
 from hf_asyncpp.storage.names import MANIFEST, RUN_STATE, checkpoint_name
-
-
-def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
-    path = tmp_path / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(tiny(out, **overrides)))
-    return str(path)
-
-
-def run_main(capsys, *argv) -> tuple[int, str]:
-    from hf_asyncpp.cli.train import main
-
-    code = main(list(argv))
-    return code, capsys.readouterr().err
-
-
-def train_steps(out: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
 def error_lines(err: str) -> list[str]:

@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hf_asyncpp.cli.export import main as export_main
-from hf_asyncpp.cli.train import main
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.run.checkpointer import data_fingerprint, sampled_digest
@@ -25,23 +23,7 @@ from hf_asyncpp.run.trainer import train
 from hf_asyncpp.storage import files as ckpt
 from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
 from hf_asyncpp.storage.write import json_text
-from support import FIXTURE, ROOT, tiny
-
-
-def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
-    path = tmp_path / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(tiny(out, **overrides)))
-    return str(path)
-
-
-def run_main(capsys, *argv) -> tuple[int, str]:
-    """``hf-asyncpp train ARGV`` in this process (no launcher): its exit code and stderr."""
-    code = main(list(argv))
-    return code, capsys.readouterr().err
-
-
-def train_steps(out: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+from support import FIXTURE, ROOT, recipe_file, run_main, tiny, train_steps
 
 
 # ---------------------------------------------------------------------------- one pipelined process, no launcher
