@@ -91,6 +91,18 @@ def silent_ranks(tag: str, wait_s: float = 30.0) -> list[int]:
         time.sleep(0.2)
 
 
+def who_went_silent(tag: str, wait_s: float) -> str:
+    """The phrase an error names the silent ranks with (:func:`silent_ranks`): "rank 1 stopped answering", or
+    "a rank stopped answering" where none can be told apart (no store, or every rank answered late)."""
+    try:
+        silent = silent_ranks(tag, wait_s)
+    except (RuntimeError, ValueError):  # the store itself is gone (its host died): nothing more to name
+        silent = []
+    if not silent:
+        return "a rank stopped answering"
+    return f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering"
+
+
 def local_device() -> torch.device:
     """This process's accelerator (torchrun's LOCAL_RANK picks the GPU), or the CPU."""
     if torch.cuda.is_available():

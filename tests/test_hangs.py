@@ -15,9 +15,14 @@ import time
 from pathlib import Path
 
 import psutil
-from dist_utils import free_port
+import torch
+import torch.distributed as dist
+from dist_utils import free_port, run_distributed
 from support import ROOT
 from test_stop_signals import ENV, _last_step, _ranks, _recipe
+
+from hf_asyncpp.errors import PeerFailure
+from hf_asyncpp.pipeline.reports import StepReports
 
 
 def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
@@ -60,7 +65,9 @@ def test_a_rank_hung_mid_run_ends_the_job_naming_it(tmp_path):
     recipe, out = _recipe(tmp_path, "midrun")
     took, text = _stall_rank_1(_torchrun(recipe, "--training.max_steps=100000", "--pipeline.p2p_timeout_s=6",
                                          "--pipeline.collective_timeout_s=6"), lambda: _last_step(out) >= 3)
-    assert re.search(r"error: PeerFailure: rank 0 \(stage 0\): .* rank 1 failed or timed out after 6s", text), text[-3000:]
+    # met in a receive (the peer named by the transfer) or in the step's reduction or report (named by the store)
+    assert re.search(r"error: PeerFailure: rank 0( \(stage 0\))?: .*rank 1 (failed or timed out after 6s|stopped "
+                     r"answering \(nothing within 6s)", text), text[-3000:]
     assert "Traceback" not in text and took < 30, (took, text[-3000:])
 
 
@@ -72,3 +79,24 @@ def test_a_rank_hung_during_a_checkpoint_is_named(tmp_path):
                      r"within pipeline.init_timeout_s=8s", text), text[-3000:]
     assert "no checkpoint was completed yet" in text and "Traceback" not in text and took < 40, (took, text[-3000:])
     assert not (out / "checkpoint-0000004").exists()
+
+
+def _report_with_a_stalled_rank(rank: int, world: int) -> str:
+    """Ranks 0 and 1 post step 5's report; rank 2 stalls past their 2 s timeout (it is alive, it never joins)."""
+    if rank == 2:
+        time.sleep(6)
+        return ""
+    reports = StepReports(dist.group.WORLD, dp_size=1, timeout_s=2)
+    reports.post(5, torch.tensor(1.0), None, 1e-3, True)
+    try:
+        reports.stop_vote(5)
+    except PeerFailure as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_report_that_times_out_names_the_stalled_rank():
+    errors = run_distributed(_report_with_a_stalled_rank, 3)
+    for rank in (0, 1):
+        assert re.fullmatch(rf"rank {rank}: the loss report of step 5: rank 2 stopped answering \(nothing within 2s: "
+                            r"stalled or hung, see its log\)", errors[rank]), errors[rank]

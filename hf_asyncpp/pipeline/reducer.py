@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailure
-from ..topology import Groups, Topology
+from ..topology import Groups, Topology, timed_out, who_went_silent
 
 
 class _Job:
@@ -226,8 +226,13 @@ class Reducer:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise PeerFailure(f"rank {self.topo.rank}: gradient reduction of step {key} failed or timed out after "
-                              f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
+            where = f"rank {self.topo.rank} (stage {self.topo.stage}): gradient reduction of step {key}"
+            if timed_out(e):  # a peer alive but stalled: name it, found outside the group that hung
+                who = who_went_silent(f"reduce-{key}", wait_s=min(30.0, self.timeout.total_seconds()))
+                raise PeerFailure(f"{where}: {who} (nothing within {self.timeout.total_seconds():g}s: stalled or "
+                                  f"hung, see its log)") from None
+            raise PeerFailure(f"{where} failed after {self.timeout.total_seconds():.0f}s or less; a peer has probably "
+                              f"died ({e})") from None
 
     def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool, early: _Early | None = None):
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import supervision
 from ..engine import StepResult, finite_step
 from ..errors import PeerFailure
+from ..topology import timed_out, who_went_silent
 
 
 @dataclass
@@ -99,8 +100,7 @@ class StepReports:
         try:
             r.work.wait(self.timeout)  # completed already in ``ready``: only surfaces an error
         except RuntimeError as e:
-            raise PeerFailure(f"the loss report of step {r.step} did not arrive within "
-                              f"{self.timeout.total_seconds():.0f}s; a peer has probably died ({e})") from None
+            raise self._failure(r.step, e) from None
         loss, lam_sum, lam_count, votes = r.buf.tolist()  # read off the host buffer whole: no scalar reads, no sync
         self.stop_votes[r.step] = votes > 0
         norm = r.norm.tolist()[0] if isinstance(r.norm, torch.Tensor) else r.norm
@@ -108,6 +108,16 @@ class StepReports:
             finite_step(r.step, norm, "stop")  # NonFiniteError naming the step, as the executor's STEP would have
         return StepResult(r.step, loss / self.dp_size, norm if r.log_norm else None, r.lr, r.finite, not r.finite,
                           lam_sum / lam_count if lam_count > 0 else None)
+
+    def _failure(self, step: int, e: RuntimeError) -> PeerFailure:
+        """The error for a report that never arrived: the silent ranks named where the wait timed out."""
+        within = f"{self.timeout.total_seconds():g}s"
+        if timed_out(e):
+            who = who_went_silent(f"report-{step}", wait_s=min(30.0, self.timeout.total_seconds()))
+            return PeerFailure(f"rank {dist.get_rank()}: the loss report of step {step}: {who} (nothing within "
+                               f"{within}: stalled or hung, see its log)")
+        return PeerFailure(f"rank {dist.get_rank()}: the loss report of step {step} failed within {within}; a peer "
+                           f"has probably died ({e})")
 
     def stop_vote(self, step: int) -> bool:
         """Whether any rank voted to stop by its STEP of ``step`` (the same answer on every rank). Its report has
@@ -121,8 +131,7 @@ class StepReports:
             try:
                 r.work.wait(self.timeout)
             except RuntimeError as e:
-                raise PeerFailure(f"the report of step {step} did not arrive within {self.timeout.total_seconds():.0f}s; "
-                                  f"a peer has probably died ({e})") from None
+                raise self._failure(step, e) from None
             return r.buf.tolist()[3] > 0
         for k in [k for k in self.stop_votes if k < step]:
             del self.stop_votes[k]

@@ -36,7 +36,7 @@ from ..storage import files as ckpt, write as storage
 from ..storage.names import (CONFIG_FILE, INDEX_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
                              checkpoint_name, rng_file, stage_weight_files, temp_dir)
 from ..storage.write import human, write_error, writing
-from ..topology import Topology, silent_ranks, timed_out
+from ..topology import Topology, timed_out, who_went_silent
 from .folder import clear_stale, list_checkpoints, prune
 from .hub import Pusher, snapshot
 from .model_card import card_from_recipe, card_writer
@@ -173,9 +173,7 @@ class Checkpointer:
         except RuntimeError as e:
             if not timed_out(e) or isinstance(e, (WriteError, PeerFailure)):
                 raise
-            silent = silent_ranks(checkpoint_name(state.step), wait_s=min(30.0, self.recipe.pipeline.init_timeout_s))
-            who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering" if silent else
-                   "a rank stopped answering")
+            who = who_went_silent(checkpoint_name(state.step), wait_s=min(30.0, self.recipe.pipeline.init_timeout_s))
             raise PeerFailure(f"rank {self.topo.rank}: writing {checkpoint_name(state.step)}: {who} (nothing within "
                               f"pipeline.init_timeout_s={self.recipe.pipeline.init_timeout_s:g}s: stalled or hung, see "
                               f"its log); {self._latest()}") from None
