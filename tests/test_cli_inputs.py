@@ -49,17 +49,25 @@ def test_help_and_recipe_mistakes_answer_before_the_training_machinery_is_import
     code = (
         "import sys\nfrom hf_asyncpp.cli.train import main\n"
         f"codes = [main(['--help']), main(['{tmp_path}/missing.yaml']), main(['{recipe}', '--block_size', '256']),\n"
-        f"         main(['{recipe}', '--training.max_stepz=5']), main(['{recipe}', '--training.max_steps'])]\n"
+        f"         main(['{recipe}', '--training.max_stepz=5']), main(['{recipe}', '--training.max_steps']),\n"
+        f"         main(['{tmp_path}']), main(['{tmp_path}/list.yaml']), main(['{tmp_path}/latin1.yaml'])]\n"
         f"print(codes, [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)\n")
+    (tmp_path / "list.yaml").write_text("- model\n- data\n")
+    (tmp_path / "latin1.yaml").write_bytes("training:\n  output_dir: caf\xe9\n".encode("latin-1"))
     r = run("-c", code, cwd=tmp_path)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.stderr.splitlines()[-1] == "[0, 2, 2, 2, 2] []", r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == "[0, 2, 2, 2, 2, 2, 2, 2] []", r.stderr[-3000:]
     assert lines == [
         f"error: recipe file '{tmp_path}/missing.yaml' not found",
         "error: --block_size: run_clm's name; here it is --data.seq_len (tokens per packed training block)",
         lines[2],
         "error: --training.max_steps: no value given (an integer); write --training.max_steps=VALUE or "
         "--training.max_steps VALUE",
+        f"error: recipe file '{tmp_path}' is a folder; give the recipe's YAML file (e.g. recipes/cpu-tiny.yaml)",
+        f"error: recipe file '{tmp_path}/list.yaml' holds a YAML list, not a mapping of sections (model:, data:, "
+        "training:, ...); see recipes/cpu-tiny.yaml",
+        f"error: recipe file '{tmp_path}/latin1.yaml' is not UTF-8 text (invalid continuation byte at byte 27); "
+        "save it as UTF-8",
     ]
     assert lines[2].startswith("error: --training.max_stepz: unknown field; did you mean 'max_steps'?")
     assert not (tmp_path / "run").exists()

@@ -543,8 +543,17 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise RecipeError(f"recipe file {str(path)!r} not found") from None
+    except IsADirectoryError:
+        raise RecipeError(f"recipe file {str(path)!r} is a folder; give the recipe's YAML file (e.g. "
+                          "recipes/cpu-tiny.yaml)") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          "save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file {str(path)!r} holds a YAML {type(data).__name__}, not a mapping of sections "
+                          "(model:, data:, training:, ...); see recipes/cpu-tiny.yaml")
     return recipe_from_dict(apply_overrides(data, overrides or []))
 
 
