@@ -401,6 +401,25 @@ def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
     assert len(losses(out)) == 2  # the new run's 2 steps, none of the old run's 6
 
 
+@pytest.mark.parametrize("resume", [None, "latest"])
+def test_a_start_that_failed_before_saving_leaves_a_folder_the_same_command_reuses(tmp_path, monkeypatch, resume):
+    """A start that fails after writing its tokenizer, recipe and untrained eval (here its engine build) leaves
+    nothing to continue: the same command, fixed, just runs there, and so does ``latest`` (torchrun's restarts of a
+    run that died before its first save), where the folder used to refuse both."""
+    from hf_asyncpp.run import trainer
+
+    out = tmp_path / "run"
+    build = trainer.make_engine
+    monkeypatch.setattr(trainer, "make_engine", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0)))
+    assert (out / "tokenizer").is_dir() and not list_checkpoints(out)
+    monkeypatch.setattr(trainer, "make_engine", build)
+    trainer.train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0,
+                                        training__resume_from_checkpoint=resume)))
+    assert [p.name for _, p in list_checkpoints(out)] == [checkpoint_name(2)] and len(losses(out)) == 2
+
+
 def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     """Resumed from an earlier checkpoint, a run's new checkpoint is older-numbered than the others: save_total_limit
     must not delete it."""

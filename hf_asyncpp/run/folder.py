@@ -102,6 +102,16 @@ def _verify_shared(path: Path, topo: Topology) -> list[str]:
     return sorted(p for part in parts for p in part)
 
 
+def saved_nothing(found: list[Path]) -> bool:
+    """Whether what an earlier run left (:func:`previous_run`) holds nothing to continue or keep: no checkpoint, not
+    even an incomplete one, no export, no final evaluation; only what a start writes (its tokenizer, recipe, logs and
+    the metrics of steps never saved). The same command, fixed, then just runs: a failed start must not leave a folder
+    that refuses its retry, nor advise a resume that has nothing to resume (torchrun's restarts resume ``latest``)."""
+    kept = {EXPORT_DIR, FINAL_EVAL}
+    return not any(CHECKPOINT_DIR.match(p.name) or p.name.startswith(".tmp-checkpoint-") or p.name in kept
+                   for p in found)
+
+
 def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None = None) -> None:
     """A run that resumes nothing must not write into another run's folder: its metrics would be appended to the old
     ones, ``save_total_limit`` would prune its checkpoints in favour of the old higher-numbered ones, and ``latest``
@@ -109,6 +119,13 @@ def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None =
     Trainer's name) removes the old run first (main process; called before anything of the new run is written)."""
     found = previous_run(out)
     if not found:
+        return
+    if saved_nothing(found):  # a start that failed (or was killed) before its first checkpoint: nothing to continue
+        if main:
+            log.warning("training.output_dir: %s holds an earlier start that saved nothing to continue (%s): "
+                        "replaced by this run", out, ", ".join(p.name for p in found))
+            for p in found:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
     if not overwrite:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if len(found) > 4 else "")
