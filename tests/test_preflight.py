@@ -51,6 +51,19 @@ def test_a_model_path_that_does_not_exist_is_one_line_before_the_processes_start
     assert ("Traceback" in out) == debug  # --debug through `hf-asyncpp train` shows the traceback behind the line
 
 
+def test_a_model_folder_without_weights_is_one_line_before_the_processes_start(tmp_path, recipe):
+    """It used to be 99 lines: both ranks' from_pretrained tracebacks, after the processes had started."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", hidden_size=64, num_hidden_layers=2).save_pretrained(tmp_path / "config-only")
+    code, out = train_alone(tmp_path, recipe, "--model.config=null", f"--model.name_or_path={tmp_path}/config-only")
+    assert code == 2, out[-3000:]
+    [line] = error_lines(out)
+    assert line.startswith(f"error: model.name_or_path: '{tmp_path}/config-only' has a config but no weights (none "
+                           "of model.safetensors, ") and "give it as model.config" in line
+    assert STARTED not in out and "Traceback" not in out
+
+
 def test_an_unreachable_hub_dataset_is_one_line_before_the_processes_start(tmp_path, recipe):
     code, out = train_alone(tmp_path, recipe, "--data.dataset=roneneldan/TinyStories", "--data.train_files=null")
     assert code == 6, out[-3000:]

@@ -25,6 +25,7 @@ from pathlib import Path
 import datasets
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..config.recipe import DataConfig, ModelConfig, PipelineConfig, Recipe
 from ..data.files import expand_files, screen_files
@@ -36,6 +37,9 @@ from ..storage.write import check_output_dir, check_output_dir_free
 from .folder import check_fresh_run
 from .hub import cause_of, check_repo
 from .reporting import check_trackers
+
+WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+"""What ``from_pretrained`` loads a local folder's weights from (single file or sharded index, safetensors first)."""
 
 
 def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
@@ -168,6 +172,11 @@ def check_model(model: ModelConfig, data: DataConfig) -> None:
         _check_positions(data, getattr(config, "max_position_embeddings", None),
                          f"max_position_embeddings of model.name_or_path {model.name_or_path!r}",
                          "lower data.seq_len")
+        folder = Path(os.path.expanduser(model.name_or_path))
+        if folder.is_dir() and not any((folder / n).is_file() for n in WEIGHT_FILES):
+            raise RecipeError(f"model.name_or_path: {model.name_or_path!r} has a config but no weights (none of "
+                              f"{', '.join(WEIGHT_FILES)}); to train that config from scratch give it as model.config "
+                              "instead, or point at the folder save_pretrained wrote")
     if model.tokenizer_name_or_path:
         _loadable("model.tokenizer_name_or_path", model.tokenizer_name_or_path, AutoTokenizer.from_pretrained, "tokenizer")
     elif model.name_or_path:
