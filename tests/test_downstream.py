@@ -87,6 +87,21 @@ def test_bad_inputs(tmp_path, folders):
         evaluate_models([str(empty)], ["arc_easy"], task_files=FILES)
 
 
+def test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out(tmp_path, folders, monkeypatch, capsys):
+    """`evaluate --tasks hellaswag` offline was 41 lines of the datasets library's traceback."""
+    from hf_asyncpp.cli.evaluate import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing downloaded before
+    import datasets.config
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert main([str(folders["trained"]), "--tasks", "hellaswag", "--out", str(tmp_path / "scores")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: task hellaswag: 'Rowan/hellaswag' (default, validation) cannot be loaded from the "
+                          "Hub (") and err.count("\n") == 1, err
+    assert "--task-file hellaswag=FILE" in err and not (tmp_path / "scores").exists()
+
+
 def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     import json
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from .. import __version__
+from ..errors import DataError
 
 __all__ = ["Item", "MMLU_DESCRIPTION", "NORMALIZED", "SCORER", "TARGET_DELIMITER", "TASKS", "Task", "known_tasks",
            "load_items", "load_task", "task_spec"]
@@ -103,6 +104,31 @@ def _subject(task: str, record: dict) -> str | None:
     return record.get("subject") if task.startswith("mmlu") else None
 
 
+def _rows(task: str, spec, path: str | None):
+    """The task's records, streamed from ``path`` or the Hub. Not reaching the Hub (offline, a firewall, a renamed
+    dataset) is one DataError naming the task and the two ways out, never the datasets library's traceback."""
+    import datasets  # heavy: only when a task is read
+
+    try:
+        if path:
+            kind = "parquet" if str(path).endswith(".parquet") else "json"
+            ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
+        else:
+            ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.split, streaming=True)
+        yield from ds
+    except (OSError, ConnectionError) as e:  # datasets' DatasetNotFoundError is a FileNotFoundError
+        if path:
+            raise DataError(f"--task-file {task}={path}: cannot be read ({type(e).__name__}: {first_line(e)})") from e
+        raise DataError(f"task {task}: {spec.hub_id!r} ({spec.hub_config or 'default'}, {spec.split}) cannot be "
+                        f"loaded from the Hub ({type(e).__name__}: {first_line(e)}); download it while online (it is "
+                        f"then read from the cache), or give a local copy with --task-file {task}=FILE") from e
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
 def load_task(task: str, path: str | None = None, limit: int | None = None) -> tuple[list[Item], list[str | None]]:
     """(items, MMLU subject of each item or None) of a task, from a local file or the Hub (streamed).
 
@@ -110,17 +136,10 @@ def load_task(task: str, path: str | None = None, limit: int | None = None) -> t
     subject is a task (``mmlu`` with ``limit: 100`` scores 100 items of every subject, not the first subjects of
     the subject-sorted ``all`` split). ``mmlu_<subject>`` reads only that subject's rows of a local MMLU file.
     """
-    import datasets  # heavy: only when a task is read
-
     spec = task_spec(task)
-    if path:
-        kind = "parquet" if str(path).endswith(".parquet") else "json"
-        ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
-    else:
-        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.split, streaming=True)
     only = task.removeprefix("mmlu_") if task.startswith("mmlu_") else None
     items, subjects, per_subject = [], [], {}
-    for i, r in enumerate(ds):
+    for i, r in enumerate(_rows(task, spec, path)):
         subject = _subject(task, r)
         if only is not None and subject is not None and subject != only:
             continue
