@@ -54,5 +54,24 @@ def test_plan_takes_recipe_overrides_after_the_recipe(capsys):
     assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--training.gradient_checkpointing=true"]) in (0, None)
     checkpointed = capsys.readouterr().out
     assert plain != checkpointed and "fits" in checkpointed
+    # the form `train` takes too, the value as the next argument, before or after the tool's own options
+    assert main(["recipes/cpu-tiny.yaml", "--training.gradient_checkpointing", "true", "--top", "0"]) in (0, None)
+    assert capsys.readouterr().out == checkpointed
     with pytest.raises(SystemExit):
         main(["recipes/cpu-tiny.yaml", "--bogus"])
+    capsys.readouterr()
+    assert main(["recipes/cpu-tiny.yaml", "--training.max_stepz", "5"]) == 2  # one line naming the field meant
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --training.max_stepz: unknown field; did you mean 'max_steps'?") and "\n" not in err
+
+
+def test_compare_takes_recipe_overrides_in_both_forms(tmp_path):
+    """What each arm is started with: the overrides as given, in train's forms, after the arm's own settings."""
+    from hf_asyncpp.cli.compare import arm_overrides
+    from hf_asyncpp.config.recipe import split_overrides
+
+    own, extra = split_overrides(["recipes/cpu-tiny.yaml", "--steps", "4", "--data.seq_len", "64",
+                                  "--training.seed=3", "--reuse"])
+    assert own == ["recipes/cpu-tiny.yaml", "--steps", "4", "--reuse"]
+    assert extra == ["--data.seq_len", "64", "--training.seed=3"]
+    assert arm_overrides("2bw", tmp_path, 4, 2, 2, extra)[-3:] == extra

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config.recipe import load_recipe
+from ..config.recipe import load_recipe, split_overrides
 from ..errors import RecipeError
 from ..run.reporting import read_metrics
 from ..storage.names import METRICS
@@ -144,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-stages", type=int, default=None, help="pipeline stages (default: the recipe's, at least 2)")
     ap.add_argument("--out", default=None, help="folder of both runs, the PNG and compare.json (default runs/compare-<recipe>)")
     ap.add_argument("--reuse", action="store_true", help="keep an arm whose run in --out already has --steps steps")
-    args, extra = ap.parse_known_args(argv)
-    bad = [a for a in extra if not a.startswith("--") or "=" not in a]
-    if bad:
-        ap.error(f"unrecognized arguments {bad}; recipe overrides are --section.field=value")
+    own, extra = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    args = ap.parse_args(own)
     try:
         recipe = load_recipe(args.recipe, extra)
     except RecipeError as e:

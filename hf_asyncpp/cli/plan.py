@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from ..config.recipe import load_recipe
+from ..config.recipe import load_recipe, split_overrides
+from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import measure_costs
@@ -45,10 +46,10 @@ def gb(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hf-asyncpp plan", description=__doc__,
+    ap = argparse.ArgumentParser(prog="hf-asyncpp plan", description=__doc__, epilog="Recipe overrides: "
+                                 "--section.field=value or --section.field value, anywhere after the recipe.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
-    ap.add_argument("overrides", nargs="*", help="--section.field=value")
     ap.add_argument("--num-stages", type=int, default=None)
     ap.add_argument("--gpu-memory", default="80GB")
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
@@ -59,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbs", type=float, default=25.0,
                     help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
     ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
-    args, extra = ap.parse_known_args(argv)  # argparse reads `--training.x=1` as an unknown option: an override
-    unknown = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
-    if unknown:
-        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
+    own, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    args = ap.parse_args(own)
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     p = args.num_stages or recipe.pipeline.num_stages
     dp = max(1, (args.gpus or p) // p)
     plan, mem, _ = plan_memory(recipe, p, dp=dp)

@@ -457,6 +457,25 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the tool's own arguments, the recipe overrides) of a command line that mixes them (``hf-asyncpp plan``,
+    ``compare``): an override is a ``--`` option whose name has a dot (``--training.max_steps=5`` or
+    ``--training.max_steps 5``, the value then the next argument unless that is an option), as ``train`` reads
+    them; the tools' own options have no dot in their names, so argparse never sees an override's value."""
+    own, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.partition("=")[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                i += 1
+                overrides.append(argv[i])
+        else:
+            own.append(arg)
+        i += 1
+    return own, overrides
+
+
 def _pairs(args: list[str]) -> list[tuple[str, str]]:
     """(dotted field, value text) of each override. A ``--field`` without ``=`` takes the next argument as its value
     unless that is another ``--`` option or there is none: then it is ``true`` for a true/false field (as
