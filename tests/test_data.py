@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+from hf_asyncpp.config.recipe import DataConfig, ModelConfig, RecipeError, recipe_from_dict
 from hf_asyncpp.data.stream import (BlockStream, eval_blocks, expand_files, is_held_out, next_batch,
                                     prepare_default_corpus, resolve_data_files)
-from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
+from hf_asyncpp.data.tokenizer import load_or_train_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"  # 41 documents of the default corpus (~100 KB)
@@ -208,22 +208,25 @@ def test_data_parallel_ranks_partition_the_stream(tok, tmp_path, n_files):
 
 def test_bad_data_is_skipped_counted_and_logged(tok, tmp_path, caplog):
     good = ["The Union is strong. " * 20, "We the people. " * 25, "Peace and liberty. " * 30]
+    bad = b"bad \xff\xfe bytes here. " * 10  # invalid UTF-8: kept, each invalid byte read as U+FFFD
     a = tmp_path / "a.jsonl"  # blank lines, empty and blank documents, a non-string, a short one, invalid UTF-8
     a.write_bytes(b"".join([json.dumps({"text": good[0]}).encode(), b"\n\n  \n", json.dumps({"text": ""}).encode(), b"\n",
                             json.dumps({"text": "   "}).encode(), b"\n",
-                            json.dumps({"text": "too short"}).encode(), b"\n", b'{"text": "bad \xff\xfe bytes here"}\n',
+                            json.dumps({"text": "too short"}).encode(), b"\n", b'{"text": "' + bad + b'"}\n',
                             json.dumps({"text": good[1]}).encode(), b"\n"]))
     (tmp_path / "empty.jsonl").write_text("")
 
     cfg = DataConfig(seq_len=16, min_document_tokens=16)  # one block: the short document is skipped
     with caplog.at_level(logging.INFO, logger="hf_asyncpp.data"):
         s = BlockStream(cfg, tok, [str(a), str(tmp_path / "empty.jsonl")], repeat=False, shuffle=False)
-        assert blocks_of(s) == cut(packed(tok, good[:2]), 16)
-    assert {k: s.stats[k] for k in ("documents", "skipped_empty", "skipped_short", "skipped_invalid_utf8", "empty_files")} \
-        == {"documents": 2, "skipped_empty": 2, "skipped_short": 1, "skipped_invalid_utf8": 1, "empty_files": 1}
+        assert blocks_of(s) == cut(packed(tok, [good[0], bad.decode("utf-8", "replace"), good[1]]), 16)
+    assert {k: s.stats[k] for k in ("documents", "skipped_empty", "skipped_short", "invalid_utf8_documents",
+                                    "invalid_utf8_replaced", "empty_files")} \
+        == {"documents": 3, "skipped_empty": 2, "skipped_short": 1, "invalid_utf8_documents": 1,
+            "invalid_utf8_replaced": 20, "empty_files": 1}
     logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "hf_asyncpp.data")
-    for what in ("invalid UTF-8", "empty or non-text", "shorter than data.min_document_tokens=16", "1 empty data file",
-                 "epoch 0 done"):
+    for what in (f"{a}: not valid UTF-8 (first invalid byte 0xff at offset ", "U+FFFD", "empty or non-text",
+                 "shorter than data.min_document_tokens=16", "1 empty data file", "epoch 0 done"):
         assert what in logged
     # non-string values (NOTE: datasets 5.2 cannot read a column of mixed types in a file with blank lines)
     c = BlockStream(cfg, tok, [write_docs(tmp_path / "c.jsonl", [5, None, good[1], ["a list"]])], repeat=False)
@@ -233,8 +236,89 @@ def test_bad_data_is_skipped_counted_and_logged(tok, tmp_path, caplog):
     txt.write_bytes(good[2].encode() + b"\n\n" + b"broken \xff\xfe bytes " * 20 + b"\n\n\n\n" + b"short\n")
     (tmp_path / "empty.txt").write_bytes(b"")
     t = BlockStream(cfg, tok, [str(tmp_path / "empty.txt"), str(txt)], repeat=False, shuffle=False)
-    assert blocks_of(t) == cut(packed(tok, [good[2]]), 16)
-    assert (t.stats["documents"], t.stats["skipped_invalid_utf8"], t.stats["skipped_short"]) == (1, 1, 1)
+    assert blocks_of(t) == cut(packed(tok, [good[2], "broken \ufffd\ufffd bytes " * 20]), 16)
+    assert (t.stats["documents"], t.stats["invalid_utf8_documents"], t.stats["invalid_utf8_replaced"],
+            t.stats["skipped_short"]) == (2, 1, 40, 1)
+
+
+FRENCH = ["Le café de la gare est très bon, même à Noël. " * 6, "Où êtes-vous allés cet été ? Déjà à la plage. " * 6,
+          "Les élèves ont déjà appris leçon après leçon. " * 6]
+
+
+def latin1_corpus(tmp_path, kind: str = "jsonl") -> str:
+    """Every document of it has an accented letter, written as one Latin-1 byte (not UTF-8)."""
+    path = tmp_path / f"fr-latin1.{kind}"
+    if kind == "jsonl":
+        path.write_bytes(b"".join(json.dumps({"text": d}, ensure_ascii=False).encode("latin-1") + b"\n" for d in FRENCH))
+    else:
+        path.write_bytes("\n\n".join(FRENCH * 4).encode("latin-1"))
+    return str(path)
+
+
+def test_latin1_read_as_utf8_is_trained_on_counted_and_named(tok, tmp_path, caplog):
+    path = latin1_corpus(tmp_path)
+    as_read = [d.encode("latin-1").decode("utf-8", "replace") for d in FRENCH]  # each invalid byte: one U+FFFD
+    replaced = sum(d.count("\ufffd") for d in as_read)
+    cfg = DataConfig(seq_len=16, min_document_tokens=0)
+    with caplog.at_level(logging.INFO, logger="hf_asyncpp.data"):
+        s = BlockStream(cfg, tok, [path], shuffle=False, repeat=False)
+        assert blocks_of(s) == cut(packed(tok, as_read), 16)
+        # a state saved before the counts existed (it skipped such documents) resumes, and the new counts start at 0
+        old = {"epoch": 0, "blocks": 0, "document": 0, "offset": 0,
+               "stats": {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_invalid_utf8": 7, "skipped_short": 0,
+                         "dropped_tail_tokens": 0, "empty_files": 0, "skipped_files": 0}}
+        r = BlockStream(cfg, tok, [path], shuffle=False, repeat=False)
+        r.load_state_dict(old)
+        assert blocks_of(r) == blocks_of(BlockStream(cfg, tok, [path], shuffle=False, repeat=False))
+    assert (s.stats["documents"], s.stats["invalid_utf8_documents"], s.stats["invalid_utf8_replaced"]) == (3, 3, replaced)
+    assert replaced == sum(not c.isascii() for d in FRENCH for c in d) == 120  # one per Latin-1 byte of an accented letter
+    assert (r.stats["invalid_utf8_documents"], r.stats["invalid_utf8_replaced"], r.stats["skipped_invalid_utf8"]) \
+        == (3, replaced, 7)
+    warned = [r.getMessage() for r in caplog.records if r.name == "hf_asyncpp.data" and r.levelno == logging.WARNING]
+    named = [m for m in warned if m.startswith(f"{path}: not valid UTF-8 (first invalid byte 0xe9 at offset 16); its "
+                                               "invalid bytes are read as U+FFFD")]
+    assert len(named) == 1 and "data.encoding: latin-1" in named[0]  # once per file, however many streams read it
+    first = [m for m in warned if "U+FFFD replacement characters" in m]
+    assert len(first) == 3 and all("first: document 0 of epoch 0" in m and "data.encoding: latin-1" in m for m in first)
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "hf_asyncpp.data")
+    assert f"3 of 3 documents of epoch 0 held {replaced} U+FFFD replacement characters" in logged
+
+
+def test_data_encoding_decodes_latin1_exactly(tok, tmp_path, caplog):
+    path = latin1_corpus(tmp_path)
+    with caplog.at_level(logging.INFO, logger="hf_asyncpp.data"):
+        s = BlockStream(DataConfig(seq_len=16, min_document_tokens=0, encoding="latin-1"), tok, [path], shuffle=False,
+                        repeat=False)
+        blocks = blocks_of(s)
+    assert blocks == cut(packed(tok, FRENCH), 16)
+    assert "Le café de la gare est très bon, même à Noël." in tok.decode([t for b in blocks for t in b])
+    assert (s.stats["documents"], s.stats["invalid_utf8_documents"], s.stats["invalid_utf8_replaced"]) == (3, 0, 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # a binary file is still refused, whatever the encoding
+    junk = tmp_path / "junk.jsonl"
+    junk.write_bytes(b'{"text": "x"}\n' + bytes(range(256)) * 8)
+    assert BlockStream(DataConfig(seq_len=16, encoding="latin-1"), tok, [path, str(junk)]).skipped_files \
+        == {str(junk): f"{junk}: not latin-1 text (binary data in its first {junk.stat().st_size} bytes)"}
+
+
+@pytest.mark.parametrize("name,why", [("no-such-codec", "is not a text encoding Python knows"),
+                                      ("base64", "is not a text encoding Python knows"),
+                                      ("utf-16", "does not read ASCII bytes as ASCII")])
+def test_a_bad_data_encoding_is_a_recipe_error(name, why):
+    assert recipe_from_dict({"model": MODEL, "data": {"encoding": "cp1252"}}).data.encoding == "cp1252"
+    with pytest.raises(RecipeError, match=rf"^data\.encoding: {name!r} {why}"):
+        recipe_from_dict({"model": MODEL, "data": {"encoding": name}})
+
+
+def test_a_tokenizer_trains_on_a_latin1_only_corpus(tmp_path):
+    path = latin1_corpus(tmp_path, "txt")
+    as_utf8 = train_tokenizer([path], 300)  # every document holds U+FFFD: all of them are trained on
+    assert any("ï¿½" in t for t in as_utf8.get_vocab())  # U+FFFD's bytes, as byte-level BPE writes them
+    out = tmp_path / "tok"
+    exact = load_or_train_tokenizer(ModelConfig(**MODEL, vocab_size=300), [path], "text", out, encoding="latin-1")
+    vocab = exact.get_vocab()
+    assert any("Ã©" in t for t in vocab) and not any("ï¿½" in t for t in vocab)  # é's UTF-8 bytes; no U+FFFD
+    assert (out / "tokenizer.json").exists()
 
 
 def test_empty_corpus_is_a_clear_error(tok, tmp_path):

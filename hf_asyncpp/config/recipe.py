@@ -6,6 +6,7 @@ what is allowed, because a typo in a 10-hour run's recipe should cost seconds.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import json
@@ -416,6 +417,24 @@ def _cross_checks(r: Recipe) -> None:
     if r.data.train_files is not None and r.data.dataset is not None:
         raise RecipeError("data: give data.train_files or data.dataset, not both: remove one (--data.dataset=null "
                           "removes the recipe's)")
+    _check_encoding(r.data.encoding)
+
+
+_ASCII = bytes(range(128))
+
+
+def _check_encoding(name: str) -> None:
+    """``data.encoding`` is a text codec that reads ASCII bytes as ASCII: the file screening and datasets' json
+    builder find lines, JSON syntax and NUL bytes by their bytes, before decoding (UTF-16 or EBCDIC would break both)."""
+    try:
+        codecs.lookup(name)
+        keeps_ascii = _ASCII.decode(name) == _ASCII.decode("ascii")
+    except (LookupError, ValueError):  # an unknown name; a codec of bytes to bytes (base64) or text to text (rot13)
+        raise RecipeError(f"data.encoding: {name!r} is not a text encoding Python knows; give a codec name such as "
+                          "utf-8, latin-1 or cp1252") from None
+    if not keeps_ascii:
+        raise RecipeError(f"data.encoding: {name!r} does not read ASCII bytes as ASCII, which reading lines and JSON "
+                          f"needs; convert the files to UTF-8 (e.g. iconv -f {name} -t utf-8) and leave data.encoding unset")
 
 
 def recipe_from_dict(data: dict) -> Recipe:

@@ -59,6 +59,10 @@ class DataConfig:
     """Local held-out files or globs."""
     text_column: str = "text"
     """Column holding the document text (jsonl, parquet, Hub datasets)."""
+    encoding: str = "utf-8"
+    """Text encoding of the local text and jsonl files (a Python codec that keeps ASCII as ASCII: ``latin-1``,
+    ``cp1252``, ...). A byte not valid in it is read as U+FFFD and its document still trained on; the files and
+    documents with such bytes are named in the log and counted (``invalid_utf8_documents``, ``invalid_utf8_replaced``)."""
     seq_len: int = field(default=128, metadata=bounds(lo=2))
     """Tokens per packed training block; at most the model's positions (``max_position_embeddings``)."""
     shuffle_buffer: int = field(default=1000, metadata=bounds(lo=0))

@@ -6,14 +6,21 @@ of each file (the first 64 KiB, and the first JSON line) and sets aside the file
 its reason; the data stream and the tokenizer read only the rest, and log and count what was skipped. A file
 that goes bad only after its start is still met by the reader, whose error names the file list.
 
+A file whose start is mostly text but not valid in ``data.encoding`` (a Latin-1 or cp1252 file read as UTF-8) is
+read, not skipped: its invalid bytes become U+FFFD and the stream counts them. Skipping it would drop whole documents
+for one accented letter; reading it silently would hide why the model sees replacement characters. So the file is
+named once per process, with its first invalid byte and the fix (``data.encoding``).
+
 A user's data mistake is a :class:`DataError` (one ``error:`` line from the trainer, no traceback).
 """
 from __future__ import annotations
 
 import bz2
+import codecs
 import glob
 import gzip
 import json
+import logging
 import lzma
 import os
 from pathlib import Path
@@ -24,7 +31,8 @@ COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 PROBE_BYTES = 1 << 16
 _FIRST_LINE_LIMIT = 1 << 26  # a first JSON line longer than this is not judged here
-_NOT_TEXT_SHARE = 0.25  # more undecodable characters than this in the probe: the file is not UTF-8 text
+_NOT_TEXT_SHARE = 0.25  # more undecodable characters than this in the probe: the file is not text in its encoding
+log = logging.getLogger("hf_asyncpp.data")
 
 
 def expand_files(patterns: list[str], field: str) -> list[str]:
@@ -66,14 +74,32 @@ def _open(path: str):
     return open(path, "rb")
 
 
-def _not_text(chunk: bytes) -> bool:
+def _first_invalid(chunk: bytes, encoding: str, whole: bool) -> int | None:
+    """The offset of the first byte of ``chunk`` not valid in ``encoding`` (None: every byte is). A character that
+    the end of the probe cuts in two is not invalid unless the probe is the ``whole`` file."""
+    try:
+        codecs.getincrementaldecoder(encoding)("strict").decode(chunk, final=whole)
+    except UnicodeDecodeError as e:
+        return e.start
+    return None
+
+
+def _not_text(chunk: bytes, encoding: str, whole: bool, first_invalid: int | None) -> bool:
+    """Binary: a NUL byte (no text in an ASCII-compatible encoding has one; config: ``_check_encoding``), or more than
+    a quarter of the probe undecodable."""
     if b"\x00" in chunk:
         return True
-    text = chunk.decode("utf-8", errors="replace")
+    if first_invalid is None:
+        return False
+    text = codecs.getincrementaldecoder(encoding)("replace").decode(chunk, final=whole)
     return text.count("\ufffd") > _NOT_TEXT_SHARE * max(1, len(text))
 
 
-def _json_problem(path: str, f, text_column: str) -> str | None:
+def _name(encoding: str) -> str:
+    return "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+
+
+def _json_problem(path: str, f, text_column: str, encoding: str) -> str | None:
     for number in range(1, 1000):
         line = f.readline(_FIRST_LINE_LIMIT)
         if not line:
@@ -85,7 +111,7 @@ def _json_problem(path: str, f, text_column: str) -> str | None:
         if line.lstrip().startswith(b"["):  # a .json array: not judged line by line
             return None
         try:
-            obj = json.loads(line.decode("utf-8", errors="replace"))
+            obj = json.loads(line.decode(encoding, errors="replace"))
         except ValueError as e:
             return f"{path}: not JSON lines (line {number}: {e})"
         if not isinstance(obj, dict):
@@ -108,51 +134,69 @@ def _parquet_problem(path: str, text_column: str) -> str | None:
     return None
 
 
-def problem_of(path: str, text_column: str) -> str | None:
-    """Why ``path`` cannot be used as a data file (None: it looks usable). An empty file is not a problem here."""
+def _examine(path: str, text_column: str, encoding: str) -> tuple[str | None, str | None]:
+    """(problem, note): why ``path`` cannot be used (None: it looks usable), and, for a usable file whose probe is not
+    valid in ``encoding``, the warning that names it."""
     kind = kind_of(path)
     try:
         if kind == "parquet":
             with open(path, "rb"):
                 pass
-            return _parquet_problem(path, text_column)
+            return _parquet_problem(path, text_column), None
         with _open(path) as f:
             chunk = f.read(PROBE_BYTES)
             if not chunk:
-                return None
-            if _not_text(chunk):
-                return f"{path}: not UTF-8 text (binary data in its first {len(chunk)} bytes)"
+                return None, None
+            whole = len(chunk) < PROBE_BYTES
+            bad = _first_invalid(chunk, encoding, whole)
+            name = _name(encoding)
+            if _not_text(chunk, encoding, whole, bad):
+                return f"{path}: not {name} text (binary data in its first {len(chunk)} bytes)", None
+            note = None if bad is None else (
+                f"{path}: not valid {name} (first invalid byte {chunk[bad]:#04x} at offset {bad}); its invalid bytes are "
+                "read as U+FFFD" + ("; if the file is Latin-1 or cp1252 text set data.encoding: latin-1 or cp1252"
+                                    if name == "UTF-8" else ""))
             if kind == "json":
                 f.seek(0)
-                return _json_problem(path, f, text_column)
+                return _json_problem(path, f, text_column, encoding), note
+            return None, note
     except OSError as e:
-        return f"{path}: cannot be read ({e.strerror or e})"
+        return f"{path}: cannot be read ({e.strerror or e})", None
     except EOFError as e:  # a truncated compressed file
-        return f"{path}: cannot be read ({e})"
-    return None
+        return f"{path}: cannot be read ({e})", None
+
+
+def problem_of(path: str, text_column: str, encoding: str = "utf-8") -> str | None:
+    """Why ``path`` cannot be used as a data file (None: it looks usable). An empty file is not a problem here, nor
+    is one whose first 64 KiB are mostly text in ``encoding`` with a few invalid bytes (:func:`screen_files` names it)."""
+    return _examine(path, text_column, encoding)[0]
 
 
 _SCREENED: dict[tuple, str | None] = {}
-"""(path, size, mtime, ctime, mode, column) -> :func:`problem_of`'s answer: a process screens each file once, however many streams
-(the tokenizer's corpus, the held-out blocks, the training stream) read it; a changed file is screened again."""
+"""(path, size, mtime, ctime, mode, column, encoding) -> :func:`problem_of`'s answer: a process screens each file once,
+however many streams (the tokenizer's corpus, the held-out blocks, the training stream) read it, and so warns once
+about a file not valid in its encoding; a changed file is screened again."""
 
 
-def _problem(f: str, text_column: str) -> str | None:
+def _problem(f: str, text_column: str, encoding: str) -> str | None:
     try:
         st = os.stat(f)
-        key = (f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, text_column)
+        key = (f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, text_column, encoding)
     except OSError:
-        return problem_of(f, text_column)  # gone or a broken link: said by problem_of, never remembered
+        return problem_of(f, text_column, encoding)  # gone or a broken link: said by problem_of, never remembered
     if key not in _SCREENED:
-        _SCREENED[key] = problem_of(f, text_column)
+        _SCREENED[key], note = _examine(f, text_column, encoding)
+        if note is not None and _SCREENED[key] is None:
+            log.warning("%s", note)
     return _SCREENED[key]
 
 
-def screen_files(files: list[str], text_column: str) -> tuple[list[str], list[str], dict[str, str]]:
-    """(usable, empty, skipped): the files to read, the empty ones, and the unusable ones with their reasons."""
+def screen_files(files: list[str], text_column: str, encoding: str = "utf-8") -> tuple[list[str], list[str], dict[str, str]]:
+    """(usable, empty, skipped): the files to read, the empty ones, and the unusable ones with their reasons. A usable
+    file not valid in ``encoding`` is named in a warning the first time this process screens it."""
     usable, empty, skipped = [], [], {}
     for f in files:
-        reason = _problem(f, text_column)
+        reason = _problem(f, text_column, encoding)
         if reason is not None:
             skipped[f] = reason
         elif os.path.getsize(f) == 0:

@@ -36,22 +36,34 @@ streamed ``data.dataset`` does not re-read: its state also holds datasets' own
 state with only ``{"epoch", "blocks"}`` (e.g. after changing the data-parallel
 size) is also accepted: the epoch is then re-tokenized and that many blocks skipped.
 
-Bad data never crashes a run: unreadable, binary (not UTF-8), non-JSON and
-wrong-column files among good ones (``skipped_files``, each named in the log;
-see :mod:`hf_asyncpp.data.files`), empty files, empty or blank documents and
-non-string values (``skipped_empty``), documents with invalid UTF-8 (decoded
-with U+FFFD replacement characters, then skipped: ``skipped_invalid_utf8``) and
-documents with fewer than ``min_document_tokens`` tokens (``skipped_short``;
-the default 0 skips none: short documents are packed together, as transformers'
-``run_clm`` does, where a minimum of one block dropped 84% of a corpus of
-paragraphs at ``seq_len`` 128; null: ``seq_len``) are skipped, counted in
-``BlockStream.stats`` and logged (logger ``hf_asyncpp.data``; the short ones
-also as a count at the end of each epoch). A corpus with no usable document at all,
-or fewer tokens than one block, is a ``DataError`` (a ``ValueError``) naming its
-files, each skipped file's reason and the column.
+Bad data never crashes a run: unreadable, binary, non-JSON and wrong-column
+files among good ones (``skipped_files``, each named in the log; see
+:mod:`hf_asyncpp.data.files`), empty files, empty or blank documents and
+non-string values (``skipped_empty``) and documents with fewer than
+``min_document_tokens`` tokens (``skipped_short``; the default 0 skips none:
+short documents are packed together, as transformers' ``run_clm`` does, where a
+minimum of one block dropped 84% of a corpus of paragraphs at ``seq_len`` 128;
+null: ``seq_len``) are skipped, counted in ``BlockStream.stats`` and logged
+(logger ``hf_asyncpp.data``; the short ones also as a count at the end of each
+epoch). A corpus with no usable document at all, or fewer tokens than one block,
+is a ``DataError`` (a ``ValueError``) naming its files, each skipped file's
+reason and the column.
+
+Text files and JSON lines are decoded with ``data.encoding`` (UTF-8 by
+default). Bytes not valid in it are read as U+FFFD replacement characters
+and their document is trained on, not skipped: a Latin-1 or cp1252 file read as
+UTF-8 would otherwise lose every document with an accented letter (all of a
+French corpus), and skipping them used to leave "no text to train a tokenizer
+on". Such files are named when screened, with their first invalid byte; the
+documents and replacement characters are counted
+(``invalid_utf8_documents``, ``invalid_utf8_replaced``; a U+FFFD that the text
+itself holds, e.g. in a Hub dataset, is counted too), the first document is
+named in a warning with the fix (``data.encoding: latin-1`` or ``cp1252``), and
+each epoch's share is said at its end.
 """
 from __future__ import annotations
 
+import codecs
 import itertools
 import logging
 import zlib
@@ -82,6 +94,7 @@ __all__ = [
 
 log = logging.getLogger("hf_asyncpp.data")
 _TOKENIZE_BATCH = 64  # documents per tokenizer call
+_EPOCH_COUNTS = ("documents", "tokens", "skipped_short", "invalid_utf8_documents", "invalid_utf8_replaced")
 
 
 # ---------------------------------------------------------------------------- sources
@@ -104,20 +117,22 @@ def resolve_data_files(cfg: DataConfig) -> tuple[list[str] | None, list[str] | N
 def load_stream(cfg: DataConfig, files: list[str] | None, *, split: str = "train"):
     """A streaming ``datasets.IterableDataset`` of documents from local files or ``cfg.dataset``.
 
-    Local files: empty files are left out (the caller counts them); invalid UTF-8 is replaced
-    by U+FFFD. ``split="eval"`` reads ``cfg.eval_split`` of ``cfg.dataset``.
+    Local files: empty files are left out (the caller counts them); text and JSON lines are decoded
+    with ``cfg.encoding``, a byte not valid in it becoming U+FFFD. ``split="eval"`` reads
+    ``cfg.eval_split`` of ``cfg.dataset``.
     """
     import datasets
 
     if files:
         kind = _builder(files)
         if kind == "text":
-            kw = {"sample_by": "paragraph", "encoding_errors": "replace"}
+            kw = {"sample_by": "paragraph", "encoding": cfg.encoding, "encoding_errors": "replace"}
         elif kind == "json":
             # NOTE: datasets' json builder re-decodes the bytes (with encoding_errors) only when
             # encoding != "utf-8"; "utf_8" is the same codec under another name, so invalid bytes
             # become U+FFFD instead of raising UnicodeDecodeError mid-epoch.
-            kw = {"encoding": "utf_8", "encoding_errors": "replace"}
+            utf8 = codecs.lookup(cfg.encoding).name == "utf-8"
+            kw = {"encoding": "utf_8" if utf8 else cfg.encoding, "encoding_errors": "replace"}
         else:
             kw = {"columns": [cfg.text_column]}  # read only the text column
         ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=True, **kw)
@@ -146,16 +161,17 @@ def train_hold_out(cfg: DataConfig, eval_files: list[str] | None) -> str | None:
     return None if eval_files or (cfg.dataset and cfg.eval_split) else "exclude"
 
 
-def iter_documents(files: list[str], text_column: str = "text") -> Iterator[str]:
+def iter_documents(files: list[str], text_column: str = "text", encoding: str = "utf-8") -> Iterator[str]:
     """The usable documents of local files in file order, as :class:`BlockStream` reads them
-    (no shuffle, no sharding; unusable files, empty, blank, non-text and invalid UTF-8 documents left out)."""
-    readable, _, skipped = screen_files(files, text_column)
+    (no shuffle, no sharding; unusable files, empty, blank and non-text documents left out; bytes
+    not valid in ``encoding`` read as U+FFFD)."""
+    readable, _, skipped = screen_files(files, text_column, encoding)
     log_skipped_files(skipped)
     if not readable:
         if skipped:
             raise DataError(nothing_usable(skipped, text_column))
         return
-    ds = load_stream(DataConfig(text_column=text_column), readable)
+    ds = load_stream(DataConfig(text_column=text_column, encoding=encoding), readable)
     col = "text" if _builder(readable) == "text" else text_column
     for ex in _rows(ds, readable):
         text = ex.get(col)
@@ -189,8 +205,6 @@ def nothing_usable(skipped: dict[str, str], column: str) -> str:
 def _skip_reason(text) -> Optional[str]:
     if not isinstance(text, str) or not text.strip():
         return "skipped_empty"
-    if "\ufffd" in text:  # invalid UTF-8 decoded with replacement characters
-        return "skipped_invalid_utf8"
     return None
 
 
@@ -216,8 +230,10 @@ class BlockStream:
 
     Attributes:
         stats: cumulative counts over the epochs read so far (documents, tokens, skipped_empty,
-            skipped_invalid_utf8, skipped_short, dropped_tail_tokens, empty_files); restored by
-            :meth:`load_state_dict`.
+            skipped_short, dropped_tail_tokens, empty_files, skipped_files, invalid_utf8_documents: kept
+            documents with U+FFFD, invalid_utf8_replaced: their U+FFFD characters); restored by
+            :meth:`load_state_dict` (a state saved before the invalid_utf8 counts keeps its
+            skipped_invalid_utf8, the documents it skipped, and counts the new ones from 0).
         epoch, blocks: the current epoch and the blocks yielded in it.
     """
 
@@ -236,10 +252,11 @@ class BlockStream:
         self.min_tokens = cfg.seq_len if cfg.min_document_tokens is None else cfg.min_document_tokens
         self.eos = tokenizer.eos_token_id
         self.files = list(files) if files else None
-        self._readable, empty, self.skipped_files = screen_files(self.files or [], self._column())
+        self._readable, empty, self.skipped_files = screen_files(self.files or [], self._column(), cfg.encoding)
         self.source = self.files if self.files else f"dataset {cfg.dataset!r} split {self._split_name()!r}"
-        self.stats = {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_invalid_utf8": 0, "skipped_short": 0,
-                      "dropped_tail_tokens": 0, "empty_files": len(empty), "skipped_files": len(self.skipped_files)}
+        self.stats = {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_short": 0, "dropped_tail_tokens": 0,
+                      "empty_files": len(empty), "skipped_files": len(self.skipped_files),
+                      "invalid_utf8_documents": 0, "invalid_utf8_replaced": 0}
         if empty:
             log.warning("skipping %d empty data file(s): %s", len(empty), empty[:5])
         log_skipped_files(self.skipped_files)
@@ -251,7 +268,7 @@ class BlockStream:
         self._logged: set[str] = set()
         self._docs: ShuffledDocuments | None = None  # a streamed dataset's epoch, resumable without re-reading
         self._resume_docs: dict | None = None  # its saved position, for the epoch being resumed
-        self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}  # of the epoch being read
+        self._epoch_counts = dict.fromkeys(_EPOCH_COUNTS, 0)  # of the epoch being read
 
     # ------------------------------------------------------------------ state
 
@@ -375,7 +392,7 @@ class BlockStream:
         """
         T, eos = self.cfg.seq_len, self.eos
         counting = skip_blocks == 0
-        self._epoch_counts = {"documents": 0, "tokens": 0, "skipped_short": 0}
+        self._epoch_counts = dict.fromkeys(_EPOCH_COUNTS, 0)
         buf: list[int] = []
         start = made = 0
         docs = self._documents(epoch, doc)
@@ -409,6 +426,8 @@ class BlockStream:
                         self.stats["tokens"] += len(toks)
                     self._epoch_counts["documents"] += 1
                     self._epoch_counts["tokens"] += len(toks)
+                    if "\ufffd" in text:  # bytes not valid in data.encoding, read as U+FFFD: kept, counted, said
+                        self._replaced(text, epoch, i, counting)
                 # Cut blocks. What is left of the buffer after a cut lies inside this document
                 # (the buffer held < T tokens before it), so (i, offset) locates the next block.
                 while len(buf) - start >= T:
@@ -429,16 +448,47 @@ class BlockStream:
         self.stats[reason] += 1
         if reason not in self._logged:
             self._logged.add(reason)
-            what = {"skipped_empty": "empty or non-text documents", "skipped_invalid_utf8": "documents with invalid UTF-8",
+            what = {"skipped_empty": "empty or non-text documents",
                     "skipped_short": f"documents shorter than data.min_document_tokens={self.min_tokens} tokens"}[reason]
-            level = logging.WARNING if reason == "skipped_invalid_utf8" else logging.INFO
-            log.log(level, "skipping %s (first: document %d of epoch %d on rank %d: %r); counted in BlockStream.stats[%r]",
-                    what, index, epoch, self.rank, str(text)[:60], reason)
+            log.info("skipping %s (first: document %d of epoch %d on rank %d: %r); counted in BlockStream.stats[%r]",
+                     what, index, epoch, self.rank, str(text)[:60], reason)
+
+    def _replaced(self, text: str, epoch: int, index: int, counting: bool) -> None:
+        """Count a kept document holding U+FFFD; the first one is named in a warning with the fix."""
+        n = text.count("\ufffd")
+        self._epoch_counts["invalid_utf8_documents"] += 1
+        self._epoch_counts["invalid_utf8_replaced"] += n
+        if not counting:
+            return
+        self.stats["invalid_utf8_documents"] += 1
+        self.stats["invalid_utf8_replaced"] += n
+        if "invalid_utf8" not in self._logged:
+            self._logged.add("invalid_utf8")
+            at = text.index("\ufffd")
+            what = (f"documents with bytes not valid in data.encoding={self.cfg.encoding!r} are read with U+FFFD "
+                    "replacement characters and" if self.files else "documents holding U+FFFD replacement characters are")
+            log.warning("%s trained on (first: document %d of epoch %d on rank %d: %r); counted in BlockStream.stats"
+                        "['invalid_utf8_documents'] and ['invalid_utf8_replaced']%s", what, index, epoch, self.rank,
+                        text[max(0, at - 30):at + 30], self._fix())
+
+    def _undecodable(self) -> str:
+        return f" (bytes not valid in data.encoding={self.cfg.encoding!r})" if self.files else ""
+
+    def _fix(self) -> str:
+        if not self.files:  # a dataset's text holds them: the recipe cannot decode it otherwise
+            return ""
+        if codecs.lookup(self.cfg.encoding).name == "utf-8":
+            return "; if the files are Latin-1 or cp1252 text, not UTF-8, set data.encoding: latin-1 (or cp1252)"
+        return f"; check that the files are {self.cfg.encoding} text"
 
     def _end_of_epoch(self) -> None:
         c = self._epoch_counts
         log.info("epoch %d done on rank %d/%d: %d blocks of %d tokens; totals %s", self.epoch, self.rank,
                  self.world_size, self.blocks, self.cfg.seq_len, self.stats)
+        if c["invalid_utf8_documents"]:  # the warning came with the first one; this is what each epoch holds
+            log.info("%d of %d documents of epoch %d held %d U+FFFD replacement characters%s and were trained on%s",
+                     c["invalid_utf8_documents"], c["documents"], self.epoch, c["invalid_utf8_replaced"],
+                     self._undecodable(), self._fix())
         if c["skipped_short"]:  # a minimum the recipe set: what it cost is said every epoch
             log.warning("%d of %d documents of epoch %d were shorter than data.min_document_tokens=%d and skipped; "
                         "data.min_document_tokens: 0 (the default) packs short documents together instead",

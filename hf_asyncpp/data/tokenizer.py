@@ -36,7 +36,7 @@ def _capped(texts, max_chars: int | None, seen: list[int]):
             return
 
 
-def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text", *,
+def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text", *, encoding: str = "utf-8",
                     max_train_chars: int | None = 1_000_000_000):
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) on local files.
 
@@ -44,6 +44,8 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
         files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data.stream` for how documents are read).
         vocab_size: final vocabulary size; smaller when the corpus has too few distinct pairs.
         text_column: document column of jsonl/parquet files.
+        encoding: text encoding of text/jsonl files (``data.encoding``); invalid bytes are read as U+FFFD,
+            their documents kept, as the training stream keeps them.
         max_train_chars: stop after the documents holding this many characters (file order); None: all.
 
     Returns:
@@ -60,7 +62,7 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     seen = [0]
-    tok.train_from_iterator(_capped(iter_documents(files, text_column), max_train_chars, seen), trainer=trainer)
+    tok.train_from_iterator(_capped(iter_documents(files, text_column, encoding), max_train_chars, seen), trainer=trainer)
     if not seen[0]:
         raise DataError(f"no text to train a tokenizer on in {files[:5]} (data.text_column={text_column!r})")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
@@ -116,13 +118,15 @@ def adopt_tokenizer(path: Path, out_dir) -> None:
     _save_atomic(None, out, copy_from=Path(path))
 
 
-def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | None, text_column: str, out_dir):
+def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | None, text_column: str, out_dir, *,
+                            encoding: str = "utf-8"):
     """The recipe's tokenizer, or one trained on ``train_files`` and saved to ``out_dir``.
 
     Order: ``model_cfg.tokenizer_name_or_path`` (path or Hub id), else the tokenizer of
     ``model_cfg.name_or_path``, else a tokenizer already saved in ``out_dir`` (idempotent: a
     second call, or a resumed run, reuses it whatever ``vocab_size`` says), else a new byte-level
-    BPE of ``model_cfg.vocab_size`` trained on ``train_files`` and saved to ``out_dir``.
+    BPE of ``model_cfg.vocab_size`` trained on ``train_files`` (decoded with ``encoding``, ``data.encoding``)
+    and saved to ``out_dir``.
     A tokenizer without a pad token gets its eos token as pad.
 
     Raises:
@@ -145,7 +149,7 @@ def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | Non
             raise RecipeError("model.tokenizer_name_or_path: no tokenizer given and no local training files to train "
                              "one on (streamed Hub datasets need a tokenizer); set model.tokenizer_name_or_path")
         t0 = time.perf_counter()
-        tok = train_tokenizer(train_files, model_cfg.vocab_size, text_column)
+        tok = train_tokenizer(train_files, model_cfg.vocab_size, text_column, encoding=encoding)
         _save_atomic(tok, out)
         log.info("trained a %d-token byte-level BPE on %d files in %.1fs; saved to %s", len(tok), len(train_files),
                  time.perf_counter() - t0, out)

@@ -197,7 +197,7 @@ def check_data(data: DataConfig) -> None:
     for field, patterns in fields:
         if patterns:
             files = expand_files(patterns, field)
-            usable, _, skipped = screen_files(files, data.text_column)
+            usable, _, skipped = screen_files(files, data.text_column, data.encoding)
             if not usable:
                 raise DataError(nothing_usable(skipped, data.text_column) if skipped else
                                 f"{field}: every file is empty: {files[:5]}")

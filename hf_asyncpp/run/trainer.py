@@ -151,7 +151,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             if accelerator.is_main_process:
                 adopt_tokenizer(resume / TOKENIZER_DIR, out / TOKENIZER_DIR)
         else:
-            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / TOKENIZER_DIR)
+            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / TOKENIZER_DIR,
+                                                encoding=recipe.data.encoding)
         held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
 
     if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
