@@ -1,11 +1,12 @@
 """Honest outputs (issue 43, item 4): a model card says what was measured on what (a local task file is not the
 public dataset), what the model was trained on (its usage prompt comes from the run's data, or is neutral) and
 whether a license was chosen; exported files are readable as ``save_pretrained`` leaves them (the umask, not
-0600); a pipelined checkpoint opens with ``from_pretrained``, as a Trainer checkpoint does."""
+0600); a pipelined checkpoint opens with ``from_pretrained``, as a Trainer checkpoint does; a run ends with one
+summary that says its result once and where its outputs are."""
 from __future__ import annotations
 
 import json
-import os
+import logging
 import stat
 from pathlib import Path
 
@@ -72,3 +73,33 @@ def test_exports_follow_the_umask_and_checkpoints_open_with_from_pretrained(tmp_
     for name, value in exported.state_dict().items():  # the checkpoint's model is the exported one
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
 
+
+
+def test_a_run_ends_with_one_summary_saying_the_result_once_and_where_its_outputs_are(tmp_path, capsys, caplog):
+    """The end of a run (here pipelined, exported, with tensorboard logs and an evaluation on the way) prints its
+    final result once, in the end summary (``cli/train.py: end_summary``), not also in the log; the summary's first
+    line is the result line docs and scripts quote, then a line per kind of output, each path one that exists."""
+    caplog.set_level(logging.INFO, logger="hf_asyncpp")  # the log lines as a console shows them
+    out = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(out, pipeline__schedule="2bw", pipeline__num_stages=1, training__max_steps=4,
+                                          training__save_steps=2, training__eval_steps=2, training__export=True,
+                                          training__report_to=["tensorboard"])))
+    assert train_main([str(recipe)]) == 0
+    said = capsys.readouterr()
+    console = said.out + said.err + caplog.text
+    final = json.loads((out / "final_eval.json").read_text())
+    result = (f"exported {out / 'export'}: perplexity {final['export_eval_ppl']:.2f} "
+              f"(untrained {final['untrained_eval_ppl']:.2f}), eval_loss {final['export_eval_loss']:.4f}")
+    assert console.count(f"perplexity {final['export_eval_ppl']:.2f}") == 1, console
+    assert console.count("exported ") == 1 and "step 2: eval_loss" in caplog.text  # each evaluation is said
+    first, *where = said.out.strip().splitlines()
+    assert first == result
+    listed = dict(line.strip().split(": ", 1) for line in where)
+    assert [line[:2] for line in where] == ["  "] * len(where) and list(listed) == ["metrics", "curves", "logs", "checkpoints"]
+    assert listed["metrics"] == ", ".join(str(out / n) for n in ("metrics.jsonl", "final_eval.json", "pipeline_profile.json"))
+    assert listed["curves"] == f"{out / 'loss_curve.png'}, {out / 'pipeline_timeline.png'}"
+    assert listed["logs"] == str(out / "logs") and listed["checkpoints"] == f"{out} (newest {checkpoint_name(4)})"
+    for path in ", ".join([listed["metrics"], listed["curves"], listed["logs"]]).split(", "):
+        assert Path(path).exists(), path
+    assert (out / checkpoint_name(4) / MANIFEST).is_file()

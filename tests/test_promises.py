@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
+import os
 import re
 import typing
 from pathlib import Path
@@ -123,6 +125,71 @@ def test_every_write_goes_through_storage():
     assert not bypass, f"write these through storage.write_file (a full disk must name the file): {sorted(bypass)}"
     unused = set(WRITE_EXCEPTIONS) - found
     assert not unused, f"allowed exceptions no longer needed; remove them from WRITE_EXCEPTIONS: {sorted(unused)}"
+
+
+def test_the_run_reports_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``pipeline_profile.json``, ``pipeline_timeline.png`` and ``loss_curve.png`` go through ``replace_file``: a
+    writer that fails midway (a full disk at the write edge, a ``savefig`` cut short) leaves the previous file as it
+    was and no temporary one beside it; a process that trained no step writes no profile over a measured one."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from hf_asyncpp.config.recipe import PipelineConfig
+    from hf_asyncpp.errors import WriteError
+    from hf_asyncpp.pipeline.profile import write_report
+    from hf_asyncpp.run.reporting import RunLog
+    from hf_asyncpp.storage import write as storage
+
+    pipeline = PipelineConfig(schedule="2bw", num_stages=2, num_microbatches=2)
+    measured = [{"stage": s, "seconds": {"F": 0.02, "B": 0.04, "STEP": 0.01, "RECV_ACT": 0.005},
+                 "counts": {"F": 8, "B": 8, "STEP": 4, "RECV_ACT": 8}} for s in (0, 1)]
+    old = {PROFILE: b'{"measured": "before"}', TIMELINE: b"old timeline", LOSS_CURVE: b"old curve"}
+    for name, data in old.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+
+    def kept():
+        assert {n: (tmp_path / n).read_bytes() for n in old} == old
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*old, METRICS]), "a temporary file was left"
+
+    def full_disk(path, append=False):  # the write edge: half the bytes land, then ENOSPC
+        f = open(path, "ab" if append else "wb")
+        real = f.write
+
+        def write(data):
+            real(bytes(memoryview(data).cast("B"))[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        f.write = write
+        return f
+
+    with monkeypatch.context() as m:
+        m.setattr(storage, "open_for_write", full_disk)
+        with pytest.raises(WriteError, match=PROFILE):
+            write_report(tmp_path, measured, pipeline, 1.0)
+    kept()
+
+    def cut_short(self, fname, *args, **kwargs):  # a library writer that dies midway through its file
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Figure, "savefig", cut_short)
+    with pytest.raises(WriteError, match=TIMELINE):
+        write_report(tmp_path, measured, pipeline, 1.0)
+    old[PROFILE] = (tmp_path / PROFILE).read_bytes()  # the profile itself was written, whole
+    assert json.loads(old[PROFILE])["schedule"] == "2bw"
+    kept()
+    runlog = RunLog.__new__(RunLog)  # only its path: plot_loss reads metrics.jsonl beside the curve
+    runlog.path = tmp_path / METRICS
+    with pytest.raises(WriteError, match=LOSS_CURVE):
+        runlog.plot_loss()
+    kept()
+    monkeypatch.undo()
+    idle = [{**st, "counts": {}, "seconds": {}} for st in measured]  # a resume at the end: no step trained
+    assert write_report(tmp_path, idle, pipeline, 1.0) is None
+    kept()
+    assert write_report(tmp_path, measured, pipeline, 1.0) is not None and runlog.plot_loss() == tmp_path / LOSS_CURVE
+    assert (tmp_path / TIMELINE).read_bytes()[:4] == (tmp_path / LOSS_CURVE).read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------- 3. schedule vocabulary in pipeline/

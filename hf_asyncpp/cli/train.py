@@ -22,6 +22,7 @@ from .. import supervision  # first: it notes the launcher's pid before the slow
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from ..config.recipe import CHECKED, Recipe, load_recipe
 from ..config.reference import help_text
@@ -84,8 +85,11 @@ def early_error(e: RecipeError, debug: bool) -> int:
     return next(code for kind, code in EXIT_CODES if isinstance(e, kind))
 
 
-def summary_line(summary: dict) -> str | None:
-    """What the main process prints at the end of a run."""
+def end_summary(summary: dict) -> str | None:
+    """What the main process prints at the end of a run (None elsewhere), the only place the final result is said:
+    a finished run's result line (``exported PATH: perplexity P (untrained U), eval_loss L``, or ``done: ...`` without
+    an export), then an indented line for each kind of output the run left (:func:`where_lines`). A stopped run, a
+    run stopped early and a finished run resumed say so in one line."""
     if not summary.get("is_main", True):
         return None
     if summary.get("complete"):
@@ -98,9 +102,25 @@ def summary_line(summary: dict) -> str | None:
         return (f"stopped after step {summary['step']} (training.stop_after_steps); resume with "
                 "--training.resume_from_checkpoint=latest")
     if summary.get("export_dir"):
-        return (f"exported {summary['export_dir']}: perplexity {summary['export_eval_ppl']:.2f} "
-                f"(untrained {summary['untrained_eval_ppl']:.2f}), eval_loss {summary['export_eval_loss']:.4f}")
-    return f"done: step {summary['step']} eval_loss {summary['eval_loss']:.4f} perplexity {summary['eval_ppl']:.2f}"
+        untrained = summary.get("untrained_eval_ppl")
+        line = (f"exported {summary['export_dir']}: perplexity {summary['export_eval_ppl']:.2f}"
+                + (f" (untrained {untrained:.2f})" if untrained is not None else "")
+                + f", eval_loss {summary['export_eval_loss']:.4f}")
+    else:
+        line = f"done: step {summary['step']} eval_loss {summary['eval_loss']:.4f} perplexity {summary['eval_ppl']:.2f}"
+    return "\n".join([line, *where_lines(summary.get("files") or {})])
+
+
+def where_lines(files: dict[str, str]) -> list[str]:
+    """The end summary's lines naming where the run's outputs are (``run.trainer.run_files``: only what exists)."""
+    rows = [("metrics", [files.get(k) for k in ("metrics", "final_eval", "profile")]),
+            ("curves", [files.get(k) for k in ("loss_curve", "timeline")]),
+            ("logs", [files.get("logs")])]
+    lines = [f"  {kind}: {', '.join(p for p in paths if p)}" for kind, paths in rows if any(paths)]
+    if files.get("checkpoint"):
+        newest = Path(files["checkpoint"])
+        lines.append(f"  checkpoints: {newest.parent} (newest {newest.name})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
-    line = summary_line(summary)
+    line = end_summary(summary)
     stopped = bool(summary.get("stopped_by"))
     if line and not (stopped and leave_for_launcher(line, EXIT_STOPPED)):  # hf-asyncpp train's launcher prints it
         print(line, flush=True)

@@ -16,8 +16,8 @@ from ..config.recipe import PipelineConfig
 from ..schedules.records import get_schedule
 from ..schedules.simulator import Costs, simulate
 from ..schedules.timeline import plot_timeline
-from ..storage import files as ckpt
 from ..storage.names import PROFILE, TIMELINE
+from ..storage.write import json_text, replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -32,7 +32,8 @@ def stage_shares(seconds: dict[str, float]) -> tuple[float, float]:
 
 
 def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad_norm: float) -> dict | None:
-    """Write pipeline_profile.json and pipeline_timeline.png into ``out``; returns the summary for the run's log.
+    """Write pipeline_profile.json and pipeline_timeline.png into ``out``, each atomically (``replace_file``);
+    returns the summary for the run's log.
     A process that trained no step (a run resumed at its end to finish its export) measured nothing: it writes
     nothing and returns None, so the run's measured report is never replaced by an empty one (all zeros, a
     "bubble 100%" picture)."""
@@ -55,9 +56,12 @@ def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad
                    reduce_scope=sched.reduce_scope(max_grad_norm))
     report = {"schedule": sched.name, "stages": stages, "simulated_bubble": sim.bubble,
               "simulated_steady_bubble": sim.steady_bubble}
-    ckpt.save_json(out / PROFILE, report)
-    plot_timeline(sim, str(out / TIMELINE),
-                  f"{sched.name} on {pipeline.num_stages} stages: measured per-action means ({steps} steps)")
+    # each whole or not at all (a temporary name beside it, then renamed): a kill or a full disk mid-write leaves
+    # the previous report, never half of one
+    data = json_text(report, indent=1).encode()
+    replace_file(out / PROFILE, lambda tmp: write_file(tmp, lambda f: f.write(data)))
+    replace_file(out / TIMELINE, lambda tmp: plot_timeline(
+        sim, str(tmp), f"{sched.name} on {pipeline.num_stages} stages: measured per-action means ({steps} steps)"))
     log.info("pipeline: %s; simulated steady-state bubble %.1f%% (pipeline_timeline.png)", ", ".join(
         f"stage {s['stage']} busy {s['busy_share']:.0%} (F {s['forward_ms']:.1f} ms, B {s['backward_ms']:.1f} ms), "
         f"waiting {s['waiting_share']:.0%}" for s in stages), 100 * sim.steady_bubble)

@@ -56,6 +56,7 @@ class Evaluator:
     def at_step(self, step: int) -> dict:
         """An evaluation point during training: :meth:`perplexity`, then :meth:`tasks`. Returns the perplexity record."""
         rec = self.perplexity(step)
+        log.info("step %d: eval_loss %.4f perplexity %.2f", step, rec["eval_loss"], rec["eval_ppl"])
         self.tasks(step)
         return rec
 
@@ -134,6 +135,4 @@ class Evaluator:
             self.pusher.push(export_dir, commit_message=f"hf_asyncpp export after {step} steps")
             result["hub_commit"] = self.pusher.wait()[-1]
         ckpt.save_json(out / FINAL_EVAL, result)
-        log.info("exported %s: perplexity %.2f (untrained %.2f)", export_dir, result["export_eval_ppl"],
-                 result["untrained_eval_ppl"] or float("nan"))
-        return result
+        return result  # said once, by the end summary (cli/train.py: end_summary), not logged here too

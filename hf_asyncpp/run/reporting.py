@@ -25,7 +25,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from ..storage.names import LOSS_CURVE, METRICS
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
-from ..storage.write import json_text, write_file, writing
+from ..storage.write import json_text, replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -284,9 +284,10 @@ class RunLog:
         ax.grid(alpha=0.3)
         path = self.path.parent / LOSS_CURVE
         fig.tight_layout()
-        with writing(path):
-            fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:  # whole or not at all: the previous curve stays where this one cannot be written
+            replace_file(path, lambda tmp: fig.savefig(tmp, dpi=100))
+        finally:
+            plt.close(fig)
         return path
 
 

@@ -33,12 +33,13 @@ from ..pipeline.autosplit import auto_split
 from ..pipeline.executor import PipelineEngine
 from ..pipeline.profile import write_report
 from ..schedules.records import pipelined
-from ..storage.names import LOGS_DIR, RECIPE_FILE, TOKENIZER_DIR, checkpoint_name
+from ..storage.names import (FINAL_EVAL, LOGS_DIR, LOSS_CURVE, METRICS, PROFILE, RECIPE_FILE, TIMELINE, TOKENIZER_DIR,
+                             checkpoint_name)
 from ..storage.write import check_output_dir, lock_output_dir, unlock_output_dir, writing
 from ..topology import Topology, local_device, one_process_group
 from .checkpointer import Checkpointer, RunState, check_model
 from .evaluator import Evaluator
-from .folder import check_fresh_run, choose_resume, finished_run
+from .folder import check_fresh_run, choose_resume, finished_run, list_checkpoints
 from .hub import Pusher
 from .reporting import RunLog, check_trackers, model_flops_per_token
 from .seeds import rank_seed, set_seed
@@ -107,8 +108,22 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
     return sorted(e for e in ends if start < e <= stop)
 
 
+def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
+    """What the run folder holds for its user, by kind, only what exists: ``export`` (the folder this run exported,
+    when it did), ``metrics`` (metrics.jsonl), ``final_eval``, ``loss_curve``, ``profile`` and ``timeline`` (a
+    pipelined run's), ``logs`` (the trackers' folder), ``checkpoint`` (the newest complete one). The end summary
+    (``cli/train.py: end_summary``) lists them."""
+    found = {"export": Path(export_dir) if export_dir else None, "metrics": out / METRICS, "final_eval": out / FINAL_EVAL,
+             "loss_curve": out / LOSS_CURVE, "profile": out / PROFILE, "timeline": out / TIMELINE, "logs": out / LOGS_DIR}
+    checkpoints = list_checkpoints(out)
+    if checkpoints:
+        found["checkpoint"] = checkpoints[-1][1]
+    return {k: str(p) for k, p in found.items() if p is not None and p.exists()}
+
+
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
-    """Run the recipe; returns a summary (final eval loss/perplexity, export path)."""
+    """Run the recipe; returns a summary: the final eval loss/perplexity, the export's, and under ``files`` where the
+    run's outputs are (:func:`run_files`; on the main process)."""
     supervision.clear_stop()
     previous = supervision.stop_on(recipe.training.stop_signals)  # a scheduler's signal now asks for a saved stop
     try:
@@ -223,6 +238,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
                    "checkpoint": str(out / checkpoint_name(saved_at)) if saved_at is not None else None}
         if stopping:
             summary["stopped_by"] = supervision.stop_signal_name() or "a stop signal to another rank"
+        if accelerator.is_main_process:
+            summary["files"] = run_files(out)
         return summary
     last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
@@ -240,4 +257,6 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     accelerator.end_training()
     if pusher is not None:  # every file is written: now a push that never landed fails the run
         pusher.raise_failures(out)
+    if accelerator.is_main_process:
+        summary["files"] = run_files(out, summary.get("export_dir"))
     return summary

@@ -137,7 +137,10 @@ def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # the suffix kept: writers go by it
     try:
         with writing(path):
-            write(tmp)
+            try:
+                write(tmp)
+            except WriteError as e:  # from write_file, naming the temporary file: the user knows the file it replaces
+                raise WriteError(str(e).replace(str(tmp), str(path))) from e
             os.replace(tmp, path)
     finally:
         if tmp.exists():
