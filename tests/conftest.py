@@ -83,7 +83,8 @@ TIERS = {
     "e2e": ("test_cli_inputs", "test_cluster_launch", "test_data_path", "test_downstream", "test_gpu_bench",
             "test_launch", "test_lm_eval_parity", "test_memory_plan", "test_packaging", "test_preflight",
             "test_reliability", "test_reliability_launch", "test_reliability_rest", "test_resume_changes",
-            "test_hangs", "test_honest_outputs", "test_no_damage", "test_safety", "test_stop_signals", "test_trainer"),
+            "test_hangs", "test_honest_outputs", "test_no_damage", "test_readme", "test_safety", "test_stop_signals",
+            "test_trainer"),
 }
 """Each test file's tier, by what its tests start: ``unit`` starts no process and no training run (pure Python: the
 schedules, the recipe, the optimizers, the partitioner; the inner loop, ``pytest -m unit``), ``distributed`` spawns

@@ -94,6 +94,9 @@ class ActionType(str, Enum):
 
 
 _COMPUTE = (ActionType.F, ActionType.B)
+_FIELDS = {t: (t in _COMPUTE or t.is_send or t.is_recv, t in _COMPUTE, t.is_send or t.is_recv) for t in ActionType}
+"""Which of (microbatch, version, peer) each type has: looked up, not derived, for every one of the million actions
+a planner's search lowers."""
 _PATTERN = re.compile(r"([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@v(\d+))?(?:([<>])(\d+))?")
 
 
@@ -111,11 +114,13 @@ class Action:
     """The other stage of a transfer (destination of a send, source of a receive)."""
 
     def __post_init__(self):
-        t = ActionType(self.type)
-        object.__setattr__(self, "type", t)
-        fields = (self.microbatch, self.version, self.peer)
-        want = (t in _COMPUTE or t.is_send or t.is_recv, t in _COMPUTE, t.is_send or t.is_recv)
-        if want != tuple(x is not None for x in fields) or min((x for x in (self.step, *fields) if x is not None)) < 0:
+        t = self.type
+        if type(t) is not ActionType:
+            t = ActionType(t)
+            object.__setattr__(self, "type", t)
+        mb, v, peer = self.microbatch, self.version, self.peer
+        if (_FIELDS[t] != (mb is not None, v is not None, peer is not None) or self.step < 0
+                or (mb is not None and mb < 0) or (v is not None and v < 0) or (peer is not None and peer < 0)):
             raise ValueError(f"malformed action {t.value}: step={self.step} microbatch={self.microbatch} "
                              f"version={self.version} peer={self.peer}")
 
