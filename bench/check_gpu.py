@@ -55,6 +55,11 @@ def test_part1_stage_vs_plain_rows(tiny):
     assert moe["eager, experts grouped_mm"]["active"] < moe["eager, experts grouped_mm"]["params"]  # top-2 of 8 experts
     contrast = [r for r in by_model["tiny qwen3_moe"] if r.get("plain_only")]
     assert contrast and contrast[0]["plain_tps"] > 0 and "bfloat16" in contrast[0]["experts_note"]
+    # the stage's versions hold the expert stacks in bf16: its grouped GEMMs are bf16 (the plain model's, fp32 masters
+    # under autocast, are not)
+    note = moe["eager, experts grouped_mm"]["experts_note"]
+    assert "stage: experts GEMMs in bfloat16" in note and "float32: torch grouped_mm" in note.split("plain:")[1], note
+    assert "stage: compiled with bfloat16 expert stacks" in moe["compiled layers, experts grouped_mm"]["experts_note"]
 
 
 def test_part2_memory_rows_for_both_stages(tiny):

@@ -115,7 +115,8 @@ class TrainingConfig:
     seed: int = 42
     bf16: bool = False
     """bf16 autocast for forward and backward; the optimizer's weights and state stay fp32. In a pipeline each weight
-    version holds the matrices autocast casts as one bf16 copy made at its step (no per-microbatch casts)."""
+    version holds the matrices autocast casts, and the MoE expert stacks, as one bf16 copy made at its step (no
+    per-microbatch casts; the experts' grouped GEMMs run in bf16)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in the backward (the model's own ``GradientCheckpointingLayer``, non-reentrant):
     an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""

@@ -20,6 +20,10 @@ updated in place. The forward reads the bf16 copy through :class:`_Bf16Weight`, 
 to an fp32 leaf as autocast's cast does (bf16 -> fp32, accumulated in fp32 over the step's microbatches), so the
 numbers are autocast's bit for bit. The leaf is an expanded fp32 scalar: it has a full-size fp32 ``.grad`` and
 holds no weights. A weight autocast uses both cast and uncast (a tied embedding and head on one stage) stays fp32.
+A mixture-of-experts layer's 3-D expert stacks (:func:`expert_stacks`) are held in bf16 too, like every other matrix:
+autocast never casts a stack whole (the eager experts loop casts one expert's slice per matmul, per microbatch;
+transformers' grouped GEMM is not autocast's and ran in fp32 on fp32 stacks). Slicing the bf16 copy gives autocast's
+cast of the fp32 slice, so the eager loop's numbers stay autocast's bit for bit; the grouped GEMM now runs in bf16.
 """
 from __future__ import annotations
 
@@ -41,11 +45,11 @@ class _Bf16Weight(torch.autograd.Function):
         return grad.to(torch.float32), None
 
 
-def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
-    """Names of the ``leaves`` that the autograd graph of ``outputs`` (one forward under autocast) reads only through a
-    dtype cast of the whole tensor: the weights autocast copies to bf16 for each microbatch."""
+def leaf_readers(outputs, leaves: dict[str, torch.Tensor]) -> dict[str, set[str]]:
+    """Per name of ``leaves`` the autograd nodes (``node.name()``) of the graph of ``outputs`` that read it."""
     name_of = {id(t): n for n, t in leaves.items()}
-    cast, direct, seen = set(), set(), set()
+    readers: dict[str, set[str]] = {}
+    seen = set()
     todo = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
     while todo:
         node = todo.pop()
@@ -57,22 +61,55 @@ def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
                 continue
             var = getattr(nxt, "variable", None)
             if var is not None and id(var) in name_of:
-                (cast if node.name() == "ToCopyBackward0" else direct).add(name_of[id(var)])
+                readers.setdefault(name_of[id(var)], set()).add(node.name())
             else:
                 todo.append(nxt)
-    return cast - direct
+    return readers
+
+
+def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the ``leaves`` that the autograd graph of ``outputs`` (one forward under autocast) reads only through a
+    dtype cast of the whole tensor: the weights autocast copies to bf16 for each microbatch."""
+    return {n for n, r in leaf_readers(outputs, leaves).items() if r == {"ToCopyBackward0"}}
+
+
+def expert_stacks(stage: torch.nn.Module) -> set[str]:
+    """Names of the stage's mixture-of-experts stacks: each 3-D floating parameter whose first dimension is its own
+    module's ``num_experts``. Read off the model, not a list of classes: transformers' experts modules store expert
+    ``e``'s matrix as slice ``e`` of one ``(experts, out, in)`` (or ``(experts, in, out)``) tensor and say how many
+    experts they hold (every class ``@use_experts_implementation`` wraps: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+    GPT-OSS, ...; Llama-4's experts; JetMoE's parallel experts). Autocast casts none of them whole, so
+    :func:`autocast_casts` misses them: the eager implementation slices ``stack[e]`` and casts the slice per matmul
+    (a cast per expert per microbatch), and the grouped GEMM (``grouped_mm``, transformers' default; ``_grouped_mm``
+    in ``transformers/integrations/moe.py``) is no autocast op: it casts its input to the stack's dtype, so on fp32
+    stacks the experts ran in fp32 (on CUDA torch's per-expert loop after ``offs.cpu()``, a host sync per call).
+    Held in bf16, the eager loop's slices are autocast's casts bit for bit and the grouped GEMM runs in bf16.
+    Per-expert biases (2-D) are not matrices and stay fp32. (:func:`find_casts` leaves out a stack the forward
+    gathers per token, ``batched_mm``.)"""
+    found = set()
+    for name, p in stage.named_parameters():
+        owner = stage.get_submodule(name.rpartition(".")[0])
+        experts = getattr(owner, "num_experts", None)
+        if p.ndim == 3 and p.is_floating_point() and isinstance(experts, int) and p.shape[0] == experts:
+            found.add(name)
+    return found
 
 
 def find_casts(stage: torch.nn.Module, leaves: dict[str, torch.Tensor], arg, kwargs) -> set[str]:
-    """The weights autocast casts whole to bf16 on ``stage``: read off the autograd graph of one forward of a
-    microbatch under autocast (outside the schedule, once per process; its random numbers are given back)."""
+    """The weights held per version in bf16 on ``stage``: those autocast casts whole, read off the autograd graph of
+    one forward of a microbatch under autocast (outside the schedule, once per process; its random numbers are given
+    back), and the stage's expert stacks (:func:`expert_stacks`) but one the forward gathers per token
+    (``stack[expert_ids]``: transformers' ``batched_mm``; ``IndexBackward0`` in the graph), whose backward sums each
+    expert's per-token gradients in the stack's dtype: that sum stays fp32 (autocast casts the gathered copy)."""
     device = next(iter(leaves.values())).device
     # fork_rng: this extra forward's random numbers (dropout) are given back, so the schedule's first forward draws
     # the same ones as without it
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True):
         out = functional_call(stage, leaves, (arg,), kwargs, strict=False)
         outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
-        return autocast_casts(outs, leaves)
+        readers = leaf_readers(outs, leaves)
+    stacks = {n for n in expert_stacks(stage) & leaves.keys() if "IndexBackward0" not in readers.get(n, ())}
+    return {n for n, r in readers.items() if r == {"ToCopyBackward0"}} | stacks
 
 
 class Hold:
