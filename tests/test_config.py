@@ -19,7 +19,7 @@ def _with(section, **kw):
 
 
 BAD = [
-    (_with("pipeline", schedule="zero-bubble"), r"pipeline\.schedule: 'zero-bubble' is not allowed; choose one of '2bw', '1f1b', 'gpipe', 'pipedream', 'none'"),
+    (_with("pipeline", schedule="zero-bubble"), r"pipeline\.schedule: 'zero-bubble' is not allowed; choose one of '2bw', '1f1b', 'zbh1', 'gpipe', 'pipedream', 'none'"),
     (_with("training", max_stepz=10), r"training\.max_stepz: unknown field; did you mean 'max_steps'\? allowed fields of "
                                       r"training: .*max_steps"),
     (_with("training", per_device_train_batch_size=8),

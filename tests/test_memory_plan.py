@@ -3,6 +3,8 @@ Muon + error feedback on 2BW (bf16 weight versions, no cast per in-flight microb
 MoE with activation checkpointing (the layer inputs the checkpoint keeps). ``python -m bench.memory`` runs seven
 such configurations for docs/benchmarks/memory.md; both use ``testing.stage_memory_report`` and
 ``memtrack.agreement``. The workers are spawned with no time limit."""
+import re
+
 import pytest
 
 from hf_asyncpp.cli.plan import main
@@ -75,3 +77,20 @@ def test_compare_takes_recipe_overrides_in_both_forms(tmp_path):
     assert own == ["recipes/cpu-tiny.yaml", "--steps", "4", "--reuse"]
     assert extra == ["--data.seq_len", "64", "--training.seed=3"]
     assert arm_overrides("2bw", tmp_path, 4, 2, 2, extra)[-3:] == extra
+
+
+def test_plan_compares_zero_bubble_and_puts_2bw_at_the_same_loss(capsys):
+    """The plan lists ZB-H1 beside 2BW, 1F1B and GPipe, and 2BW's speed at the same loss: its steps are worth less
+    than synchronous ones by the paper-regime study's measured fraction for the recipe's optimizer and correction."""
+    from hf_asyncpp.pipeline.planner import DELAYED_STEP_WORTH
+
+    assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--optimizer.name", "adamw",
+                 "--optimizer.delay_correction", "none"]) in (0, None)
+    out = capsys.readouterr().out
+    rows = {m.group(1): m for m in re.finditer(r"^ +(\w+): [\d.]+ s/step, bubble ([\d.]+)% \(([\d.]+)x the speed of "
+                                                r"1f1b(?:; ([\d.]+)x to the same loss: a step is worth ([\d.]+))?", out, re.M)}
+    assert set(rows) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
+    assert float(rows["zbh1"].group(2)) < float(rows["1f1b"].group(2))  # the W's fill part of 1F1B's bubble
+    speed, at_loss, worth = (float(rows["2bw"].group(i)) for i in (3, 4, 5))
+    assert worth == DELAYED_STEP_WORTH[("adamw", "none")] and at_loss == pytest.approx(speed * worth, abs=0.011)
+    assert "docs/benchmarks/quality.md" in out and rows["1f1b"].group(4) is None

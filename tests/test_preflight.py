@@ -210,3 +210,30 @@ def test_a_killed_rank_is_named_not_the_survivor_torchrun_stopped(tmp_path):
     failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, ""), 1: ProcessFailure(1, 101, -signal.SIGKILL, ""),
                 2: ProcessFailure(2, 102, 3, "")}
     assert first_error(failures, tmp_path) == ("error: rank 1 was killed by SIGKILL (the out-of-memory killer? see dmesg)", 1)
+
+
+@pytest.mark.parametrize("finished_first", [True, False])
+def test_a_stop_signal_after_the_run_finished_is_no_failure(tmp_path, monkeypatch, capsys, finished_first):
+    """SLURM's time limit in the run's last seconds: torchrun hands the launcher's SIGTERM to workers that have
+    already finished (they note it and exit 0: cli.train keeps the stop handlers for the process's life) and then
+    reports the signal. The main rank's note (``leave_finished``) makes that exit 0 with a line saying so; without
+    the note it is still the failure it was. torchrun is replaced here only at that point (its report)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.launch import spawn as spawn_module
+    from hf_asyncpp.launch.failures import leave_finished
+
+    def run(args):
+        if finished_first:
+            leave_finished()  # the worker's side, into the launcher's folder (ERROR_DIR, set by spawn)
+        raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+
+    monkeypatch.setattr(spawn_module.torchrun, "run", run)
+    recipe = recipe_from_dict(tiny(tmp_path / "run", pipeline__num_stages=2, pipeline__schedule="2bw"))
+    code = spawn_module.spawn(recipe, ["r.yaml"], debug=False)
+    err = capsys.readouterr().err
+    if finished_first:
+        assert code == 0 and "hf_asyncpp: SIGTERM arrived after the run had finished; nothing was stopped" in err
+    else:
+        assert code == 1 and "error: the run's processes failed" in err

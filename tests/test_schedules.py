@@ -13,7 +13,13 @@ from hf_asyncpp.schedules.timeline import plot_timeline
 
 def semantic_version(schedule, step, stage, p):
     """The update semantics, written out independently of the code under test."""
-    return {"gpipe": step, "1f1b": step, "2bw": max(0, step - 1), "pipedream": max(0, step - (p - 1 - stage))}[schedule]
+    return {"gpipe": step, "1f1b": step, "zbh1": step, "2bw": max(0, step - 1),
+            "pipedream": max(0, step - (p - 1 - stage))}[schedule]
+
+
+def backward_kinds(lst):
+    """A schedule's backward: B, or I and W where it splits it (zero bubble)."""
+    return (T.I, T.W) if any(a.type == T.W for a in lst) else (T.B,)
 
 
 def valid(schedule, p, m):
@@ -30,12 +36,13 @@ def test_every_microbatch_forwarded_and_backwarded_once_per_step_on_every_stage(
     res = simulate(acts, Costs(), schedule, m)  # raises on deadlock, FIFO violation, missing/duplicate work
     everything = sorted((k, i) for k in range(n) for i in range(m))
     for s, lst in enumerate(acts):
-        for kind in (T.F, T.B):
+        assert backward_kinds(lst) == ((T.I, T.W) if schedule == "zbh1" else (T.B,))
+        for kind in (T.F, *backward_kinds(lst)):
             assert sorted((a.step, a.microbatch) for a in lst if a.type == kind) == everything
         assert [a.step for a in lst if a.type == T.REDUCE] == list(range(n))
         assert [a.step for a in lst if a.type == T.STEP] == list(range(n))
         for a in lst:
-            if a.type in (T.F, T.B):
+            if a.type in (T.F, T.B, T.I, T.W):
                 assert a.version == semantic_version(schedule, a.step, s, p), (s, str(a))
         # transfers: peers are the neighbours, one per forward/backward that needs it
         assert all(a.peer == s + 1 for a in lst if a.type in (T.SEND_ACT, T.RECV_GRAD))
@@ -52,15 +59,17 @@ def test_transfers_sit_next_to_their_compute_and_reduce_after_the_last_backward(
         for s, lst in enumerate(schedule_actions(schedule, p, m, n)):
             for j, a in enumerate(lst):
                 key = (a.step, a.microbatch)
+                first_backward = backward_kinds(lst)[0]  # B, or the I that sends the input gradient
                 if a.type == T.RECV_ACT or a.type == T.RECV_GRAD:
                     nxt = lst[j + 1]
-                    assert nxt.type == (T.F if a.type == T.RECV_ACT else T.B) and (nxt.step, nxt.microbatch) == key
+                    assert nxt.type == (T.F if a.type == T.RECV_ACT else first_backward) and (nxt.step, nxt.microbatch) == key
                 if a.type == T.SEND_ACT or a.type == T.SEND_GRAD:
                     prv = lst[j - 1]
-                    assert prv.type == (T.F if a.type == T.SEND_ACT else T.B) and (prv.step, prv.microbatch) == key
+                    assert prv.type == (T.F if a.type == T.SEND_ACT else first_backward) and (prv.step, prv.microbatch) == key
                 if a.type == T.REDUCE:
-                    last_b = max(i for i, b in enumerate(lst) if b.type == T.B and b.step == a.step)
-                    assert j == last_b + 1 + (s > 0)  # right after the backward (and its SEND_GRAD)
+                    last_b = max(i for i, b in enumerate(lst) if b.type in (T.B, T.W) and b.step == a.step)
+                    # right after the backward (and its SEND_GRAD; a W sends nothing)
+                    assert j == last_b + 1 + (s > 0 and lst[last_b].type == T.B)
 
 
 @pytest.mark.parametrize("p,m,n", [(2, 2, 4), (3, 5, 5), (4, 4, 6), (4, 8, 3)])
@@ -111,7 +120,7 @@ def test_2bw_needs_enough_microbatches_and_pipedream_one():
     schedule_actions("2bw", 4, 4, 2)  # the boundary is allowed
     with pytest.raises(ValueError, match=r"pipedream takes one optimizer step per microbatch: num_microbatches must be 1 \(got 2\)"):
         schedule_actions("pipedream", 2, 2, 3)
-    with pytest.raises(ValueError, match="'zb' is not one of gpipe, 1f1b, 2bw, pipedream"):
+    with pytest.raises(ValueError, match="'zb' is not one of gpipe, 1f1b, zbh1, 2bw, pipedream"):
         schedule_actions("zb", 2, 2, 1)
     with pytest.raises(ValueError, match="num_stages must be an integer >= 1, got 0"):
         schedule_actions("1f1b", 0, 2, 1)
@@ -482,3 +491,56 @@ def test_a_reduction_on_the_compute_stream_hands_2bw_s_gain_back():
     assert (step(TWO_BW, 4, free), step(TWO_BW, 4, free, True), step(ONE_F_ONE_B, 4, free)) == (24, 30, 33)
     assert (step(TWO_BW, 8, free), step(TWO_BW, 8, free, True), step(ONE_F_ONE_B, 8, free)) == (24, 38, 45)
     assert step(TWO_BW, 4, costly) == 24 and step(ONE_F_ONE_B, 4, costly) == 35
+
+
+def torch_zero_bubble_order(rank: int, p: int, m: int) -> list[tuple[str, int]]:
+    """torch.distributed.pipelining's ZB1P order for one stage per rank (``ScheduleInterleavedZeroBubble``'s
+    ``_calculate_single_rank_operations`` with n_local_stages=1), computed by torch's own functions."""
+    from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops, _get_warmup_ops
+
+    rounds = max(1, m // p)
+    warmup = _get_warmup_ops(rank, 1, m // rounds, p, m, multiply_factor=1)
+    ops = _get_1f1b_rank_ops(1, p, warmup, m - warmup, warmup, rank, lambda step: rank, lambda step: rank,
+                             num_1f1b_microbatches=rank, enable_zero_bubble=True)
+    return [(a.computation_type.value, a.microbatch_index) for a in ops if a is not None]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16])
+def test_zb_h1_is_torchs_zero_bubble_order_and_simulates_clean(p):
+    """Per stage, the order of F, I and W is torch's for every m up to 64 (m a multiple of the rounds torch
+    needs); every list runs in the simulator under NCCL's rule, each step's REDUCE after its last W."""
+    for m in sorted({1, 2, p - 1, p, p + 1, 2 * p, 3 * p, 64} - {0}):
+        if m > 64 or m % max(1, m // p):
+            continue
+        acts = schedule_actions("zbh1", p, m, 2)
+        simulate(acts, Costs(1, 2), "zbh1", m, nccl=True)
+        for s, lst in enumerate(acts):
+            ours = [(a.type.value, a.microbatch) for a in lst if a.type in (T.F, T.I, T.W) and a.step == 0]
+            assert ours == torch_zero_bubble_order(s, p, m), (p, m, s)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16), (16, 64)])
+def test_zb_h1_cool_down_filled_by_the_weight_gradients(p, m):
+    """With F = I = W (B = 2F), 1F1B's flushed step is m(F+B) + (p-1)(F+B); ZB-H1's bubble is (p-1)(F+I-W), a third
+    of it (the paper's ZB-H1), at 1F1B's peak of p microbatches in flight at stage 0."""
+    f, n = 1.0, 3
+    one = simulate(schedule_actions("1f1b", p, m, n), Costs(f, 2 * f), "1f1b")
+    zb = simulate(schedule_actions("zbh1", p, m, n), Costs(f, 2 * f), "zbh1")
+    assert one.makespan == pytest.approx(n * (3 * m * f + (p - 1) * 3 * f))
+    assert zb.makespan == pytest.approx(n * (3 * m * f + (p - 1) * f))
+    assert max(zb.peak_inflight) == max(one.peak_inflight) == min(p, m)
+    # measured costs: an I and W that are not half of B each move the balance
+    uneven = simulate(schedule_actions("zbh1", p, m, n), Costs(f, 2 * f, backward_input=1.2, backward_weight=0.8), "zbh1")
+    assert uneven.makespan == pytest.approx(n * (3 * m * f + (p - 1) * (f + 1.2 - 0.8)))
+
+
+def test_a_split_backward_broken_is_caught():
+    lists = parse_actions("stage 0: F0.0@v0 W0.0@v0 REDUCE0 STEP0")
+    with pytest.raises(ScheduleError, match=r"W of \(0, 0\) before its I"):
+        simulate(lists)
+    lists = parse_actions("stage 0: F0.0@v0 I0.0@v0 REDUCE0 STEP0")
+    with pytest.raises(ScheduleError, match=r"I without its W"):
+        simulate(lists)
+    lists = parse_actions("stage 0: F0.0@v0 I0.0@v0 B0.0@v0 REDUCE0 STEP0")
+    with pytest.raises(ScheduleError, match=r"B of \(0, 0\) after its I"):
+        simulate(lists)

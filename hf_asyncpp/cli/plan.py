@@ -29,7 +29,9 @@ from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import measure_costs
-from ..pipeline.planner import plan_memory, reduction_stall, search_plans, simulate_schedules
+from ..pipeline.planner import (STEP_WORTH_SOURCE, plan_memory, reduction_stall, search_plans, simulate_schedules,
+                                step_worth)
+from ..schedules.records import SCHEDULES
 from ..schedules.timeline import plot_timeline
 
 
@@ -103,7 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per step:")
     base = sims["1f1b"].makespan
     for name, r in sims.items():
-        print(f"  {name:>5}: {r.makespan / steps:.3f} s/step, bubble {r.bubble:.1%} ({base / r.makespan:.2f}x the speed of 1f1b)")
+        speed = base / r.makespan
+        worth = step_worth(SCHEDULES[name], recipe.optimizer)
+        if worth is None:
+            loss = "; to the same loss: not measured for this optimizer"
+        elif worth == 1.0 and SCHEDULES[name].synchronous:
+            loss = ""
+        else:
+            loss = (f"; {speed * worth:.2f}x to the same loss: a step is worth {worth:.2f} of a synchronous one with "
+                    f"{recipe.optimizer.name} + delay correction {recipe.optimizer.delay_correction} ({STEP_WORTH_SOURCE})")
+        print(f"  {name:>5}: {r.makespan / steps:.3f} s/step, bubble {r.bubble:.1%} ({speed:.2f}x the speed of 1f1b{loss})")
     name = os.path.splitext(os.path.basename(args.recipe))[0]
     png = args.png or f"{name}-{p}stages.png"
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return early_error(e, debug)
     # Imported only now that the arguments and the recipe are known good: torch, transformers and datasets take
     # seconds to import, which --help and a recipe mistake should not wait for (test_cli_inputs.py checks it).
-    from ..launch.failures import leave_for_launcher, report
+    from ..launch.failures import leave_finished, leave_for_launcher, report
     from ..launch.spawn import spawn
     from ..run.trainer import train
 
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if spawn_here:
         return spawn(recipe, argv, debug)
+    # for this process's whole life, not only while train() runs: a stop signal that comes after the run has ended
+    # (a scheduler's time limit in its last seconds) is noted and ignored, never a kill that fails a finished run
+    supervision.stop_on(recipe.training.stop_signals)
     try:
         summary = train(recipe, args[0])
     except KeyboardInterrupt:  # a second SIGINT (the first asks for a saved stop: supervision.stop_on)
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     line = end_summary(summary)
     stopped = bool(summary.get("stopped_by"))
+    if not stopped and summary.get("is_main", True):
+        leave_finished()
     if line and not (stopped and leave_for_launcher(line, EXIT_STOPPED)):  # hf-asyncpp train's launcher prints it
         print(line, flush=True)
     return stopped_exit_code() if stopped else 0

@@ -53,8 +53,10 @@ SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial"
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    schedule: Literal["2bw", "1f1b", "gpipe", "pipedream", "none"] = "none"
-    """Pipeline schedule; ``none`` runs the whole model in each process."""
+    schedule: Literal["2bw", "1f1b", "zbh1", "gpipe", "pipedream", "none"] = "none"
+    """Pipeline schedule; ``none`` runs the whole model in each process. ``zbh1``: 1F1B with each backward split
+    into the input gradient and the weight gradient, the latter filling the cool-down (synchronous, 1F1B's
+    numbers)."""
     num_stages: int = field(default=1, metadata=_range(lo=1))
     num_microbatches: int = field(default=4, metadata=_range(lo=1))
     """Microbatches per optimizer step (gradients accumulated over them)."""

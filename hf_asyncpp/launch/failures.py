@@ -138,6 +138,26 @@ def _write_json(path: Path, record: dict) -> None:
     write_file(path, lambda f: f.write(text.encode("utf-8")), fsync=False)
 
 
+FINISHED = "finished.json"
+
+
+def leave_finished() -> None:
+    """Under ``hf-asyncpp train``'s own launcher: the main rank's note that the run finished (trained, saved,
+    exported), so that a stop signal the launcher gets in the run's last moments, after which torchrun reports the
+    workers as stopped, is not taken for a failure (``finished``). Best effort: without it the launcher says less."""
+    folder = os.environ.get(ERROR_DIR)
+    if folder:
+        try:
+            _write_json(Path(folder) / FINISHED, {"time": time.time()})
+        except (OSError, WriteError):
+            pass
+
+
+def finished(folder: Path) -> bool:
+    """Whether the run's main rank left :func:`leave_finished`'s note."""
+    return (folder / FINISHED).is_file()
+
+
 def stop_record(folder: Path) -> tuple[str, int] | None:
     """The line and exit code a stopped run's main rank left (``leave_for_launcher``) when the workers all exited 0
     (a stop under ``--max-restarts``), else None."""

@@ -40,7 +40,7 @@ from ..config.recipe import CHECKED, Recipe
 from ..errors import LaunchError
 from ..schedules.records import processes_per_pipeline
 from ..storage.shipped import shipped_file
-from .failures import DEBUG_ENV, ERROR_DIR, first_error, stop_record
+from .failures import DEBUG_ENV, ERROR_DIR, finished, first_error, stop_record
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -315,6 +315,10 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
                 return code
             except SignalException as e:  # torchrun sent the signal on to the workers and waited for them to stop
                 _interrupt_workers(e.sigval)
+                if finished(Path(errors)):  # it came after the run had finished: its own last line said so
+                    print(f"hf_asyncpp: {signal.Signals(e.sigval).name} arrived after the run had finished; nothing "
+                          "was stopped", file=sys.stderr, flush=True)
+                    return 0
                 line, code = first_error({}, Path(errors))
                 print(line, file=sys.stderr, flush=True)
                 return code

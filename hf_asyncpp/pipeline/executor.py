@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +34,7 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -75,6 +77,9 @@ class _Micro:
     loss: torch.Tensor | None = None
     grad_to_prev: list | None = None  # input gradients, sent back to the previous stage
     grad_from_next: list | None = None  # output gradients, received from the next stage
+    weight_pass: tuple | None = None  # after an I: what its W computes the weight gradient from (_backward_input)
+    sent: bool = False  # SEND_GRAD done (its W may come after it)
+    done: bool = False  # B or W done (its SEND_GRAD may come after it)
     saved_bytes: int = 0
     cast_bytes: int = 0  # of saved_bytes: autocast's bf16 copies of the weights (track_memory)
 
@@ -176,7 +181,8 @@ class PipelineEngine:
         # measured time and count per action kind (ActionType is a str enum: "F" finds ActionType.F)
         self.action_seconds: dict[ActionType, float] = defaultdict(float)
         self.action_counts: dict[ActionType, int] = defaultdict(int)
-        self._handlers = {T.F: self._do_forward, T.B: self._do_backward, T.SEND_ACT: self._do_send_act,
+        self._handlers = {T.F: self._do_forward, T.B: self._do_backward, T.I: self._do_backward_input,
+                          T.W: self._do_backward, T.SEND_ACT: self._do_send_act,
                           T.RECV_ACT: self._do_recv_act, T.SEND_GRAD: self._do_send_grad,
                           T.RECV_GRAD: self._do_recv_grad, T.REDUCE: self._do_reduce, T.STEP: self._do_step}
 
@@ -322,13 +328,24 @@ class PipelineEngine:
         else:
             mb.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
 
+    def _do_backward_input(self, a: Action, w: _Window) -> None:
+        """I: the input gradient of (k, i) only, for its SEND_GRAD; the weight gradient waits for its W."""
+        mb = w.micro[(a.step, a.microbatch)]
+        with self._parametrized(mb):
+            self._backward_input(mb, w.m)
+
     def _do_backward(self, a: Action, w: _Window) -> None:
+        """B, or the W that completes a split backward: the microbatch's weight gradient, accumulated."""
         mb = w.micro[(a.step, a.microbatch)]
         done = w.backwards.get(a.step, 0)
         last = done == w.m - 1
-        if last:  # the step's gradients become final during this backward: its reduction may start inside it
-            self.reducer.arm(a.step, self.versions.leaves_for(mb.version))
-        self._backward(mb, w.m)
+        if last and a.type == T.B:  # the step's gradients become final during this backward: its reduction may
+            self.reducer.arm(a.step, self.versions.leaves_for(mb.version))  # start inside it (a W sets .grad itself)
+        with self._parametrized(mb):
+            if a.type == T.W:
+                self._backward_weight(mb)
+            else:
+                self._backward_pass(mb, w.m)
         if last:
             w.backwards.pop(a.step, None)
             self.reducer.after_backward()
@@ -340,7 +357,8 @@ class PipelineEngine:
             self.mem["casts"] -= mb.cast_bytes
             self.mem["accumulating"] = 1
             self._count_grad_sets()
-        if self.first:
+        mb.done = True
+        if self.first or mb.sent:
             del w.micro[(a.step, a.microbatch)]
 
     def _do_send_act(self, a: Action, w: _Window) -> None:
@@ -359,8 +377,11 @@ class PipelineEngine:
         mb.grad_from_next = self._receive(w, T.RECV_GRAD, (a.step, a.microbatch), self.topo.stage + 1, like)
 
     def _do_send_grad(self, a: Action, w: _Window) -> None:
-        mb = w.micro.pop((a.step, a.microbatch))
+        mb = w.micro[(a.step, a.microbatch)]
         self.p2p.send(mb.grad_to_prev, self.topo.stage - 1, with_header=False)
+        mb.grad_to_prev, mb.sent = None, True
+        if mb.done:
+            del w.micro[(a.step, a.microbatch)]
 
     def _do_reduce(self, a: Action, w: _Window) -> None:
         leaves = self.versions.leaves_for(w.step_version.pop(a.step))
@@ -463,27 +484,57 @@ class PipelineEngine:
             for h in hooks:
                 h.remove()
 
-    def _backward(self, micro: _Micro, m: int) -> None:
+    def _parametrized(self, micro: _Micro):
+        """Where a backward runs: with activation checkpointing the layers recompute their forward inside it, from
+        the stage's parameters as they are then, so those are the microbatch's own version's leaves, as in its
+        forward (the Parameters may hold a newer version by now: 2BW, PipeDream)."""
         if self.recipe.training.gradient_checkpointing:
-            # the layers recompute their forward inside this backward, from the stage's parameters as they are
-            # then: the microbatch's own version's leaves, as in its forward (the Parameters may hold a newer
-            # version by now: 2BW, PipeDream)
-            with _reparametrize_module(self.stage, self.versions.compute_for(micro.version), tie_weights=True):
-                return self._backward_pass(micro, m)
-        self._backward_pass(micro, m)
+            return _reparametrize_module(self.stage, self.versions.compute_for(micro.version), tie_weights=True)
+        return nullcontext()
+
+    def _roots(self, micro: _Micro, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(tensors, their gradients) a microbatch's backward starts from: the loss, or the outputs the next stage
+        sent gradients for."""
+        if self.last:
+            return [micro.loss / m], None
+        floats = [o for o in micro.outputs if o.is_floating_point()]
+        pairs = [(o, g) for o, g in zip(floats, micro.grad_from_next) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward_pass(self, micro: _Micro, m: int) -> None:
-        if self.last:
-            (micro.loss / m).backward()
-        else:
-            floats = [o for o in micro.outputs if o.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(floats, micro.grad_from_next) if o.requires_grad]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        roots, grads = self._roots(micro, m)
+        torch.autograd.backward(roots, grads)
         if not self.first:
             micro.grad_to_prev = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in micro.inputs if t.is_floating_point()
             ]
         micro.inputs, micro.outputs = [], [o.detach() for o in micro.outputs]
+
+    def _backward_input(self, micro: _Micro, m: int) -> None:
+        """The first half of a split backward (torch.distributed.pipelining's own ``stage_backward_input``): the
+        gradient to the stage's inputs, keeping in ``weight_pass`` the graph's nodes where the weight gradients
+        branch off, with the gradients that reached them, for :meth:`_backward_weight`. The first stage has no
+        input to send a gradient to: its whole backward waits for the W, as in torch's zero-bubble schedules."""
+        roots, grads = self._roots(micro, m)
+        inputs = [t for t in micro.inputs if t.is_floating_point()]
+        if self.first or not inputs:
+            micro.weight_pass = (roots, grads, None)
+        else:
+            leaves = list(self.versions.leaves_for(micro.version).values())
+            dinputs, groups = stage_backward_input(roots, grads, inputs, iter(leaves))
+            micro.grad_to_prev = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, dinputs)]
+            micro.weight_pass = (None, None, groups)
+        micro.inputs, micro.outputs = [], [o.detach() for o in micro.outputs]
+
+    def _backward_weight(self, micro: _Micro) -> None:
+        """The second half: the weight gradients from what the I kept (``stage_backward_weight``), accumulated into
+        the version's leaves as a whole backward accumulates them; the graph is freed."""
+        roots, grads, groups = micro.weight_pass
+        micro.weight_pass = None
+        if groups is None:
+            torch.autograd.backward(roots, grads)
+        else:
+            stage_backward_weight(iter(self.versions.leaves_for(micro.version).values()), groups)
 
     def _receive(self, w: _Window, kind: ActionType, key: tuple[int, int], stage: int, like: list | None) -> list[torch.Tensor]:
         """This receive (posted earlier if its shapes were known), then post the next one of its kind."""

@@ -13,7 +13,7 @@ import torch
 
 from ..schedules.records import ActionType
 
-DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.STEP})
+DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.STEP})
 
 
 class GpuTimer:

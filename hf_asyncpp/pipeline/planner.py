@@ -252,15 +252,36 @@ def tied_here(plan, stage: int) -> bool:
     return bool(plan.tied) and stage == 0 and len(plan.stages) == 1
 
 
+DELAYED_STEP_WORTH = {("muon", "none"): 0.95, ("muon", "error_feedback"): 1.0,
+                      ("adamw", "none"): 0.76, ("adamw", "error_feedback"): 0.88}
+"""What a 2BW step (a gradient one step old) is worth in synchronous steps, by (optimizer, delay correction): the
+synchronous steps that reach the delayed arm's final loss over the delayed arm's steps, read off the paper-regime
+study's ladder of synchronous runs (docs/benchmarks/quality.md, "effective steps (R4)": 20 tokens per parameter,
+3 seeds, ``python -m bench.paper_regime``; Muon + EF reached the synchronous loss itself: 1.0). A measured property
+of small dense runs, not a law: the planner names it wherever it uses it."""
+STEP_WORTH_SOURCE = "the paper-regime study, docs/benchmarks/quality.md"
+
+
+def step_worth(schedule: Schedule, optimizer) -> float | None:
+    """A step of ``schedule`` in synchronous steps for ``optimizer`` (the recipe's section): 1 for a synchronous
+    schedule, ``DELAYED_STEP_WORTH`` for 2BW, None where nothing was measured (another optimizer, PipeDream)."""
+    if schedule.synchronous:
+        return 1.0
+    if schedule.name != "2bw":
+        return None
+    return DELAYED_STEP_WORTH.get((optimizer.name, optimizer.delay_correction))
+
+
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float) -> dict[str, object]:
-    """Step time and bubble of 2bw, 1f1b and gpipe for this partition (costs from the plan's FLOPs)."""
+    """Step time and bubble of 2bw, 1f1b, ZB-H1 and gpipe for this partition (costs from the plan's FLOPs; ZB-H1's I
+    and W half a backward each, the split the zero-bubble paper measured)."""
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
     m = max(recipe.pipeline.num_microbatches, num_stages)
     fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
     steps = 8
     res = {}
-    for name in ("2bw", "1f1b", "gpipe"):
+    for name in ("2bw", "1f1b", "zbh1", "gpipe"):
         sched = SCHEDULES[name]
         res[name] = simulate(sched.actions(num_stages, m, steps), costs, sched)
     return res

@@ -1,7 +1,7 @@
 """Pipeline schedules as data, and everything that reasons about them without a process: pure Python, no torch.
 
 =============  ==========================================================================================
-``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``GPIPE``, ``PIPEDREAM``) and their action lists
+``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``ZB_H1``, ``GPIPE``, ``PIPEDREAM``) and their action lists
 ``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles
 ``nccl_rule``  NCCL's point-to-point ordering rule, as the simulator applies it
 ``channels``   which communicator a transfer between two stages travels on
@@ -11,9 +11,9 @@
 The recipe's checks, the planner, ``hf-asyncpp timeline`` and the runtime (``pipeline/``) read these; importing
 them stays cheap.
 """
-from .records import (GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, Action, ActionType, Schedule, get_schedule,
-                      schedule_actions)
+from .records import (GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ZB_H1, Action, ActionType, Schedule,
+                      get_schedule, schedule_actions)
 from .simulator import Costs, ScheduleError, SimResult, simulate
 
-__all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
+__all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "ZB_H1", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
            "Action", "ActionType", "Costs", "ScheduleError", "SimResult", "simulate"]

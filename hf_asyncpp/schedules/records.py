@@ -1,6 +1,6 @@
 """Pipeline schedules as data: one ``Schedule`` record per schedule, one list of actions per stage.
 
-A record (``GPIPE``, ``ONE_F_ONE_B``, ``TWO_BW``, ``PIPEDREAM``; ``SCHEDULES`` by name) holds every fact of its
+A record (``GPIPE``, ``ONE_F_ONE_B``, ``ZB_H1``, ``TWO_BW``, ``PIPEDREAM``; ``SCHEDULES`` by name) holds every fact of its
 schedule: the weight version each step uses, how many older versions a stage keeps, where STEP goes, its
 constraints, and ``actions(num_stages, num_microbatches, num_steps, first_step)`` returning ``lists[s]``, the
 actions stage ``s`` executes in order (data parallelism is the executor's business: every replica of stage ``s``
@@ -16,11 +16,15 @@ Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`` = step, ``i`` = micr
 ``F{k}.{i}@v{v}``           forward of microbatch (k, i) with weight version v
 ``B{k}.{i}@v{v}``           backward of (k, i) with the same version v as its forward (weight stashing);
                             gradients accumulate over the step's microbatches (all use one version)
+``I{k}.{i}@v{v}``           zero-bubble schedules: the first half of B, the gradient to the stage's input only
+                            (sent to s-1 like B's); the graph is kept for the W that completes it
+``W{k}.{i}@v{v}``           the second half: the weight gradient of (k, i), from what its I kept; it may come
+                            later, into a bubble, and completes the microbatch as a B does
 ``SEND_ACT{k}.{i}>{s+1}``   after F on s < p-1: isend the outputs to stage s+1 (non-blocking)
 ``RECV_ACT{k}.{i}<{s-1}``   before F on s > 0: the inputs from stage s-1 (blocks until they are here)
-``SEND_GRAD{k}.{i}>{s-1}``  after B on s > 0: isend the input gradients to stage s-1 (non-blocking)
-``RECV_GRAD{k}.{i}<{s+1}``  before B on s < p-1: the output gradients from stage s+1 (blocks)
-``REDUCE{k}``               after the stage's last B of step k (and its SEND_GRAD): post step k's gradient
+``SEND_GRAD{k}.{i}>{s-1}``  after B (or I) on s > 0: isend the input gradients to stage s-1 (non-blocking)
+``RECV_GRAD{k}.{i}<{s+1}``  before B (or I) on s < p-1: the output gradients from stage s+1 (blocks)
+``REDUCE{k}``               after the stage's last B (or W) of step k: post step k's gradient
                             reductions (data-parallel all-reduce, tied-embedding sum, global grad norm),
                             a collective every stage issues in the same step order
 ``STEP{k}``                 the optimizer update applying step k's (reduced, clipped) gradient; it waits
@@ -36,8 +40,9 @@ so no tags are needed. All microbatches of one step use one version at a stage.
 Versions: v = the stage's weights after v optimizer updates (v = 0: the initial weights); STEP{k} produces
 v = k + 1 for every schedule (one update per step), so the k-th update uses lr(k).
 
-- ``gpipe`` / ``1f1b``: synchronous, flushed every step: step k uses version k; REDUCE{k} and STEP{k}
-  right after the stage's last backward of step k: ``x[k+1] = x[k] - U(g(x[k]))``.
+- ``gpipe`` / ``1f1b`` / ``zbh1``: synchronous, flushed every step: step k uses version k; REDUCE{k} and STEP{k}
+  right after the stage's last backward of step k: ``x[k+1] = x[k] - U(g(x[k]))``. ``zbh1`` is 1F1B with each
+  B split into I and W, the W's delayed into the cool-down (``_order_zb_h1``).
 - ``2bw`` (PipeDream-2BW): 1F1B over the continuous stream of microbatches (global index j = k*m + i),
   no flush, two versions per stage. Reference (single process): batch k is computed at x[k], x[1] = x[0],
   and the update applying g(batch k) produces x[k+2], i.e. ``x[t+1] = x[t] - U(g(x[t-1]))``. In versions
@@ -68,8 +73,8 @@ from enum import Enum
 from typing import Callable, Iterator, Optional
 
 __all__ = [
-    "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "TWO_BW", "PIPEDREAM", "get_schedule", "ActionType", "Action",
-    "schedule_actions", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
+    "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "ZB_H1", "TWO_BW", "PIPEDREAM", "BACKWARDS", "get_schedule",
+    "ActionType", "Action", "schedule_actions", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
     "processes_per_pipeline", "one_step_delay", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
 ]
 
@@ -77,6 +82,8 @@ __all__ = [
 class ActionType(str, Enum):
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 - the zero-bubble papers' name: the backward to the stage's input
+    W = "W"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -93,7 +100,10 @@ class ActionType(str, Enum):
         return self in (ActionType.RECV_ACT, ActionType.RECV_GRAD)
 
 
-_COMPUTE = (ActionType.F, ActionType.B)
+_COMPUTE = (ActionType.F, ActionType.B, ActionType.I, ActionType.W)
+BACKWARDS = frozenset({ActionType.B, ActionType.W})
+"""The actions that complete a microbatch's backward at a stage (B, or the W after its I): its activations are
+released, its weight gradient accumulated, and the step's REDUCE may follow the last of them."""
 _FIELDS = {t: (t in _COMPUTE or t.is_send or t.is_recv, t in _COMPUTE, t.is_send or t.is_recv) for t in ActionType}
 """Which of (microbatch, version, peer) each type has: looked up, not derived, for every one of the million actions
 a planner's search lowers."""
@@ -168,7 +178,7 @@ def parse_actions(text: str) -> list[list[Action]]:
 # Orders and lowering are generators: a stage's list for a long stretch of steps is produced as it is executed, so
 # the executor's memory does not grow with the number of steps between two drain points.
 
-Order = Iterator[tuple[ActionType, int]]  # (F or B, microbatch index counted from the window's start)
+Order = Iterator[tuple[ActionType, int]]  # (F, B, I or W, microbatch index counted from the window's start)
 
 
 def _order_1f1b(stage: int, p: int, n: int, extra: int = 0) -> Order:
@@ -182,6 +192,33 @@ def _order_1f1b(stage: int, p: int, n: int, extra: int = 0) -> Order:
         yield ActionType.B, j
     for j in range(n - w, n):
         yield ActionType.B, j
+
+
+def _order_zb_h1(stage: int, p: int, n: int) -> Order:
+    """ZB-H1 at ``stage`` over ``n`` microbatches (Qi et al., "Zero Bubble Pipeline Parallelism", 2024; torch's
+    ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B with each B split into I and W. Stage s
+    runs p-1-s warm-up forwards and F/I pairs as 1F1B does; its first s I's are not followed by their W, so the
+    W's trail the I's by s microbatches and fill the cool-down, where 1F1B's stages wait for the backwards to come
+    back. Activations live from F to W, so a stage holds at most p-s microbatches plus the s whose W trails:
+    1F1B's p at stage 0, about 1F1B's at the others (the papers' "H1": 1F1B's peak memory)."""
+    T = ActionType
+    w = min(p - 1 - stage, n)
+    weights = 0  # W's placed so far (in microbatch order)
+    for j in range(w):
+        yield T.F, j
+    for j in range(n - w):
+        yield T.F, j + w
+        yield T.I, j
+        if j >= stage:
+            yield T.W, weights
+            weights += 1
+    for j in range(n - w, n):
+        yield T.I, j
+        if j >= stage:
+            yield T.W, weights
+            weights += 1
+    for j in range(weights, n):
+        yield T.W, j
 
 
 def _order_gpipe(stage: int, p: int, n: int) -> Order:
@@ -199,7 +236,8 @@ def _per_step(local: Callable[[int, int, int], Order], s: int, p: int, m: int, n
 
 
 def _lower(order: Order, s: int, p: int, m: int, k0: int, version: Callable[[int], int], late_step: bool) -> Iterator[Action]:
-    """Turn a compute order into actions: transfers around F/B, REDUCE after a step's last B, and STEP."""
+    """Turn a compute order into actions: transfers around F and B (or I), REDUCE after a step's last B (or W), and
+    STEP."""
     A, T = Action, ActionType
     b_done: dict[int, int] = {}
     pending: deque[int] = deque()  # late_step: reduced steps whose STEP is not placed yet
@@ -214,12 +252,15 @@ def _lower(order: Order, s: int, p: int, m: int, k0: int, version: Callable[[int
             yield A(T.F, k, i, v)
             if s < p - 1:
                 yield A(T.SEND_ACT, k, i, peer=s + 1)
+        elif t == T.W:
+            yield A(T.W, k, i, v)
         else:
             if s < p - 1:
                 yield A(T.RECV_GRAD, k, i, peer=s + 1)
-            yield A(T.B, k, i, v)
+            yield A(t, k, i, v)
             if s > 0:
                 yield A(T.SEND_GRAD, k, i, peer=s - 1)
+        if t in BACKWARDS:
             b_done[k] = b_done.get(k, 0) + 1
             if b_done[k] == m:  # the stage's last backward of step k
                 del b_done[k]
@@ -371,7 +412,14 @@ PIPEDREAM = Schedule(
     one_update_per_microbatch=True, extra_warmup_ok=False, _build=_stream_1f1b, _constraints=_check_pipedream)
 """Original PipeDream: one update per microbatch, weight stashing; stage s applies gradients p-1-s versions old."""
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, TWO_BW, PIPEDREAM)}
+ZB_H1 = Schedule(
+    name="zbh1", title="ZB-H1 zero bubble, synchronous", synchronous=True, version=lambda k, s, p: k,
+    lag=lambda s, p: 0, late_step=False, one_update_per_microbatch=False, extra_warmup_ok=False,
+    _build=_flushed(lambda s, p, m, extra: _order_zb_h1(s, p, m)))
+"""ZB-H1: 1F1B with each backward split into I (the input gradient, sent on at once) and W (the weight gradient,
+later); the W's fill the cool-down. It computes 1F1B's gradients, flushed every step (version k)."""
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, ZB_H1, TWO_BW, PIPEDREAM)}
 
 
 def with_sync_start(schedule: Schedule, start_step: int) -> Schedule:

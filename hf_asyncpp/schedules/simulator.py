@@ -3,7 +3,8 @@
 Model (one clock per stage, each stage runs its list in order; an action starts when the stage is free and
 its inputs are ready):
 
-- ``F``, ``B``, ``STEP`` take their cost on the stage.
+- ``F``, ``B``, ``I``, ``W``, ``STEP`` take their cost on the stage (a split backward's ``I`` and ``W`` half of
+  ``B``'s each unless given).
 - A send costs the sender nothing (``isend``). A receive waits until the matching send happened plus the
   ``comm`` latency. Messages between two stages are matched in FIFO order per (source, destination) pair
   -- type, step and microbatch must equal the head of the queue -- so an executor needs no tags.
@@ -57,6 +58,12 @@ T = ActionType
 Number = Union[float, Sequence[float]]
 
 
+_COMPUTED = frozenset({T.F, T.B, T.I, T.W})
+"""A microbatch's compute on a stage."""
+_TIMED = _COMPUTED | {T.STEP}
+"""What takes time on a stage's compute stream."""
+
+
 class ScheduleError(RuntimeError):
     """An action list that would hang, mismatch messages or compute the wrong thing."""
 
@@ -73,14 +80,21 @@ class Costs:
     """Latency of a step's gradient reduction (off the compute stream; STEP waits for it)."""
     comm: Number = 0.0
     """Latency of one transfer (send to matching receive)."""
+    backward_input: Optional[Number] = None
+    """``I`` of a split backward (zero-bubble schedules); None: half of ``backward``."""
+    backward_weight: Optional[Number] = None
+    """``W`` of a split backward; None: half of ``backward``."""
 
-    _KEYS = {"F": "forward", "B": "backward", "STEP": "step", "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
+    _KEYS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight", "STEP": "step",
+             "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
 
     def of(self, action: Action, stage: int) -> float:
         name = self._KEYS.get(action.type.value)
         if name is None:  # sends
             return 0.0
         v = getattr(self, name)
+        if v is None:  # a split backward's half, where only the whole was given
+            return 0.5 * self.of(Action(T.B, action.step, action.microbatch, action.version), stage)
         return float(v[stage] if isinstance(v, (list, tuple)) else v)
 
     @classmethod
@@ -103,7 +117,9 @@ class Costs:
         per_stage = isinstance(seconds, (list, tuple))
         secs, cnts = (seconds, counts) if per_stage else ([seconds], [counts])
         mean = lambda kind: [sc.get(kind, 0.0) / max(1, c.get(kind, 0)) for sc, c in zip(secs, cnts)]
-        vals = {name: (mean(kind) if per_stage else mean(kind)[0]) for kind, name in (("F", "forward"), ("B", "backward"), ("STEP", "step"))}
+        kinds = [("F", "forward"), ("B", "backward"), ("STEP", "step")]
+        kinds += [(k, n) for k, n in (("I", "backward_input"), ("W", "backward_weight")) if any(c.get(k) for c in cnts)]
+        vals = {name: (mean(kind) if per_stage else mean(kind)[0]) for kind, name in kinds}
         return cls(**vals, comm=comm, reduce=reduce)
 
 
@@ -232,6 +248,7 @@ class _Run(NcclRule):
         self.reduce_idx: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of REDUCE
         self.fwd: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]  # (k, i) -> version
         self.bwd: list[set] = [set() for _ in range(p)]
+        self.inp: list[set] = [set() for _ in range(p)]  # (k, i) whose I ran (a split backward's first half)
         self.step_version: list[dict[int, int]] = [{} for _ in range(p)]
         self.last_b: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of its last B
         self.inflight, self.peak_inflight = [0] * p, [0] * p
@@ -256,13 +273,14 @@ class _Run(NcclRule):
         t = a.type
         if (t.is_send or t.is_recv) and (not 0 <= a.peer < self.p or a.peer == s):
             self.fail(s, f"{a} names no other stage", "bad peer")
-        handler = {T.F: self.forward, T.B: self.backward, T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
+        handler = {T.F: self.forward, T.B: self.backward, T.I: self.backward_input, T.W: self.backward_weight,
+                   T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
         if self.nccl is not None:
             handler = handler or (self.nccl_recv if t.is_recv else self.nccl_send)
         handler = handler or (self.recv if t.is_recv else self.send)
         if not handler(s, a):
             return False
-        dur = self.cost(a, s) if t in (T.F, T.B, T.STEP) else 0.0
+        dur = self.cost(a, s) if t in _TIMED else 0.0
         self.timeline[s].append(Interval(self.clock[s] - dur, self.clock[s], a))
         return True
 
@@ -349,7 +367,7 @@ class _Run(NcclRule):
         self.clock[s] += self.cost(a, s)
         return True
 
-    def backward(self, s: int, a: Action) -> bool:
+    def _check_backward(self, s: int, a: Action) -> tuple[int, int]:
         key = (a.step, a.microbatch)
         if key not in self.fwd[s]:
             self.fail(s, f"backward of {key} before its forward", "no forward")
@@ -359,6 +377,32 @@ class _Run(NcclRule):
             self.fail(s, f"{a} but its forward used version {self.fwd[s][key]}", "version mismatch")
         if a.step in self.reduce_idx[s]:
             self.fail(s, f"{a} after REDUCE{a.step}", "backward after its step's reduction")
+        return key
+
+    def backward_input(self, s: int, a: Action) -> bool:
+        """I: the input gradient only; the microbatch stays in flight (its graph is kept) until its W."""
+        key = self._check_backward(s, a)
+        if key in self.inp[s]:
+            self.fail(s, f"I of {key} twice", "duplicate I")
+        self.inp[s].add(key)
+        self.clock[s] += self.cost(a, s)
+        return True
+
+    def backward_weight(self, s: int, a: Action) -> bool:
+        """W: completes the backward its I began."""
+        key = self._check_backward(s, a)
+        if key not in self.inp[s]:
+            self.fail(s, f"W of {key} before its I", "no I")
+        self.inp[s].discard(key)
+        return self._completed(s, a, key)
+
+    def backward(self, s: int, a: Action) -> bool:
+        key = self._check_backward(s, a)
+        if key in self.inp[s]:
+            self.fail(s, f"B of {key} after its I (a split backward ends with W)", "B after I")
+        return self._completed(s, a, key)
+
+    def _completed(self, s: int, a: Action, key: tuple[int, int]) -> bool:
         self.bwd[s].add(key)
         self.last_b[s][a.step] = self.ptr[s]
         self.inflight[s] -= 1
@@ -394,6 +438,9 @@ class _Run(NcclRule):
             if v != list(range(len(v))) or len(counts) > 1 or (m is not None and len(v) != m):
                 raise ScheduleError(f"step {k} has microbatches {v} on stage 0, expected 0..{(m or max(counts)) - 1}")
         for s in range(self.p):
+            if self.inp[s]:
+                raise ScheduleError(f"stage {s}: I without its W for {sorted(self.inp[s])[:4]} (its weight gradient "
+                                    "is never computed)")
             for what, got in (("forwards", set(self.fwd[s])), ("backwards", self.bwd[s])):
                 if got != ref:
                     raise ScheduleError(f"stage {s} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
@@ -412,7 +459,7 @@ def _peak_versions(acts: list[Action], k0: int) -> int:
     """Most versions alive at once: the newest, plus older ones an F/B later in the list still uses."""
     last_use: dict[int, int] = {}
     for idx, a in enumerate(acts):
-        if a.type in (T.F, T.B):
+        if a.type in _COMPUTED:
             last_use[a.version] = idx
     latest = k0
     live = lambda idx: len({latest} | {v for v, u in last_use.items() if v < latest and u >= idx})
@@ -443,7 +490,7 @@ def _steady_bubble(timeline: list[list[Interval]], steps: list[int]) -> float:
     if len(steps) < 3:
         return math.nan
     first, last = steps[0], steps[-1]
-    comp = [[iv for iv in tl if iv.action.type in (T.F, T.B)] for tl in timeline]
+    comp = [[iv for iv in tl if iv.action.type in _COMPUTED] for tl in timeline]
     t0 = max(max(iv.end for iv in tl if iv.action.step == first) for tl in comp)
     t1 = min(min(iv.start for iv in tl if iv.action.step == last) for tl in comp)
     if t1 <= t0:

@@ -10,7 +10,8 @@ __all__ = ["plot_timeline"]
 
 T = ActionType
 
-_COLORS = {T.F: ("#3D7DD8", "#8DB7EE"), T.B: ("#E8871E", "#F5C07A"), T.STEP: ("#3A9E4F", "#3A9E4F")}
+_COLORS = {T.F: ("#3D7DD8", "#8DB7EE"), T.B: ("#E8871E", "#F5C07A"), T.I: ("#E8871E", "#F5C07A"),
+           T.W: ("#B8336A", "#E08DB0"), T.STEP: ("#3A9E4F", "#3A9E4F")}
 _IDLE, _REDUCE = "#D9D9D9", "#8E44AD"
 
 
@@ -29,7 +30,8 @@ def plot_timeline(timeline, path: str, title: str = "") -> str:
     p = len(tls)
     end = max((iv.end for tl in tls for iv in tl), default=0.0) or 1.0
     busy = sum(iv.end - iv.start for tl in tls for iv in tl)
-    unit = min((iv.end - iv.start for tl in tls for iv in tl if iv.action.type in (T.F, T.B) and iv.end > iv.start), default=end)
+    unit = min((iv.end - iv.start for tl in tls for iv in tl if iv.action.type in (T.F, T.B, T.I, T.W)
+                and iv.end > iv.start), default=end)
     width = min(24.0, max(8.0, 0.26 * end / unit))  # about a quarter inch for the shortest forward/backward
     fig, ax = plt.subplots(figsize=(width, 0.5 * p + 1.5))
     one_mb = all(iv.action.microbatch in (0, None) for tl in tls for iv in tl)  # pipedream: label steps only
@@ -58,10 +60,13 @@ def plot_timeline(timeline, path: str, title: str = "") -> str:
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel("time")
-    handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"), Patch(color=_COLORS[T.B][0], label="backward"),
+    split = any(iv.action.type == T.W for tl in tls for iv in tl)
+    handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"),
+               Patch(color=_COLORS[T.B][0], label="backward to the input (I)" if split else "backward"),
+               *([Patch(color=_COLORS[T.W][0], label="weight gradient (W)")] if split else []),
                Patch(color=_COLORS[T.STEP][0], label="optimizer step (S k)"),
                Line2D([], [], color=_REDUCE, lw=1.5, label="reduction posted"), Patch(color=_IDLE, label="idle")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.15 / (0.5 * p + 1.5)), ncol=5,
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.15 / (0.5 * p + 1.5)), ncol=len(handles),
               fontsize=8, frameon=False)
     stats = f"bubble {1 - busy / (p * end):.1%}"
     if res is not None and not math.isnan(res.steady_bubble):
