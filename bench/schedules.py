@@ -1,0 +1,87 @@
+"""Which schedule wins for a recipe at its scale: the planner's decision table (issue "which schedule wins").
+
+For each recipe and stage count, every schedule the executor runs (2BW, 1F1B, ZB-H1, GPipe) on the recipe's own
+partition: steady-state seconds per step simulated from the partition's FLOPs at ``--tflops`` (the difference of a
+4-step and a 2-step window, so a window's fill and drain, paid once per drain point, do not count; ZB-H1's I and W
+half a backward each), the bubble, the fullest stage's planned memory and whether it fits ``--gpu-memory``, the speed
+against 1F1B, and the speed at the same loss: a 2BW step is worth ``planner.DELAYED_STEP_WORTH`` of a synchronous one
+for the recipe's optimizer and correction (measured in the paper-regime study). Nothing is allocated (meta device).
+
+    python -m bench.schedules            # print the table
+    python -m bench.schedules --write    # and replace its section of docs/benchmarks/speed.md
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+from hf_asyncpp.cli.plan import parse_bytes
+from hf_asyncpp.config.recipe import load_recipe
+from hf_asyncpp.pipeline.planner import (DELAYED_STEP_WORTH, STEP_WORTH_SOURCE, _runnable_m, meta_model, plan_memory,
+                                         steady_step_time, step_worth)
+from hf_asyncpp.schedules.records import SCHEDULES
+from hf_asyncpp.schedules.simulator import Costs
+
+CASES = [("smollm2-360m", 4, 1), ("moe-10b", 8, 2), ("moe-10b", 16, 1)]
+"""(recipe, stages, data-parallel replicas): the recipes' own layouts and moe-10b on all 16 GPUs as stages."""
+NAMES = ("2bw", "1f1b", "zbh1", "gpipe")
+
+
+def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) -> list[dict]:
+    base = load_recipe(f"recipes/{recipe_name}.yaml")
+    model = meta_model(base)
+    cap = 0.9 * parse_bytes(gpu_memory)
+    rows = []
+    for name in NAMES:
+        rec = copy.deepcopy(base)
+        rec.pipeline.schedule = name
+        plan, mem, _ = plan_memory(rec, p, model=model, dp=dp)
+        sched = SCHEDULES[name]
+        m = _runnable_m(sched, p, max(rec.pipeline.num_microbatches, 1))
+        tokens = rec.pipeline.microbatch_size * rec.data.seq_len
+        fwd = [s.cost * tokens / (tflops * 1e12) for s in plan.stages]
+        step, bubble = steady_step_time(sched, p, m, Costs(forward=fwd, backward=[2 * f for f in fwd]),
+                                        sched.reduce_scope(rec.training.max_grad_norm))
+        peak = max(s.total for s in mem)
+        rows.append({"schedule": name, "m": m, "step_s": step, "bubble": bubble, "peak": peak, "fits": peak <= cap,
+                     "worth": step_worth(sched, rec.optimizer)})
+    one = next(r["step_s"] for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["speed"] = one / r["step_s"]
+        r["at_loss"] = r["speed"] * r["worth"] if r["worth"] is not None else None
+    return rows
+
+
+def table(cases, tflops: float, gpu_memory: str) -> str:
+    lines = [f"| recipe | stages x replicas | schedule | m | s/step | bubble | fullest stage | fits {gpu_memory} | "
+             "speed vs 1F1B | to the same loss vs 1F1B |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for recipe_name, p, dp in cases:
+        for r in decide(recipe_name, p, dp, tflops, gpu_memory):
+            at_loss = f"{r['at_loss']:.2f}x" if r["at_loss"] is not None else "not measured"
+            lines.append(f"| {recipe_name} | {p} x {dp} | {r['schedule']} | {r['m']} | {r['step_s']:.3f} | "
+                         f"{r['bubble']:.1%} | {r['peak'] / 1e9:.1f} GB | {'yes' if r['fits'] else 'no'} | "
+                         f"{r['speed']:.2f}x | {at_loss} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tflops", type=float, default=300.0, help="bf16 TFLOP/s per GPU the costs assume")
+    ap.add_argument("--gpu-memory", default="80GB")
+    ap.add_argument("--write", action="store_true", help="replace the schedules section of docs/benchmarks/speed.md")
+    args = ap.parse_args(argv)
+    worth = ", ".join(f"{o} + {c}: {w:.2f}" for (o, c), w in sorted(DELAYED_STEP_WORTH.items()))
+    text = (f"### Which schedule wins at the recipes' scale (`python -m bench.schedules --write`)\n\n"
+            f"Simulated at {args.tflops:g} TFLOP/s per GPU from each partition's FLOPs; memory from the planner "
+            f"(within 1% of the executor, section 4). A 2BW step is worth a fraction of a synchronous one ({worth}; "
+            f"{STEP_WORTH_SOURCE}), which the last column applies; the synchronous schedules compute the same "
+            f"gradients, so their steps are worth 1.\n\n{table(CASES, args.tflops, args.gpu_memory)}\n")
+    print(text)
+    if args.write:
+        from .report import write_section
+
+        print(f"wrote {write_section('schedules', text)}")
+
+
+if __name__ == "__main__":
+    main()
