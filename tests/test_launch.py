@@ -155,9 +155,9 @@ def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
 
 
 def test_one_process_starts_the_pipeline_itself(tmp_path):
-    """`python scripts/pretrain.py RECIPE` (from another directory) and `accelerate launch scripts/pretrain.py RECIPE`
-    (no accelerate config: one process on a CPU machine) both run the recipe's 2 stages; with HF_ASYNCPP_NO_SPAWN=1
-    the one process stops with commands that work from any directory."""
+    """`python scripts/pretrain.py RECIPE` (from another directory) runs the recipe's 2 stages (`accelerate launch
+    scripts/pretrain.py RECIPE` without a config, one process on a CPU machine, is the README's first command:
+    test_readme.py); with HF_ASYNCPP_NO_SPAWN=1 the one process stops with commands that work from any directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf-home")}  # no user accelerate config
     env.pop(NO_SPAWN, None)
@@ -169,13 +169,6 @@ def test_one_process_starts_the_pipeline_itself(tmp_path):
     prof = json.loads((tmp_path / "python" / "pipeline_profile.json").read_text())
     assert [s["stage"] for s in prof["stages"]] == [0, 1]
     assert (tmp_path / "python" / "export" / "config.json").exists()
-
-    recipe = write_recipe(tmp_path / "a.yaml", tmp_path / "accelerate", max_steps=4, save_steps=4)
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "scripts/pretrain.py", str(recipe),
-                        "--training.export=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert {p.name for p in (tmp_path / "accelerate" / "checkpoint-0000004").iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
-    assert (tmp_path / "accelerate" / "export" / "model.safetensors.index.json").exists()  # one shard per stage
 
     r = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), str(recipe)], cwd=tmp_path,
                        env={**env, NO_SPAWN: "1"}, capture_output=True, text=True, timeout=300)

@@ -73,6 +73,7 @@ def test_the_readme_sequence_runs_as_written_after_the_main_job(tmp_path):
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "HF_ASYNCPP_NO_SPAWN", "HF_ASYNCPP_DEBUG"):
         env.pop(name, None)
+    before = checkout_status()
     out = {"main job": run([*MAIN_JOB, *TRAINING_CAPS], tmp_path, env)}
     assert (tmp_path / "runs" / "cpu-tiny" / checkpoint_name(STEPS)).is_dir()
     for cmd in commands:
@@ -83,3 +84,12 @@ def test_the_readme_sequence_runs_as_written_after_the_main_job(tmp_path):
     assert any(tmp_path.glob("eval-*/eval_results.png"))  # the side-by-side chart, in a new folder where it ran
     assert (tmp_path / "moe-10b-8stages.png").is_file() and (tmp_path / "2bw.png").is_file()
     assert (tmp_path / "runs" / "compare-cpu-tiny" / "compare.json").is_file()
+    a = tmp_path / "runs" / "a"  # accelerate launch without a config: one process that started the 2 stages
+    assert {p.name for p in (a / checkpoint_name(STEPS)).iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
+    assert (a / "export" / "model.safetensors.index.json").is_file()  # one shard per stage
+    assert checkout_status() == before  # every tool wrote where it ran, nothing into the checkout
+
+
+def checkout_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                          text=True).stdout
