@@ -40,10 +40,13 @@ def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) ->
         m = _runnable_m(sched, p, max(rec.pipeline.num_microbatches, 1))
         tokens = rec.pipeline.microbatch_size * rec.data.seq_len
         fwd = [s.cost * tokens / (tflops * 1e12) for s in plan.stages]
-        step, bubble = steady_step_time(sched, p, m, Costs(forward=fwd, backward=[2 * f for f in fwd]),
-                                        sched.reduce_scope(rec.training.max_grad_norm))
+        costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
+        step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(rec.training.max_grad_norm))
+        # the global clip: every stage's STEP waits for the norm of all stages; against each stage on its own norm
+        local, _ = steady_step_time(sched, p, m, costs, "stage")
         peak = max(s.total for s in mem)
         rows.append({"schedule": name, "m": m, "step_s": step, "bubble": bubble, "peak": peak, "fits": peak <= cap,
+                     "clip_delay": step - local,
                      "worth": step_worth(sched, rec.optimizer)})
     one = next(r["step_s"] for r in rows if r["schedule"] == "1f1b")
     for r in rows:
@@ -54,13 +57,14 @@ def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) ->
 
 def table(cases, tflops: float, gpu_memory: str) -> str:
     lines = [f"| recipe | stages x replicas | schedule | m | s/step | bubble | fullest stage | fits {gpu_memory} | "
-             "speed vs 1F1B | to the same loss vs 1F1B |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "speed vs 1F1B | to the same loss vs 1F1B | global clip's delay |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for recipe_name, p, dp in cases:
         for r in decide(recipe_name, p, dp, tflops, gpu_memory):
             at_loss = f"{r['at_loss']:.2f}x" if r["at_loss"] is not None else "not measured"
             lines.append(f"| {recipe_name} | {p} x {dp} | {r['schedule']} | {r['m']} | {r['step_s']:.3f} | "
                          f"{r['bubble']:.1%} | {r['peak'] / 1e9:.1f} GB | {'yes' if r['fits'] else 'no'} | "
-                         f"{r['speed']:.2f}x | {at_loss} |")
+                         f"{r['speed']:.2f}x | {at_loss} | {r['clip_delay'] * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 
@@ -75,7 +79,9 @@ def main(argv=None) -> None:
             f"Simulated at {args.tflops:g} TFLOP/s per GPU from each partition's FLOPs; memory from the planner "
             f"(within 1% of the executor, section 4). A 2BW step is worth a fraction of a synchronous one ({worth}; "
             f"{STEP_WORTH_SOURCE}), which the last column applies; the synchronous schedules compute the same "
-            f"gradients, so their steps are worth 1.\n\n{table(CASES, args.tflops, args.gpu_memory)}\n")
+            f"gradients, so their steps are worth 1. The last column is what the global gradient-norm clip costs a "
+            f"step: the step time with every STEP waiting for all stages' norms, less the time with each stage "
+            f"clipping on its own norm.\n\n{table(CASES, args.tflops, args.gpu_memory)}\n")
     print(text)
     if args.write:
         from .report import write_section
