@@ -10,6 +10,7 @@ import logging
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -48,18 +49,20 @@ def test_the_usage_prompt_comes_from_the_data_or_is_neutral_and_the_license_is_s
     assert own.data.license == "apache-2.0" and "License: `apache-2.0`" in own.text
 
 
-def test_exports_follow_the_umask_and_checkpoints_open_with_from_pretrained(tmp_path):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_exports_follow_the_umask_and_checkpoints_open_with_from_pretrained(tmp_path, tied):
     """A pipelined run (2BW, one process): its export's files have the mode open() gives (0600 from safetensors'
     writer before), and its checkpoint has a model.safetensors.index.json of the stage file only (not the 2BW
-    versions nor the optimizer), listed in its manifest, so from_pretrained loads the checkpoint's weights (an
-    untied model: a tied head's stage copy gets no index yet, see weight_index)."""
+    versions nor the optimizer), listed in its manifest, so from_pretrained loads the checkpoint's weights. Tied, the
+    stage file holds the head too (a copy of the embedding's one parameter): the index leaves it out and
+    from_pretrained ties it again; 2 stages: test_launch.py."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(tiny(out, pipeline__schedule="2bw", pipeline__num_stages=1, training__max_steps=2,
                                           training__save_steps=2, training__export=True,
-                                          model__config=tiny_llama(2, tie_word_embeddings=False))))
+                                          model__config=tiny_llama(2, tie_word_embeddings=tied))))
     assert train_main([str(recipe)]) == 0
     want = 0o666 & ~umask()
     for f in (out / "export").iterdir():
@@ -67,12 +70,47 @@ def test_exports_follow_the_umask_and_checkpoints_open_with_from_pretrained(tmp_
     saved = out / checkpoint_name(2)
     index = json.loads((saved / INDEX_FILE).read_text())
     assert set(index["weight_map"].values()) == {"stage-00.safetensors"}
+    assert "lm_head.weight" in ckpt.TensorFile(saved / "stage-00.safetensors").names
+    assert ("lm_head.weight" in index["weight_map"]) is not tied
     assert INDEX_FILE in json.loads((saved / MANIFEST).read_text())["files"] and ckpt.verify(saved) == []
     model = AutoModelForCausalLM.from_pretrained(saved)
     exported = AutoModelForCausalLM.from_pretrained(out / "export")
     for name, value in exported.state_dict().items():  # the checkpoint's model is the exported one
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
 
+
+def test_the_index_is_written_only_where_each_tied_copy_equals_its_partner(tmp_path):
+    """``weight_index`` on hand-made stage files: a tied head the last stage holds as its own copy, equal to the
+    embedding, gets an index without it (from_pretrained re-ties it); one that differs (from_pretrained would untie
+    the two and give another model), a copy whose partner no stage file holds, or a name two stage files hold with
+    different values gets none. Only the copies are read past the headers."""
+    from safetensors.torch import save_file
+
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    emb, layer, norm = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4)
+
+    def stages(name, head, **last):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"model.embed_tokens.weight": emb, "model.layers.0.w": layer}, str(folder / "stage-00.safetensors"))
+        save_file({"model.norm.weight": norm, "lm_head.weight": head, **last}, str(folder / "stage-01.safetensors"))
+        save_file({"lm_head.weight/0": head + 1}, str(folder / "stage-01-versions.safetensors"))  # never indexed
+        return folder
+
+    good = stages("good", emb.clone())
+    ckpt.bytes_read(reset=True)
+    index = ckpt.weight_index(good, tied=tied)
+    assert index["weight_map"] == {"model.embed_tokens.weight": "stage-00.safetensors",
+                                   "model.layers.0.w": "stage-00.safetensors", "model.norm.weight": "stage-01.safetensors"}
+    assert index["metadata"]["total_size"] == sum(f.stat().st_size for f in good.glob("stage-0?.safetensors"))
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in good.glob("stage-0?.safetensors"))
+    assert ckpt.bytes_read() == headers + 2 * emb.numel() * emb.element_size()  # the head and the embedding, no more
+    assert ckpt.weight_index(good)["weight_map"]["lm_head.weight"] == "stage-01.safetensors"  # untied: a weight
+    assert ckpt.weight_index(stages("differs", emb + 1e-6), tied=tied) is None
+    assert ckpt.weight_index(stages("no-partner", emb.clone()), tied={"lm_head.weight": "model.wte.weight"}) is None
+    assert ckpt.weight_index(stages("same-copies", emb.clone(), **{"model.layers.0.w": layer.clone()}), tied=tied)
+    assert ckpt.weight_index(stages("other-copies", emb.clone(), **{"model.layers.0.w": layer + 1}), tied=tied) is None
 
 
 def test_a_run_ends_with_one_summary_saying_the_result_once_and_where_its_outputs_are(tmp_path, capsys, caplog):

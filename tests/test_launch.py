@@ -79,6 +79,44 @@ def test_the_runs_export_equals_hf_asyncpp_export_of_its_last_checkpoint(two_sta
         assert card.data.model_name == name and str(tmp_path) not in card.text and str(out) not in card.text
 
 
+def test_the_tied_two_stage_checkpoint_opens_with_from_pretrained(two_stage_run, tmp_path):
+    """The run's model ties its head to the embedding (write_recipe) and the last stage holds the head as its own
+    copy: the checkpoint still has a model.safetensors.index.json (the copies got the same summed gradients and
+    updates, so they are equal, see weight_index), without the head, and from_pretrained of the checkpoint gives the
+    export's weights and logits, the head tied. A copy of the checkpoint whose head differs gets no index."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.model.export import tied_names
+    from hf_asyncpp.storage import files as ckpt
+
+    out, _ = two_stage_run
+    saved = out / "checkpoint-0000008"
+    stage1 = load_file(str(saved / "stage-01.safetensors"))
+    assert "lm_head.weight" in stage1 and "model.embed_tokens.weight" not in stage1  # the last stage's own copy
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    tied = tied_names(AutoConfig.from_pretrained(saved))
+    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in index["weight_map"] and index == ckpt.weight_index(saved, tied=tied)
+    assert set(index["weight_map"].values()) == {"stage-00.safetensors", "stage-01.safetensors"}
+    model = AutoModelForCausalLM.from_pretrained(saved).eval()
+    exported = AutoModelForCausalLM.from_pretrained(out / "export").eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.state_dict().keys() == exported.state_dict().keys()
+    assert all(torch.equal(v, exported.state_dict()[k]) for k, v in model.state_dict().items())
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, exported(ids).logits)
+
+    edited = tmp_path / "edited"
+    shutil.copytree(saved, edited)
+    save_file({**stage1, "lm_head.weight": stage1["lm_head.weight"] + 1e-3}, str(edited / "stage-01.safetensors"),
+              metadata={"format": "pt"})
+    assert ckpt.weight_index(edited, tied=tied) is None
+
+
 def test_data_parallel_replicas_read_their_own_shards(tmp_path):
     """``schedule: none`` on 2 processes: 2 data-parallel replicas, each on its own shard of the stream. The first
     step's loss (before any update) is the mean over both replicas' batches, computed here by hand from the run's

@@ -249,10 +249,11 @@ def _meta_model(config, dtype: torch.dtype = torch.float32):
         return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
 
 
-def tied_names(config) -> set[str]:
-    """The weight names the model ties to another (a tied head): ``from_pretrained`` re-ties them, so a folder's
-    index leaves them out, as ``save_pretrained`` does."""
-    return set(getattr(_meta_model(config), "all_tied_weights_keys", None) or {})
+def tied_names(config) -> dict[str, str]:
+    """The model's ties, {name tied to another: that other name} (transformers' ``all_tied_weights_keys``, e.g.
+    ``{"lm_head.weight": "model.embed_tokens.weight"}``; empty when untied): ``from_pretrained`` re-ties them, so a
+    folder's index leaves the tied names out, as ``save_pretrained`` does (``storage.files.weight_index``)."""
+    return dict(getattr(_meta_model(config), "all_tied_weights_keys", None) or {})
 
 
 def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict[str, int]:

@@ -221,8 +221,8 @@ class Checkpointer:
                     "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
                     "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
                     "schedule": self.recipe.pipeline.schedule})
-                index = ckpt.weight_index(tmp, leave_out=tied_names(engine.config)) if stage_weight_files(tmp) else None
-                if index is not None:  # from_pretrained(checkpoint) reads the stage files through it
+                index = ckpt.weight_index(tmp, tied=tied_names(engine.config)) if stage_weight_files(tmp) else None
+                if index is not None:  # from_pretrained(checkpoint) reads the stage files through it (None: a tied copy differs)
                     ckpt.save_json(tmp / INDEX_FILE, index)
                 with writing(tmp / TRAINER_STATE):
                     trainer_state(self.recipe, state, read_metrics(self.out / METRICS)).save_to_json(

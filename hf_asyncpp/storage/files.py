@@ -16,8 +16,9 @@ import importlib.metadata as md
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -258,22 +259,33 @@ def checkpoint_size(path: Path) -> int:
 
 
 
-def weight_index(path: Path, leave_out: set[str] = frozenset()) -> dict | None:
+def weight_index(path: Path, tied: Mapping[str, str] = MappingProxyType({})) -> dict | None:
     """The ``model.safetensors.index.json`` of a pipelined checkpoint: every weight name of its ``stage-XX.safetensors``
-    files (their headers only; not the optimizer or 2BW's ``-versions`` files) mapped to its file, so that
-    ``AutoModelForCausalLM.from_pretrained(checkpoint)`` loads the model, as from a Trainer checkpoint. A name in
-    several stage files (a tied embedding each stage holds a copy of, equal values) maps to the first; the names in
-    ``leave_out`` (a tied head, which ``from_pretrained`` re-ties to the embedding) are left out, as
-    ``save_pretrained`` leaves them out of its files. None where a stage file holds such a name: ``from_pretrained``
-    reads every tensor of a file the index names, so the file's own head copy would be loaded and tied over the
-    embedding (a tied head in a one-stage 2BW checkpoint is not the embedding's value): no index rather than a
-    wrong model."""
-    weight_map, total = {}, 0
-    for f in stage_weight_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if name in leave_out:
-                    return None
-                weight_map.setdefault(name, f.name)
-        total += f.stat().st_size
-    return {"metadata": {"total_size": total}, "weight_map": weight_map}
+    files (names from their headers; not the optimizer or 2BW's ``-versions`` files) mapped to its file, so that
+    ``AutoModelForCausalLM.from_pretrained(checkpoint)`` loads the model, as from a Trainer checkpoint.
+
+    ``tied``: the model's ties, {tied name: the name it is tied to} (transformers' ``all_tied_weights_keys``, e.g.
+    a tied head to the embedding). A tied name is left out of the index, as ``save_pretrained`` leaves it out of its
+    files (``from_pretrained`` re-ties it). But ``from_pretrained`` reads every tensor of a file the index names, so a
+    stage file's own copy of a tied name (the head the last stage holds) is loaded too: where it differs from its
+    partner, transformers unties the two and the model is not the checkpoint's. So each such copy, and each name
+    several stage files hold, is compared (``torch.equal``, read by name: only those tensors) with its partner's
+    first copy; None (no index rather than a wrong model) where one differs or its partner is in no stage file. The
+    copies of a run's checkpoint are equal (one stage: one parameter; several: the same summed gradient and
+    update); a file edited by hand, or a run that let them drift apart, gets no index."""
+    files = [TensorFile(f) for f in stage_weight_files(path)]  # the headers
+    held: dict[str, list[TensorFile]] = {}  # name -> the stage files holding it, in stage order
+    for tf in files:
+        for name in tf.names:
+            held.setdefault(name, []).append(tf)
+    copies = [(tf, name, held[name][0], name) for name, tfs in held.items() for tf in tfs[1:]]
+    for name, partner in tied.items():
+        if name in held:
+            if partner not in held:
+                return None
+            copies += [(tf, name, held[partner][0], partner) for tf in held[name]]
+    for tf, name, first, other in copies:
+        if not torch.equal(tf.get([name])[name], first.get([other])[other]):
+            return None
+    weight_map = {name: tfs[0].path.name for name, tfs in held.items() if name not in tied}
+    return {"metadata": {"total_size": sum(tf.path.stat().st_size for tf in files)}, "weight_map": weight_map}
