@@ -18,7 +18,7 @@ TITLES = {
 }
 PAGES = {
     "default": "speed", "cli-throughput": "speed", "cli-throughput-fused": "speed", "stage-ceiling": "speed",
-    "time-to-loss": "speed", "soak": "speed", "schedules": "speed",
+    "time-to-loss": "speed", "soak": "speed", "schedules": "speed", "schedule-anchors": "speed",
     "partition": "parts", "optimizer-step": "parts", "host-overhead": "parts", "reduction": "parts",
     "data-path": "parts", "streaming": "parts",
     "memory": "memory", "memory-per-param": "memory", "stage-local": "memory",
