@@ -117,12 +117,36 @@ def recipe_file(tmp_path: Path, out: Path, **overrides) -> str:
     return str(path)
 
 
+ERROR_TABLE = "HF_ASYNCPP_ERROR_TABLE"
+"""A file that :func:`record_errors` appends the ``error:`` lines the tests meet to, when set (``scripts/
+error_table.py`` sets it, runs the bad-input tests and writes docs/troubleshooting.md's table from the file)."""
+
+
+def record_errors(entry: str, code: int, output: str) -> None:
+    """Note each ``error:`` line of ``output`` with its exit code, the entry point that printed it and the test that
+    met it, when ``ERROR_TABLE`` is set (one JSON line per error line, appended whole: the xdist workers share it)."""
+    path = os.environ.get(ERROR_TABLE)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    for line in output.splitlines():
+        if line.startswith("error:"):
+            record = json.dumps({"line": line, "code": code, "entry": entry, "test": test}) + "\n"
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, record.encode())
+            finally:
+                os.close(fd)
+
+
 def run_main(capsys, *argv) -> tuple[int, str]:
     """``hf-asyncpp train ARGV`` in this process (no launcher): its exit code and stderr."""
     from hf_asyncpp.cli.train import main  # support is imported by spawned workers: the CLI only where used
 
     code = main(list(argv))
-    return code, capsys.readouterr().err
+    err = capsys.readouterr().err
+    record_errors("hf-asyncpp train (one process, no stages started)", code, err)
+    return code, err
 
 
 def train_steps(out: Path) -> list[int]:

@@ -14,7 +14,7 @@ import yaml
 
 from hf_asyncpp.config.recipe import Recipe
 from hf_asyncpp.config.reference import as_typed
-from support import ROOT, tiny
+from support import ROOT, record_errors, tiny
 
 HEAVY = ("torch", "transformers", "datasets")
 
@@ -23,8 +23,10 @@ def run(*code_or_args: str, cwd=ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "HF_ASYNCPP_DEBUG"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    r = subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    if code_or_args[:2] == ("-m", "hf_asyncpp"):  # a command as typed (a -c script's exit code is the script's)
+        record_errors("hf-asyncpp train", r.returncode, r.stderr)
+    return r
 
 
 def test_help_lists_every_field_with_its_default():
@@ -57,6 +59,7 @@ def test_help_and_recipe_mistakes_answer_before_the_training_machinery_is_import
     r = run("-c", code, cwd=tmp_path)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.stderr.splitlines()[-1] == "[0, 2, 2, 2, 2, 2, 2, 2] []", r.stderr[-3000:]
+    record_errors("hf-asyncpp train", 2, r.stderr)  # each of those lines came with exit code 2
     assert lines == [
         f"error: recipe file '{tmp_path}/missing.yaml' not found",
         "error: --block_size: run_clm's name; here it is --data.seq_len (tokens per packed training block)",
@@ -82,6 +85,7 @@ def test_an_unknown_model_type_is_one_short_line_before_anything_runs(tmp_path, 
     recipe.write_text(yaml.safe_dump(tiny(tmp_path / "run")))
     assert main([str(recipe), "--model.config.model_type", "lama"]) == 2
     err = capsys.readouterr().err.strip()
+    record_errors("hf-asyncpp train", 2, err)
     assert err.startswith("error: model.config.model_type: 'lama' is not a model type transformers") and "'llama'" in err
     assert "\n" not in err and len(err) < 300
     assert not (tmp_path / "run").exists()  # nothing made, no tokenizer trained

@@ -13,7 +13,7 @@ from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, model_n
                                         results_table, score_task)
 from hf_asyncpp.eval.tasks import Item, load_items, load_task
 
-from support import TASK_FILES as FILES
+from support import TASK_FILES as FILES, record_errors
 from hf_asyncpp.storage.names import checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +97,7 @@ def test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out(tmp_path, folde
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     assert main([str(folders["trained"]), "--tasks", "hellaswag", "--out", str(tmp_path / "scores")]) == 1
     err = capsys.readouterr().err
+    record_errors("hf-asyncpp evaluate", 1, err)
     assert err.startswith("error: task hellaswag: 'Rowan/hellaswag' (default, validation) cannot be loaded from the "
                           "Hub (") and err.count("\n") == 1, err
     assert "--task-file hellaswag=FILE" in err and not (tmp_path / "scores").exists()

@@ -12,6 +12,7 @@ from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS, agreement
 from hf_asyncpp.pipeline.planner import plan_memory
 from hf_asyncpp.testing import run_workers, stage_memory_report
+from support import record_errors
 
 LAYERS = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 128, "tie_word_embeddings": False}
@@ -64,6 +65,7 @@ def test_plan_takes_recipe_overrides_after_the_recipe(capsys):
     capsys.readouterr()
     assert main(["recipes/cpu-tiny.yaml", "--training.max_stepz", "5"]) == 2  # one line naming the field meant
     err = capsys.readouterr().err.strip()
+    record_errors("hf-asyncpp plan", 2, err)
     assert err.startswith("error: --training.max_stepz: unknown field; did you mean 'max_steps'?") and "\n" not in err
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from hf_asyncpp.launch.spawn import NO_SPAWN
 from dist_utils import free_port
-from support import launch, tiny, write_recipe
+from support import launch, record_errors, tiny, write_recipe
 
 STARTED = "starting 2 local processes"
 
@@ -29,6 +29,7 @@ def train_alone(tmp_path: Path, recipe: Path, *overrides: str) -> tuple[int, str
         env.pop(name, None)
     r = subprocess.run([sys.executable, "-m", "hf_asyncpp", "train", str(recipe), *overrides], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
+    record_errors("hf-asyncpp train (starts the stages)", r.returncode, r.stdout + r.stderr)
     return r.returncode, r.stdout + r.stderr
 
 
