@@ -246,9 +246,9 @@ def test_moe_expert_stacks_held_in_bf16_grouped_gemm():
     both versions a stage holds keep its expert stacks in bf16 (the grouped GEMMs run in bf16; on the fp32 stacks
     autocast leaves they ran in fp32) and no microbatch holds a cast. The numbers are those of the single-process
     autocast reference whose expert GEMMs are bf16 (its experts looped over: autocast casts each expert's fp32 slice,
-    what the bf16 stack's slice is), but for the two kernels' summation order; against the reference whose grouped
-    GEMMs run in fp32 (what the versions did before) the losses agree within bf16 tolerance, while AdamW turns the bf16
-    rounding of near-zero expert gradients into steps of about the lr (1e-2) on a few percent of elements."""
+    what the bf16 stack's slice is), but for the two kernels' summation order. (Against the reference whose grouped
+    GEMMs run in fp32, what the versions did before, the losses agree within rtol 1e-3, measured once; AdamW turns the
+    bf16 rounding of near-zero expert gradients into steps of about the lr on a few percent of elements.)"""
     rec, batches, ref_rec, ref_batches = scenario(MIXTRAL, "2bw", 2, 2, 2, "adamw", False, seed=420)
     (res, sd, infos), = run_distributed(worker, 2, [(_bf16(rec), batches[0], True, 0)], None)[0]
     for stage in infos:
@@ -264,5 +264,3 @@ def test_moe_expert_stacks_held_in_bf16_grouped_gemm():
     for k, v in ref_sd.items():
         if k in sd:  # measured: at most 2e-5 (summation order); fp32 expert GEMMs or a wrong version: about 1e-2
             assert float((sd[k] - v).abs().max()) < 2e-4, (k, float((sd[k] - v).abs().max()))
-    fp32_experts, _ = reference(_bf16(ref_rec), ref_batches)
-    torch.testing.assert_close(losses, torch.tensor([r.loss for r in fp32_experts]), rtol=1e-3, atol=0)
