@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from contextlib import nullcontext
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
