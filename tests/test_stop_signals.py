@@ -22,7 +22,7 @@ from hf_asyncpp.launch.spawn import RESTART_FIX
 from dist_utils import free_port
 from support import ROOT, losses, write_recipe
 
-MAX_STEPS = 40  # steps of ~20 ms: a signal sent at SIGNAL_AT lands mid-run even on a loaded machine
+MAX_STEPS = 200  # steps of ~12 ms: the launcher, torchrun and the ranks pass a signal on within 2 s on a loaded machine
 SIGNAL_AT = 3  # metrics.jsonl's step when the signal is sent: the stop comes at most STOP_LAG + 1 steps later
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
