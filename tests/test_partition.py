@@ -335,6 +335,67 @@ def test_measured_costs_balance_by_time():
         measure_costs(AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 2})), 32, 4)
 
 
+def test_measured_split_backward_feeds_the_simulator():
+    """``split_backward``: F, B, I and W of every layer, timed apart; ``stage_costs`` gives the simulator a split's
+    per-stage costs, the first stage with no I (the executor runs its whole backward at W), and ZB-H1 runs on them."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from hf_asyncpp.partition import MeasuredCosts, measure_costs
+    from hf_asyncpp.partition.costs import PASSES
+    from hf_asyncpp.schedules import schedule_actions, simulate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**BASE, "num_hidden_layers": 5}))
+    c = measure_costs(model, seq_len=32, microbatch_size=2, repeats=1, split_backward=True)
+    assert set(c.passes) == set(PASSES)
+    for name, t in c.passes.items():
+        assert len(t.layers) == 5 and all(x > 0 for x in t.layers) and t.first >= 0 and t.last >= 0, name
+    assert c.passes["backward_input"].first == c.passes["backward_weight"].first == 0.0
+    split = c.balance(2, 4)
+    assert sum(split) == 5 and min(split) >= 1
+    costs = c.stage_costs(split)
+    assert costs.backward_input[0] == 0.0 and costs.backward_weight[0] == costs.backward[0]
+    assert costs.backward_input[1] > 0 and costs.backward_weight[1] > 0
+    f, i = c.passes["forward"], c.passes["backward_input"]
+    assert costs.forward == pytest.approx([sum(f.layers[:split[0]]) + f.first, sum(f.layers[split[0]:]) + f.last])
+    assert costs.backward_input[1] == pytest.approx(sum(i.layers[split[0]:]) + i.last)
+    zb = simulate(schedule_actions("zbh1", 2, 4, 2), costs, "zbh1")
+    busy_last = sum(iv.end - iv.start for iv in zb.timeline[1])
+    assert busy_last == pytest.approx(8 * (costs.forward[1] + costs.backward_input[1] + costs.backward_weight[1]))
+    assert MeasuredCosts.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="does not split 5 layers"):
+        c.stage_costs([2, 2])
+    with pytest.raises(ValueError, match="split_backward=True"):
+        MeasuredCosts(c.layers, c.first, c.last).stage_costs(split)
+
+
+def test_the_timed_split_backward_computes_the_whole_backwards_weight_gradients():
+    """What ``measure_costs`` times as I then W is the whole backward's work: the same weight gradients on a middle
+    stage and on the (tied) head's stage (a W that computed nothing would time as free)."""
+    from hf_asyncpp.partition.costs import _roots, _stage_input, _time_split_backward
+
+    stages = partition_model(make_model("llama"), 4, [1] * 4, seq_len=IDS.shape[1])
+    with torch.no_grad():
+        received = {1: stages[0](IDS)}
+        received[3] = stages[2](stages[1](received[1]))
+    for s, x in received.items():
+        st = stages[s]
+        run = (lambda inp: st(inp, labels=IDS)) if s == 3 else st
+        torch.manual_seed(1)  # the same random output gradient for both backwards
+        inp, _ = _stage_input(x, s)
+        torch.autograd.backward(*_roots(run(inp)))
+        whole = {n: q.grad.clone() for n, q in st.named_parameters()}
+        for q in st.parameters():
+            q.grad = None
+        torch.manual_seed(1)
+        seconds = _time_split_backward(run, x, s, list(st.parameters()), torch.device("cpu"))
+        assert all(t > 0 for t in seconds)
+        for n, q in st.named_parameters():
+            assert torch.allclose(q.grad, whole[n], atol=1e-6), (s, n)
+
+
 def test_a_non_switch_aux_loss_is_the_models_own_over_all_layers():
     """Doge's product-key router loss is not the Switch loss of pooled sums: stages send the router logits so far and
     the last stage calls the model's own load_balancing_loss_func on all of them (loss and gradients exact)."""

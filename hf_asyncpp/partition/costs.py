@@ -3,6 +3,13 @@
 (Muon's Newton-Schulz, an error-feedback copy) is not proportional to FLOPs at all: timing the stages on the device
 that will run them settles the split. ``pipeline.layers_per_stage: auto`` does this at start
 (``pipeline.autosplit``); ``hf-asyncpp plan --measure`` prints the result to write into the recipe.
+
+With ``split_backward`` the measurement also times each pass on its own: the forward F, the whole backward B, and the
+zero-bubble schedules' split backward, I (input gradient) and W (weight gradient), with torch's own
+``stage_backward_input`` / ``stage_backward_weight`` as the executor runs them. ``MeasuredCosts.stage_costs`` turns
+them into the simulator's per-stage ``Costs``, so the planner compares the schedules on what this device makes F, I
+and W cost rather than on the zero-bubble paper's I = W = B / 2, which need not hold (the two halves walk the graph
+twice, and I + W need not equal B).
 """
 from __future__ import annotations
 
@@ -13,9 +20,24 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from ..schedules.simulator import Costs
 from .plan import PartitionError, anatomy, balanced_sizes, get_module
 from .stage import partition_model
+
+PASSES = ("forward", "backward", "backward_input", "backward_weight")
+"""The passes ``measure_costs(split_backward=True)`` times, named as the simulator's ``Costs`` fields."""
+
+
+@dataclass
+class PassSeconds:
+    """Seconds of one pass per microbatch, split as ``MeasuredCosts`` splits forward + backward: each decoder layer,
+    and what the first and the last stage add."""
+
+    layers: list[float]
+    first: float
+    last: float
 
 
 @dataclass
@@ -35,6 +57,10 @@ class MeasuredCosts:
     layer_steps: list[float] = field(default_factory=list)
     first_step: float = 0.0
     last_step: float = 0.0
+    passes: dict[str, PassSeconds] = field(default_factory=dict)
+    """Per pass in ``PASSES`` (``split_backward``; empty otherwise). The first stage computes no input gradient, so
+    the executor runs its whole backward at its W: its I and W are not timed (``first`` 0, layer 0 the median) and
+    ``stage_costs`` gives it I = 0 and W = its B."""
 
     def per_microbatch(self, num_microbatches: int = 1) -> tuple[list[float], float, float]:
         """(per layer, first extra, last extra) seconds per microbatch, the optimizer step spread over m microbatches."""
@@ -49,20 +75,40 @@ class MeasuredCosts:
 
     def stage_seconds(self, layers_per_stage: list[int], num_microbatches: int = 1) -> list[float]:
         """Per stage, seconds per microbatch (forward + backward + its share of the optimizer step)."""
-        layers, first, last = self.per_microbatch(num_microbatches)
-        out, start = [], 0
-        for s, n in enumerate(layers_per_stage):
-            t = sum(layers[start:start + n]) + (first if s == 0 else 0.0)
-            out.append(t + (last if s == len(layers_per_stage) - 1 else 0.0))
-            start += n
-        return out
+        return _per_stage(*self.per_microbatch(num_microbatches), layers_per_stage)
+
+    def stage_costs(self, layers_per_stage: list[int]) -> Costs:
+        """The simulator's per-stage costs of this split: F, B, I and W per microbatch and one optimizer step per
+        step, all measured (needs ``measure_costs(split_backward=True)``). The first stage's I is 0 and its W its
+        whole backward B: it has no input gradient to send, so the executor's I there does nothing and its W runs one
+        plain backward."""
+        if not self.passes:
+            raise ValueError("no per-pass seconds: measure with measure_costs(..., split_backward=True)")
+        if sum(layers_per_stage) != len(self.layers) or min(layers_per_stage) < 1:
+            raise ValueError(f"layers_per_stage {layers_per_stage} does not split {len(self.layers)} layers")
+        per = {name: _per_stage(t.layers, t.first, t.last, layers_per_stage) for name, t in self.passes.items()}
+        per["backward_input"][0], per["backward_weight"][0] = 0.0, per["backward"][0]
+        steps = _per_stage(self.layer_steps or [0.0] * len(self.layers), self.first_step, self.last_step,
+                           layers_per_stage)
+        return Costs(**per, step=steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MeasuredCosts":
-        return cls(**{k: d[k] for k in ("layers", "first", "last", "layer_steps", "first_step", "last_step") if k in d})
+        kept = {k: d[k] for k in ("layers", "first", "last", "layer_steps", "first_step", "last_step") if k in d}
+        return cls(**kept, passes={name: PassSeconds(**t) for name, t in d.get("passes", {}).items()})
+
+
+def _per_stage(layers: list[float], first: float, last: float, layers_per_stage: list[int]) -> list[float]:
+    """Per stage, the sum of its layers' seconds, plus ``first`` on the first stage and ``last`` on the last."""
+    out, start = [], 0
+    for s, n in enumerate(layers_per_stage):
+        t = sum(layers[start:start + n]) + (first if s == 0 else 0.0)
+        out.append(t + (last if s == len(layers_per_stage) - 1 else 0.0))
+        start += n
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -71,9 +117,14 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: str | torch.device = "cpu",
-                  repeats: int = 3, optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None) -> MeasuredCosts:
+                  repeats: int = 3, optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
+                  split_backward: bool = False) -> MeasuredCosts:
     """Time forward + backward of every one-layer stage (the fastest of ``repeats`` after a warm-up), and with
     ``optimizer`` (a stage -> optimizer factory, the run's own) one optimizer step of each stage the same way.
+    With ``split_backward`` also each pass on its own (``MeasuredCosts.passes``): F and B of the same runs, and a
+    second forward whose backward is split into I and W by torch's ``stage_backward_input`` and
+    ``stage_backward_weight`` (``executor._backward_input`` / ``_backward_weight``), which about doubles the time
+    the measurement takes.
 
     The model is cut into one stage per layer; the first stage's extra time over the median layer is the
     embedding's, the last stage's extra is the head's (so layer 0 and the last layer count as median layers).
@@ -89,37 +140,83 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), device=device)
     x, seconds, step_seconds = ids, [], []
+    raw = {name: [] for name in (PASSES if split_backward else ())}  # per pass, per one-layer stage
     for s, st in enumerate(stages):
         st = st.to(device)  # one layer on the device at a time: a model larger than the device can be measured
+        run = (lambda inp: st(inp, labels=ids)) if s == L - 1 else st
         best = float("inf")
+        best_pass = dict.fromkeys(raw, float("inf"))
         for r in range(repeats + 1):
-            inp = x
-            if s > 0:
-                parts = x if isinstance(x, tuple) else (x,)
-                parts = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in parts)
-                inp = parts if isinstance(x, tuple) else parts[0]
-            _sync(device)
-            t0 = time.perf_counter()
-            out = st(inp, labels=ids) if s == L - 1 else st(inp)
-            outs = out if isinstance(out, tuple) else (out,)
-            floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
-            torch.autograd.backward(floats, [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in floats])
-            _sync(device)
+            inp, _ = _stage_input(x, s)
+            t0 = _clock(device)
+            out = run(inp)
+            t1 = _clock(device) if raw else t0  # no extra synchronization inside the plain timing
+            torch.autograd.backward(*_roots(out))
+            t2 = _clock(device)
             if r > 0:
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, t2 - t0)
+            if raw:  # the first stage has no I: it runs its whole backward at W (stage_costs), not timed here
+                split = _time_split_backward(run, x, s, list(st.parameters()), device) if s > 0 else (t1 - t0, 0.0, 0.0)
+                if r > 0:
+                    for name, t in zip(PASSES, (min(t1 - t0, split[0]), t2 - t1, split[1], split[2])):
+                        best_pass[name] = min(best_pass[name], t)
         seconds.append(best)
+        for name, t in best_pass.items():
+            raw[name].append(t)
         if optimizer is not None:  # the gradients just computed (accumulated over the repeats) are real-shaped
             step_seconds.append(_time_step(optimizer(st), device, repeats))
         for p in st.parameters():
             p.grad = None
-        x = tuple(o.detach() for o in outs) if isinstance(out, tuple) else out.detach()
+        x = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
         if device.type != "cpu":
             st.to("cpu")
     first, layers, last = _split_ends(seconds)
+    passes = {}
+    for name, secs in raw.items():
+        pass_first, pass_layers, pass_last = _split_ends(secs)
+        passes[name] = PassSeconds(pass_layers, pass_first, pass_last)
     if not step_seconds:
-        return MeasuredCosts(layers, first, last)
+        return MeasuredCosts(layers, first, last, passes=passes)
     first_step, layer_steps, last_step = _split_ends(step_seconds)
-    return MeasuredCosts(layers, first, last, layer_steps, first_step, last_step)
+    return MeasuredCosts(layers, first, last, layer_steps, first_step, last_step, passes=passes)
+
+
+def _clock(device: torch.device) -> float:
+    _sync(device)
+    return time.perf_counter()
+
+
+def _stage_input(x, s: int):
+    """(what stage s is called with, its floating tensors as autograd leaves): the previous stage's output detached,
+    the floats requiring grad as a received activation does; the first stage's token ids as they are."""
+    if s == 0:
+        return x, []
+    parts = x if isinstance(x, tuple) else (x,)
+    parts = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in parts)
+    return (parts if isinstance(x, tuple) else parts[0]), [t for t in parts if t.is_floating_point()]
+
+
+def _roots(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(outputs a backward starts from, their gradients): the loss with 1, an activation with random gradients as
+    the next stage would send."""
+    outs = out if isinstance(out, tuple) else (out,)
+    floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
+    return floats, [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in floats]
+
+
+def _time_split_backward(run, x, s: int, params: list[nn.Parameter], device: torch.device) -> tuple[float, float, float]:
+    """Seconds of (F, I, W) of one microbatch on a one-layer stage after the first, the backward split as the
+    executor splits it: I, the input gradient, keeps the graph's weight branches; W computes the weight gradients
+    from them."""
+    inp, inputs = _stage_input(x, s)
+    t0 = _clock(device)
+    out = run(inp)
+    t1 = _clock(device)
+    _, groups = stage_backward_input(*_roots(out), inputs, iter(params))
+    t2 = _clock(device)
+    stage_backward_weight(iter(params), groups)
+    t3 = _clock(device)
+    return t1 - t0, t2 - t1, t3 - t2
 
 
 def _split_ends(seconds: list[float]) -> tuple[float, list[float], float]:
