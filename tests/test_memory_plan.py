@@ -24,6 +24,17 @@ CONFIGS = {
 }
 
 
+def schedule_rows(text: str) -> dict[str, dict]:
+    """The plan's per-schedule lines: s/step, bubble, its fill/drain and imbalance (%), speed against 1F1B and, for
+    2BW, its speed to the same loss and a step's worth (None where the line has none)."""
+    rows = {}
+    for m in re.finditer(r"^ +(\w+): ([\d.e+-]+) s/step, bubble ([\d.]+)% = fill/drain ([\d.]+)% \+ imbalance ([\d.]+)%; "
+                         r"([\d.]+)x the speed of 1f1b(?:; ([\d.]+)x to the same loss: a step is worth ([\d.]+))?", text, re.M):
+        values = [float(v) if v is not None else None for v in m.groups()[1:]]
+        rows[m.group(1)] = dict(zip(("step", "bubble", "fill_drain", "imbalance", "speed", "at_loss", "worth"), values))
+    return rows
+
+
 def recipe(name: str) -> dict:
     model, schedule, bf16, checkpointing, optimizer = CONFIGS[name]
     return {"model": {"config": model}, "data": {"seq_len": 64},
@@ -89,10 +100,43 @@ def test_plan_compares_zero_bubble_and_puts_2bw_at_the_same_loss(capsys):
     assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--optimizer.name", "adamw",
                  "--optimizer.delay_correction", "none"]) in (0, None)
     out = capsys.readouterr().out
-    rows = {m.group(1): m for m in re.finditer(r"^ +(\w+): [\d.]+ s/step, bubble ([\d.]+)% \(([\d.]+)x the speed of "
-                                                r"1f1b(?:; ([\d.]+)x to the same loss: a step is worth ([\d.]+))?", out, re.M)}
+    rows = schedule_rows(out)
     assert set(rows) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
-    assert float(rows["zbh1"].group(2)) < float(rows["1f1b"].group(2))  # the W's fill part of 1F1B's bubble
-    speed, at_loss, worth = (float(rows["2bw"].group(i)) for i in (3, 4, 5))
+    assert rows["zbh1"]["bubble"] < rows["1f1b"]["bubble"]  # the W's fill part of 1F1B's bubble
+    speed, at_loss, worth = (rows["2bw"][k] for k in ("speed", "at_loss", "worth"))
     assert worth == DELAYED_STEP_WORTH[("adamw", "none")] and at_loss == pytest.approx(speed * worth, abs=0.011)
-    assert "docs/benchmarks/quality.md" in out and rows["1f1b"].group(4) is None
+    assert "docs/benchmarks/quality.md" in out and rows["1f1b"]["at_loss"] is None
+    for r in rows.values():  # the bubble's two parts, each rounded to 0.1%
+        assert r["fill_drain"] + r["imbalance"] == pytest.approx(r["bubble"], abs=0.11)
+
+
+def test_plan_measure_simulates_the_schedules_on_measured_f_i_w(capsys, tmp_path):
+    """``plan --measure`` times F, B, I and W per layer here and simulates the four schedules again on the measured
+    split with them: the first stage has no I, the others do, and the simulated steps are at least what the slowest
+    stage's measured work takes (not the FLOPs estimate, which is far smaller for this tiny model)."""
+    import torch
+
+    threads = torch.get_num_threads()  # --measure times one pipeline rank's thread
+    try:
+        assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--measure", "--device", "cpu", "--png",
+                     str(tmp_path / "t.png"), "--data.seq_len", "32", "--pipeline.microbatch_size", "2"]) in (0, None)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    flops, measured = out.split("simulated with the measured ms per stage")
+    assert set(schedule_rows(flops)) == set(schedule_rows(measured)) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
+    split = [int(n) for n in re.search(r"the schedules on the measured split \[([\d, ]+)\]", flops).group(1).split(",")]
+    per_stage = {k: [float(x) / 1e3 for x in v.split()] for k, v in re.findall(r"(\w+) \[([\d. ]+)\]", measured)}
+    assert set(per_stage) == {"F", "B", "I", "W", "step"} and all(len(v) == len(split) == 2 for v in per_stage.values())
+    assert per_stage["I"][0] == 0 and per_stage["W"][0] == per_stage["B"][0]
+    assert all(x > 0 for x in per_stage["F"] + per_stage["B"] + per_stage["W"] + per_stage["I"][1:])
+    rows = schedule_rows(measured)
+    m = 4  # the recipe's microbatches per step
+    slowest = max(m * (per_stage["F"][s] + per_stage["B"][s]) + per_stage["step"][s] for s in range(2))
+    for name in ("1f1b", "gpipe"):
+        assert rows[name]["step"] >= 0.99 * slowest, (name, rows[name], slowest)
+    slowest_split = max(m * (per_stage["F"][s] + per_stage["I"][s] + per_stage["W"][s]) + per_stage["step"][s]
+                        for s in range(2))
+    assert rows["zbh1"]["step"] >= 0.99 * slowest_split
+    for r in rows.values():
+        assert r["fill_drain"] + r["imbalance"] == pytest.approx(r["bubble"], abs=0.11)

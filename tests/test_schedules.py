@@ -519,6 +519,70 @@ def test_zb_h1_is_torchs_zero_bubble_order_and_simulates_clean(p):
             assert ours == torch_zero_bubble_order(s, p, m), (p, m, s)
 
 
+def representative_actions(name: str, p: int, m: int):
+    """A schedule's lists at (p, m), at the microbatch count and steps it runs with (PipeDream: 1 per step)."""
+    sched = SCHEDULES[name]
+    m, steps = sched.representative(p, m)
+    return sched.actions(p, m, steps), sched
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_balanced_stages_have_no_imbalance_and_all_their_bubble_is_fill_drain(name):
+    acts, sched = representative_actions(name, 4, 8)
+    res = simulate(acts, Costs(forward=1, backward=2, step=0.5), sched)
+    assert res.bubble > 0.01  # a window's fill and drain
+    assert res.imbalance == pytest.approx(0.0, abs=1e-12)
+    assert res.fill_drain == pytest.approx(res.bubble, abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 6), (3, 8)])
+def test_gpipe_imbalance_is_the_closed_form(p, m):
+    """GPipe with unequal stages is a flow shop of m identical jobs, forwards then backwards: the step takes
+    sum F + (m - 1) max F + sum B + (m - 1) max B, a stage works m (F + B), so its imbalance is
+    m sum(max c - c) / (p x makespan) with c = F + B, and fill/drain is the busiest stage's idle 1 - m max c / makespan."""
+    fwd = [1.0 + (3 * s) % (p + 1) for s in range(p)]  # unequal; the slowest stage in the middle at p = 3
+    bwd = [2 * f + 0.5 * s for s, f in enumerate(fwd)]
+    res = simulate(schedule_actions("gpipe", p, m, 1), Costs(forward=fwd, backward=bwd), "gpipe")
+    makespan = sum(fwd) + (m - 1) * max(fwd) + sum(bwd) + (m - 1) * max(bwd)
+    work = [f + b for f, b in zip(fwd, bwd)]
+    assert res.makespan == pytest.approx(makespan)
+    assert res.imbalance == pytest.approx(m * sum(max(work) - c for c in work) / (p * makespan), abs=1e-12)
+    assert res.fill_drain == pytest.approx(1 - m * max(work) / makespan, abs=1e-12)
+    assert res.imbalance > 0.05
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_bubble_parts_sum_to_the_idle_share_of_the_timeline(name):
+    """Unequal F, B, I, W and STEP per stage, transfers and a reduction that take time: fill/drain + imbalance is the
+    idle share of stage-time counted from the timeline's intervals, both parts non-negative."""
+    p = 4
+    acts, sched = representative_actions(name, p, 8)
+    costs = Costs(forward=[1.0, 1.5, 0.8, 1.2], backward=[2.1, 2.9, 1.7, 2.6], step=[0.3, 0.1, 0.2, 0.4],
+                  backward_input=[1.0, 1.6, 0.7, 1.1], backward_weight=[1.2, 1.1, 1.0, 1.4], comm=0.05, reduce=0.2)
+    res = simulate(acts, costs, sched)
+    busy = [sum(iv.end - iv.start for iv in tl) for tl in res.timeline]
+    assert res.bubble == pytest.approx(1 - sum(busy) / (p * res.makespan), abs=1e-12)
+    assert res.fill_drain + res.imbalance == pytest.approx(res.bubble, abs=1e-12)
+    assert res.imbalance > 0 and res.fill_drain > 0
+    assert res.imbalance == pytest.approx(sum(max(busy) - b for b in busy) / (p * res.makespan), abs=1e-12)
+
+
+def test_2bw_steady_state_bubble_is_all_imbalance():
+    """In steady state 2BW keeps its slowest stage always busy (no flush): what idles is the other stages waiting for
+    it, all imbalance; a flushed 1F1B also pays fill/drain every step."""
+    from hf_asyncpp.pipeline.planner import steady_state
+
+    fwd = [1.0, 3.0, 2.0, 1.0]
+    costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
+    step, two_bw = steady_state(TWO_BW, 4, 8, costs, "global")
+    work = [3 * f for f in fwd]
+    assert step == pytest.approx(8 * max(work))
+    assert two_bw.fill_drain == pytest.approx(0.0, abs=1e-12)
+    assert two_bw.imbalance == pytest.approx(sum(max(work) - c for c in work) / (4 * max(work)), abs=1e-12)
+    _, one = steady_state(get_schedule("1f1b"), 4, 8, costs, "global")
+    assert one.fill_drain > 0.05 and one.total == pytest.approx(one.fill_drain + one.imbalance)
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16), (16, 64)])
 def test_zb_h1_cool_down_filled_by_the_weight_gradients(p, m):
     """With F = I = W (B = 2F), 1F1B's flushed step is m(F+B) + (p-1)(F+B); ZB-H1's bubble is (p-1)(F+I-W), a third

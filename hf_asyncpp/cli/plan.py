@@ -1,5 +1,7 @@
 """Plan a run before launching it: partition, per-stage memory, whether it fits, simulated step time and
-bubble of 2bw against 1f1b and gpipe, and a timeline PNG. Nothing is allocated (meta device).
+bubble of 2bw against 1f1b, zbh1 and gpipe, and a timeline PNG. Nothing is allocated (meta device). Each bubble is
+split into fill/drain (the schedule's warm-up, cool-down and dependency waits: what equal stages would idle too) and
+imbalance (what the stages' unequal work adds), which sum to it.
 
     hf-asyncpp plan recipes/moe-10b.yaml --num-stages 16 --gpu-memory 80GB
     hf-asyncpp plan recipes/smollm2-360m.yaml --num-stages 4
@@ -16,7 +18,9 @@ The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or `
 ``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
 recipe's microbatch shape; run it on a quiet machine of the kind that will train (the head's memory-bound
 softmax slows down most when other processes share the memory bus). It prints the split to put in the recipe
-(``pipeline.layers_per_stage``).
+(``pipeline.layers_per_stage``), and the four schedules simulated again on that split with the measured seconds per
+stage of F, B, the split backward's I and W (torch's ``stage_backward_input`` / ``stage_backward_weight``, as the
+executor runs ZB-H1) and the optimizer step, instead of FLOPs and I = W = B / 2.
 """
 import argparse
 import os
@@ -29,8 +33,8 @@ from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import measure_costs
-from ..pipeline.planner import (STEP_WORTH_SOURCE, plan_memory, reduction_stall, search_plans, simulate_schedules,
-                                step_worth)
+from ..pipeline.planner import (PLANNED_STEPS, STEP_WORTH_SOURCE, plan_memory, reduction_stall, search_plans,
+                                simulate_schedules, step_worth)
 from ..schedules.records import SCHEDULES
 from ..schedules.timeline import plot_timeline
 
@@ -101,20 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nfits: the largest stage (stage {worst.stage}) needs {gb(worst.total)} GB at its peak of "
               f"{args.gpu_memory} ({(cap - worst.total) / cap:.0%} margin; 90% budget)")
     sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12)
-    steps = 8
-    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per step:")
-    base = sims["1f1b"].makespan
-    for name, r in sims.items():
-        speed = base / r.makespan
-        worth = step_worth(SCHEDULES[name], recipe.optimizer)
-        if worth is None:
-            loss = "; to the same loss: not measured for this optimizer"
-        elif worth == 1.0 and SCHEDULES[name].synchronous:
-            loss = ""
-        else:
-            loss = (f"; {speed * worth:.2f}x to the same loss: a step is worth {worth:.2f} of a synchronous one with "
-                    f"{recipe.optimizer.name} + delay correction {recipe.optimizer.delay_correction} ({STEP_WORTH_SOURCE})")
-        print(f"  {name:>5}: {r.makespan / steps:.3f} s/step, bubble {r.bubble:.1%} ({speed:.2f}x the speed of 1f1b{loss})")
+    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per "
+          "step (bubble = fill/drain, what equal stages would idle too, + imbalance, what unequal stages add):")
+    print("\n".join(schedule_lines(sims, recipe)))
     name = os.path.splitext(os.path.basename(args.recipe))[0]
     png = args.png or f"{name}-{p}stages.png"
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -127,6 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def schedule_lines(sims: dict, recipe) -> list[str]:
+    """One line per simulated schedule: seconds per step, the bubble and its two parts, the speed against 1F1B and,
+    where a step is worth less than a synchronous one (2BW), the speed to the same loss."""
+    base = sims["1f1b"].makespan
+    lines = []
+    for name, r in sims.items():
+        speed = base / r.makespan
+        worth = step_worth(SCHEDULES[name], recipe.optimizer)
+        if worth is None:
+            loss = "; to the same loss: not measured for this optimizer"
+        elif worth == 1.0 and SCHEDULES[name].synchronous:
+            loss = ""
+        else:
+            loss = (f"; {speed * worth:.2f}x to the same loss: a step is worth {worth:.2f} of a synchronous one with "
+                    f"{recipe.optimizer.name} + delay correction {recipe.optimizer.delay_correction} ({STEP_WORTH_SOURCE})")
+        lines.append(f"  {name:>5}: {r.makespan / PLANNED_STEPS:.4g} s/step, bubble {r.bubble:.1%} = fill/drain "
+                     f"{r.fill_drain:.1%} + imbalance {r.imbalance:.1%}; {speed:.2f}x the speed of 1f1b{loss}")
+    return lines
+
+
 def search(recipe, gpus: int, cap: float, args) -> None:
     cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9)
     feasible = [c for c in cands if c.feasible]
@@ -136,12 +149,13 @@ def search(recipe, gpus: int, cap: float, args) -> None:
           f"{args.link_gbs:g} GB/s per GPU: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and "
           "run; the best:")
     print(f"  {'stages':>6} {'dp':>3} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} {'bubble':>7} "
-          f"{'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
+          f"{'imbal.':>7} {'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
     for c in (feasible or cands)[: args.top]:
         why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
         stall = f"{reduction_stall(recipe, c):.3g} s" if c.runnable else "-"
         print(f"  {c.num_stages:>6} {c.dp:>3} {c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
-              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  {c.layers_per_stage}")
+              f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {c.imbalance:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  "
+              f"{c.layers_per_stage}")
     if feasible:
         print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
 
@@ -154,7 +168,7 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     opt = recipe.optimizer
     factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
     c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
-                      optimizer=factory)
+                      optimizer=factory, split_backward=True)
     m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
     print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
@@ -170,6 +184,12 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     if time_split != flops_split:
         print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}] "
               "(or layers_per_stage: auto, which measures at start on the machine that trains)")
+    costs = c.stage_costs(time_split)
+    ms = lambda v: " ".join(f"{x * 1e3:.2f}" for x in v)
+    print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "
+          f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]  "
+          f"I [{ms(costs.backward_input)}]  W [{ms(costs.backward_weight)}]  step [{ms(costs.step)}]")
+    print("\n".join(schedule_lines(simulate_schedules(plan, recipe, p, costs=costs), recipe)))
 
 
 if __name__ == "__main__":

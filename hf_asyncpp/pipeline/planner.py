@@ -36,7 +36,10 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
                  every gradient from REDUCE until the all-reduce completes, 25 MB each). ``steady`` is without
                  them, ``total`` (the peak) with them.
 A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
-Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward.
+Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward
+(``flops_costs``), or the per-stage F, B, I, W and optimizer step timed on a device (``MeasuredCosts.stage_costs``,
+``plan --measure``); the bubble in two parts that sum to it (``schedules.simulator.split_bubble``): imbalance, the idle
+only unequal stages cause, and fill/drain, the schedule's own warm-up, cool-down and dependency waits.
 
 ``search_plans``: for a number of GPUs, every stage count p dividing it (the rest data parallel), the FLOPs-balanced
 split and, where p divides the layers, the even one, and every microbatch size dividing the recipe's at the same
@@ -57,7 +60,7 @@ from ..model.build import build_config
 from ..optim import classify_parameters
 from ..partition import partition_plan
 from ..schedules.records import ONE_F_ONE_B, SCHEDULES, Schedule, get_schedule
-from ..schedules.simulator import Costs, simulate
+from ..schedules.simulator import BubbleSplit, Costs, simulate, split_bubble
 
 
 @dataclass
@@ -272,18 +275,35 @@ def step_worth(schedule: Schedule, optimizer) -> float | None:
     return DELAYED_STEP_WORTH.get((optimizer.name, optimizer.delay_correction))
 
 
-def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float) -> dict[str, object]:
-    """Step time and bubble of 2bw, 1f1b, ZB-H1 and gpipe for this partition (costs from the plan's FLOPs; ZB-H1's I
-    and W half a backward each, the split the zero-bubble paper measured)."""
+PLANNED_SCHEDULES = ("2bw", "1f1b", "zbh1", "gpipe")
+"""The schedules the plan compares, each simulated on the same stage costs."""
+PLANNED_STEPS = 8
+"""Steps of the window each planned schedule is simulated over (a flushed schedule pays its fill and drain each)."""
+
+
+def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
+    """Per-stage costs from the partition's FLOPs: forward = FLOPs / ``flops_per_s``, backward = 2 x forward; ZB-H1's
+    I and W half a backward each, the split the zero-bubble paper measured (``MeasuredCosts.stage_costs`` times
+    them all instead)."""
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
-    m = max(recipe.pipeline.num_microbatches, num_stages)
     fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
-    costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
-    steps = 8
+    return Costs(forward=fwd, backward=[2 * f for f in fwd])
+
+
+def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float | None = None,
+                       costs: Costs | None = None) -> dict[str, object]:
+    """``PLANNED_SCHEDULES`` over ``PLANNED_STEPS`` steps on the same stage costs: ``costs`` (e.g. measured per
+    stage, ``MeasuredCosts.stage_costs``) or the plan's FLOPs at ``flops_per_s`` (``flops_costs``). Each result's
+    bubble comes split into fill/drain and imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``)."""
+    if costs is None:
+        if flops_per_s is None:
+            raise ValueError("simulate_schedules needs costs or flops_per_s")
+        costs = flops_costs(plan, recipe, flops_per_s)
+    m = max(recipe.pipeline.num_microbatches, num_stages)
     res = {}
-    for name in ("2bw", "1f1b", "zbh1", "gpipe"):
+    for name in PLANNED_SCHEDULES:
         sched = SCHEDULES[name]
-        res[name] = simulate(sched.actions(num_stages, m, steps), costs, sched)
+        res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
     return res
 
 
@@ -321,6 +341,8 @@ class Candidate:
     tokens_per_s: float
     costs: Costs | None = None
     """What it was simulated with (None where it could not run)."""
+    imbalance: float = float("nan")
+    """The bubble's part due to unequal stages (``split_bubble``); the rest is fill/drain and dependency waits."""
 
     @property
     def feasible(self) -> bool:
@@ -336,16 +358,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, float]:
-    """(seconds per step, bubble) in steady state: the difference of a 4-step and a 2-step window, so the fill and
-    drain of a window (paid once per drain point, not per step) do not count against an asynchronous schedule.
-    ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
+def steady_state(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, BubbleSplit]:
+    """(seconds per step, bubble split into fill/drain and imbalance) in steady state: the difference of a 4-step
+    and a 2-step window, so the fill and drain of a window (paid once per drain point, not per step) do not count
+    against an asynchronous schedule. ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
     short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
     long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
     step = (long.makespan - short.makespan) / 2
-    busy = sum(iv.end - iv.start for tl in long.timeline for iv in tl) - sum(
-        iv.end - iv.start for tl in short.timeline for iv in tl)
-    return step, max(0.0, 1 - busy / (2 * step * p)) if step > 0 else 0.0
+    busy = [b_long - b_short for b_long, b_short in zip(long.busy, short.busy)]
+    return step, split_bubble(busy, 2 * step)
+
+
+def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, float]:
+    """(seconds per step, bubble) in steady state (``steady_state`` without the bubble's split)."""
+    step, bubble = steady_state(sched, p, m, costs, scope, extra, **sim)
+    return step, bubble.total
 
 
 def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
@@ -369,9 +396,10 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
     comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
-    step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
+    step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
     tokens = m * tokens_mb * dp
-    return Candidate(p, dp, m, mbs, sizes, step, bubble, worst, worst <= 0.9 * cap, True, tokens / step, costs)
+    return Candidate(p, dp, m, mbs, sizes, step, bubble.total, worst, worst <= 0.9 * cap, True, tokens / step, costs,
+                     imbalance=bubble.imbalance)
 
 
 def reduction_stall(recipe: Recipe, c: Candidate) -> float:

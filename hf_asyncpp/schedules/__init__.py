@@ -2,7 +2,8 @@
 
 =============  ==========================================================================================
 ``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``ZB_H1``, ``GPIPE``, ``PIPEDREAM``) and their action lists
-``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles
+``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles (fill/drain
+               and imbalance: ``split_bubble``)
 ``nccl_rule``  NCCL's point-to-point ordering rule, as the simulator applies it
 ``channels``   which communicator a transfer between two stages travels on
 ``timeline``   draws a simulated or measured timeline
@@ -13,7 +14,7 @@ them stays cheap.
 """
 from .records import (GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ZB_H1, Action, ActionType, Schedule,
                       get_schedule, schedule_actions)
-from .simulator import Costs, ScheduleError, SimResult, simulate
+from .simulator import BubbleSplit, Costs, ScheduleError, SimResult, simulate, split_bubble
 
 __all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "ZB_H1", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
-           "Action", "ActionType", "Costs", "ScheduleError", "SimResult", "simulate"]
+           "Action", "ActionType", "BubbleSplit", "Costs", "ScheduleError", "SimResult", "simulate", "split_bubble"]

@@ -33,6 +33,11 @@ stage's next send while the peer's stands in front of its own: a deadlock gloo n
 1F1B still hangs there: two unbuffered sends meet at the heads). With the per-direction channels each FIFO holds
 only sends or only receives, and for the schedules' lists the rule costs nothing (same timeline at comm = 0).
 
+Bubble (``SimResult.bubble``, idle share of stage-time) in two parts that sum to it (``split_bubble``): ``imbalance``,
+the idle that exists only because the stages' work differs (each stage idles at least as long as the busiest stage
+works more than it), and ``fill_drain``, the rest: the schedule's own warm-up and cool-down and its waits on
+dependencies, which the busiest stage pays too and equal stages would still pay.
+
 Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action, ``<-- ERROR HERE``; with
 ``nccl`` also the FIFO the blocked transfer sits in, what stands in front of it and the peer's head), a
 receive out of send order, a message never received, a microbatch not forwarded and backwarded exactly
@@ -52,7 +57,7 @@ from . import channels
 from .nccl_rule import NcclFifos, NcclRule, SEND_OF
 from .records import Action, ActionType, get_schedule
 
-__all__ = ["Costs", "Interval", "SimResult", "ScheduleError", "simulate"]
+__all__ = ["BubbleSplit", "Costs", "Interval", "SimResult", "ScheduleError", "simulate", "split_bubble"]
 
 T = ActionType
 Number = Union[float, Sequence[float]]
@@ -144,6 +149,31 @@ class Interval(NamedTuple):
     action: Action
 
 
+@dataclass(frozen=True)
+class BubbleSplit:
+    """A schedule's idle share of stage-time by cause; ``fill_drain + imbalance == total``."""
+
+    total: float
+    """Idle share of stage-time: 1 - busy / (stages x span)."""
+    fill_drain: float
+    """Idle the busiest stage has too, 1 - max busy / span: warm-up, cool-down and waits on dependencies (and on
+    transfers and reductions), which no rebalancing of the stages removes."""
+    imbalance: float
+    """Idle that exists only because stages have unequal work: sum over stages of (max busy - busy) / (stages x span);
+    zero when every stage works as long as the busiest."""
+
+
+def split_bubble(busy: Sequence[float], span: float) -> BubbleSplit:
+    """The bubble of stages busy ``busy[s]`` (seconds, any unit) within ``span``, split into fill/drain and
+    imbalance. The one place the planner and the simulator compute a bubble, so the parts always sum to it."""
+    if span <= 0 or not busy:
+        return BubbleSplit(0.0, 0.0, 0.0)
+    most = max(busy)
+    imbalance = sum(most - b for b in busy) / (len(busy) * span)
+    fill_drain = max(0.0, 1 - most / span)  # float noise of a steady-state difference is no negative idle
+    return BubbleSplit(fill_drain + imbalance, fill_drain, imbalance)
+
+
 @dataclass
 class SimResult:
     timeline: list[list[Interval]]
@@ -152,7 +182,7 @@ class SimResult:
     num_steps: int
     num_microbatches: int
     bubble: float
-    """Idle share of stage-time over the whole run: 1 - busy / (stages x makespan)."""
+    """Idle share of stage-time over the whole run: 1 - busy / (stages x makespan) (``fill_drain + imbalance``)."""
     steady_bubble: float
     """Idle share between every stage finishing the first step's F/B and the last step's first forward (nan if empty)."""
     throughput: float
@@ -161,6 +191,12 @@ class SimResult:
     """Per stage: most microbatches forwarded and not yet backwarded (activations held)."""
     peak_versions: list[int] = field(default_factory=list)
     """Per stage: most weight versions alive at once (the newest + older ones a later F/B of this list uses)."""
+    busy: list[float] = field(default_factory=list)
+    """Per stage: time spent computing (F, B, I, W, STEP)."""
+    fill_drain: float = 0.0
+    """The bubble's part that equal stages would still idle (``BubbleSplit.fill_drain``)."""
+    imbalance: float = 0.0
+    """The bubble's part due to unequal stage work (``BubbleSplit.imbalance``)."""
 
 
 def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4) -> str:
@@ -474,15 +510,16 @@ def _peak_versions(acts: list[Action], k0: int) -> int:
 def _metrics(actions, timeline, fwd, peak_inflight, k0, steps) -> SimResult:
     p = len(actions)
     makespan = max((iv.end for tl in timeline for iv in tl), default=0.0)
-    busy = sum(iv.end - iv.start for tl in timeline for iv in tl)
+    busy = [sum(iv.end - iv.start for iv in tl) for tl in timeline]
+    split = split_bubble(busy, makespan)
     n_mb = len(fwd[0]) if p else 0
     m = n_mb // len(steps) if steps else 0
     return SimResult(
         timeline=timeline, makespan=makespan, num_steps=len(steps), num_microbatches=m,
-        bubble=1 - busy / (p * makespan) if makespan else 0.0,
-        steady_bubble=_steady_bubble(timeline, steps),
+        bubble=split.total, steady_bubble=_steady_bubble(timeline, steps),
         throughput=n_mb / makespan if makespan else 0.0,
-        peak_inflight=peak_inflight, peak_versions=[_peak_versions(acts, k0) for acts in actions])
+        peak_inflight=peak_inflight, peak_versions=[_peak_versions(acts, k0) for acts in actions],
+        busy=busy, fill_drain=split.fill_drain, imbalance=split.imbalance)
 
 
 def _steady_bubble(timeline: list[list[Interval]], steps: list[int]) -> float:
