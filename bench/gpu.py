@@ -14,8 +14,10 @@ error, a hang) becomes a row of the table and the other parts still run.
 
 1. **A stage as the executor runs it, against the plain model** (smollm2-360m; moe-2b and moe-10b cut to 4 layers;
    bf16 autocast over fp32 master weights, as ``training.bf16``). The stage is ``partition_model(model, 1)[0]``,
-   run as ``PipelineEngine._forward`` does: ``functional_call(stage, compute, (ids,), {"labels": ids},
-   strict=False)`` on a weight version (``Versions.compute_for``: the linear weights and the MoE expert stacks as
+   run as ``PipelineEngine._forward`` does: the stage's modules pointed at a weight version once per round
+   (``_reparametrize_module(stage, compute)``, ``PipelineEngine._bind``), then ``stage(ids, labels=ids)``; the
+   backward adds the bf16 weight gradients into the fp32 ones in place from the second microbatch on
+   (``Versions.add_in_place``) -- on a weight version (``Versions.compute_for``: the linear weights and the MoE expert stacks as
    the version's bf16 copies, made once, ``find_casts``, ``Versions.use_bf16``; their gradients reach fp32 leaves)
    under ``hf_asyncpp.engine.autocast``
    (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of stage 0
@@ -426,6 +428,7 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
 
 def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, notes: list) -> dict:
     from torch.func import functional_call
+    from torch.nn.utils.stateless import _reparametrize_module
 
     from hf_asyncpp.config.recipe import ModelConfig
     from hf_asyncpp.engine import autocast
@@ -472,12 +475,17 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
 
     def stage_round():  # as PipelineEngine: k forwards (F), then k backwards (B), the loss / m on the last stage
         losses = []
-        for i in range(k):
-            ids = batch[i].to(device, non_blocking=True)
-            with autocast(True):
-                losses.append(functional_call(stage, compute, (ids,), {"labels": ids}, strict=False))
-        for loss in losses:
-            (loss / k).backward()
+        with _reparametrize_module(stage, compute, tie_weights=True, strict=False):  # once per version (_bind)
+            for i in range(k):
+                ids = batch[i].to(device, non_blocking=True)
+                with autocast(True):
+                    losses.append(stage(ids, labels=ids))
+            versions.add_in_place.on = True  # no reducer hooks here (one replica)
+            try:
+                for loss in losses:
+                    (loss / k).backward()
+            finally:
+                versions.add_in_place.on = False
         for leaf in leaves.values():  # REDUCE takes the gradients away
             leaf.grad = None
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["WorkerError", "free_port", "run_workers", "stage_memory_report", "HostOps", "host_ops_per_step",
-           "micro_stage_recipe"]
+           "plain_ops_per_microbatch", "micro_stage_recipe"]
 
 
 class WorkerError(RuntimeError):
@@ -212,14 +212,52 @@ def host_ops_per_step(rank: int, world: int, recipe: dict, warmup: int = 2, step
     eng.train_steps(batches(warmup), 0)
     mode = HostOps()
     mode.watch(eng)
+    swaps = eng.weight_swaps
     with mode:
         eng.train_steps(batches(steps), warmup)
     groups = eng.optimizer.param_groups
     tensors = {"muon": sum(len(gr["params"]) for gr in groups if gr.get("use_muon")),
                "adamw": sum(len(gr["params"]) for gr in groups if not gr.get("use_muon"))}
+    swaps = (eng.weight_swaps - swaps) / steps
     eng.close()
     return {"actions": mode.per_call(), "reads_per_step": {k: v / steps for k, v in mode.reads.items()},
-            "tensors": tensors, "steps": steps}
+            "tensors": tensors, "steps": steps, "weight_swaps_per_step": swaps}
+
+
+def plain_ops_per_microbatch(rank: int, world: int, recipe: dict, bf16_weights: bool, microbatches: int = 4) -> dict:
+    """What the host dispatches for one microbatch's forward and backward of the recipe's model as plain
+    transformers trains it, for :func:`host_ops_per_step`'s stage to be measured against: the whole model (the
+    stage's layout when it is one stage), loss from ``labels``, gradients accumulated over ``microbatches``.
+    ``bf16_weights`` False: fp32 weights under bf16 autocast, the stage's numerics under ``training.bf16`` (its
+    bf16 weight versions give autocast's casts bit for bit); True: bf16 weights without autocast, the eager ideal
+    (other numerics: norms, softmax and gradient sums in bf16). {"F": {"ops", "launching"}, "B": {...}}."""
+    from .config.recipe import recipe_from_dict
+    from .model.build import build_model
+
+    r = recipe_from_dict(recipe)
+    torch.manual_seed(0)
+    model = build_model(r.model).train()
+    model.config.use_cache = False  # as the stage runs: no cache built in training
+    if bf16_weights:
+        model.to(torch.bfloat16)
+    p = r.pipeline
+    ids = torch.randint(0, model.config.vocab_size, (p.microbatch_size, r.data.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=not bf16_weights):
+            return model(ids, labels=ids).loss / microbatches
+
+    forward().backward()  # warm-up: every gradient exists, later microbatches accumulate
+    mode = HostOps()
+    for _ in range(microbatches):
+        mode.label = "F"
+        with mode:
+            loss = forward()
+        mode.label = "B"
+        with mode:
+            loss.backward()
+    return {k: {"ops": mode.ops[k] / microbatches, "launching": mode.launching[k] / microbatches} for k in ("F", "B")}
 
 
 MICRO = {"hidden_size": 24, "intermediate_size": 64, "num_attention_heads": 3, "num_key_value_heads": 1,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_asyncpp.testing import host_ops_per_step, micro_stage_recipe, run_workers
+from hf_asyncpp.testing import host_ops_per_step, micro_stage_recipe, plain_ops_per_microbatch, run_workers
 
 SMOLLM2 = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-360m.yaml"
 
@@ -26,11 +26,24 @@ def test_the_optimizer_step_is_a_handful_of_kernels_whatever_the_depth(counts):
     assert step["launching"] - shallow["actions"]["STEP"]["launching"] <= 4, (step, shallow["actions"]["STEP"])
 
 
-def test_forward_and_backward_dispatch_no_more_than_before(counts):
-    """Per microbatch, F and B as the stage's code dispatched them before the batched step (the plain HF model's
-    counts within 1% and 8%, shared/reviews/gpu.md §1.3): what this issue's later parts must lower, never raise."""
+def test_forward_and_backward_dispatch_no_more_than_the_plain_model(counts):
+    """Per microbatch, F and B dispatch no more ops, and launch no more kernels, than transformers' own model of the
+    same layout trained at the same precision (fp32 weights under bf16 autocast: the stage's numerics, bit for bit),
+    measured here side by side. The stage's bf16 copies are made once per version, not cast per microbatch, and from
+    a step's second microbatch on its bf16 weight gradients are added into the fp32 ones in place (no cast, no fp32
+    temporary). Was F 2,793.5 and B 5,063 against the plain model's 2,819 and 5,062."""
+    plain = run_workers(plain_ops_per_microbatch, 1, micro_stage_recipe(SMOLLM2), False)[0]
     actions = counts[32]["actions"]
-    assert actions["F"]["ops"] <= 2793.5 and actions["B"]["ops"] <= 5063, actions
+    for kind in ("F", "B"):
+        assert actions[kind]["ops"] <= plain[kind]["ops"], (kind, actions[kind], plain[kind])
+        assert actions[kind]["launching"] <= plain[kind]["launching"], (kind, actions[kind], plain[kind])
+    assert actions["B"]["ops"] <= 0.97 * 5063, actions["B"]  # the in-place accumulation's share
+
+
+def test_the_weights_are_swapped_once_per_step_not_per_microbatch(counts):
+    """The stage's modules are pointed at a version's weights when the version changes (once per step here: 2BW,
+    one stage), not by a ``functional_call`` per microbatch (4 per step, 1.7 ms of host each for 290 tensors)."""
+    assert counts[32]["weight_swaps_per_step"] == 1, counts[32]
 
 
 def test_a_step_reads_nothing_back_from_the_device(counts):

@@ -31,16 +31,24 @@ class AuxLoss:
         return prob, torch.zeros(self.num_experts + 1, dtype=torch.int64, device=device)
 
     def accumulate(self, prob_sum, counts, logits_list):
-        """Add router logits to (probability sums (E,), [assignment counts (E,), rows]) in transformers' order."""
-        E = self.num_experts
+        """Add router logits to (probability sums (E,), [assignment counts (E,), rows]) in transformers' order.
+
+        One router call at a time, so the probability sums are added in the same order whatever the split (a stage
+        boundary between two layers changes no bit); the integer counts are exact in any order, so each call adds
+        its top-k hits with one out-of-place ``scatter_add`` and the rows are added once at the end (a layer costs
+        one op for its counts, not seven)."""
+        E, rows, ones = self.num_experts, 0, None
         for logits in logits_list:
             weights = torch.nn.functional.softmax(logits.to(prob_sum.device), dim=-1)
             _, selected = torch.topk(weights, self.top_k, dim=-1)
             sel = selected.reshape(-1)
-            hits = torch.zeros(E + 1, dtype=torch.int64, device=counts.device).scatter_add_(0, sel, torch.ones_like(sel))
-            hits[E] = weights.shape[0]
-            counts = counts + hits
+            if ones is None or ones.shape != sel.shape:
+                ones = torch.ones_like(sel)
+            counts = counts.scatter_add(0, sel, ones)
+            rows += weights.shape[0]
             prob_sum = prob_sum + weights.float().sum(dim=0)
+        if rows:
+            counts.select(0, E).add_(rows)  # in the tensor this call's scatter_add made, not the one received
         return prob_sum, counts
 
     def loss(self, prob_sum, counts) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +35,6 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import supervision
@@ -168,6 +167,12 @@ class PipelineEngine:
         # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of
         # each in-flight microbatch holding autocast's own (versions.py); False keeps autocast's per-microbatch casts
         self.bf16_versions = recipe.training.bf16
+        # the weights the stage's modules read now: one version's (``_bind``), swapped in when a forward (or a
+        # recomputing backward) needs another version, not per microbatch; swapped out before a step's result goes
+        # to the caller and when a window ends, so nothing outside the actions sees them
+        self._bound: dict[str, torch.Tensor] | None = None
+        self._binding = ExitStack()
+        self.weight_swaps = 0  # times the stage's modules were pointed at another version's weights (_bind)
         # on CUDA, F/B/STEP run asynchronously: their time is the GPU's, read from events (the profile would
         # otherwise show launch times and put the GPU time into the receives)
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
@@ -206,6 +211,12 @@ class PipelineEngine:
         self.stopped = False
         self._use_timeouts(first_step=True)  # until this rank's first STEP of the stream
         actions = self._window_actions(w, num_steps)
+        try:
+            yield from self._run_window(w, actions)
+        finally:
+            self._unbind()
+
+    def _run_window(self, w: _Window, actions: Iterator[Action]) -> Iterator[StepResult]:
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
         reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
         clock = time.perf_counter
@@ -225,7 +236,11 @@ class PipelineEngine:
             if reducing:  # issue a reduction's next phase once the previous one has completed
                 reducer.poll()
             if pending:
-                yield from self.reports.ready()
+                ready = self.reports.ready()
+                if ready:
+                    self._unbind()
+                    yield from ready
+        self._unbind()
         self.p2p.drain()
         self.versions.check_released()
         self.versions.settle()
@@ -331,21 +346,26 @@ class PipelineEngine:
     def _do_backward_input(self, a: Action, w: _Window) -> None:
         """I: the input gradient of (k, i) only, for its SEND_GRAD; the weight gradient waits for its W."""
         mb = w.micro[(a.step, a.microbatch)]
-        with self._parametrized(mb):
-            self._backward_input(mb, w.m)
+        self._recompute_from(mb)
+        self._backward_input(mb, w.m)
 
     def _do_backward(self, a: Action, w: _Window) -> None:
         """B, or the W that completes a split backward: the microbatch's weight gradient, accumulated."""
         mb = w.micro[(a.step, a.microbatch)]
         done = w.backwards.get(a.step, 0)
         last = done == w.m - 1
-        if last and a.type == T.B:  # the step's gradients become final during this backward: its reduction may
-            self.reducer.arm(a.step, self.versions.leaves_for(mb.version))  # start inside it (a W sets .grad itself)
-        with self._parametrized(mb):
-            if a.type == T.W:
-                self._backward_weight(mb)
-            else:
+        # the step's gradients become final during its last B: its reduction may start inside it, from hooks on the
+        # leaves' accumulation (a W sets .grad itself: reduced at REDUCE)
+        hooked = last and a.type == T.B and self.reducer.arm(a.step, self.versions.leaves_for(mb.version))
+        self._recompute_from(mb)
+        if a.type == T.W:  # torch's stage_backward_weight takes each gradient from autograd: none added in place
+            self._backward_weight(mb)
+        else:
+            self.versions.add_in_place.on = not hooked
+            try:
                 self._backward_pass(mb, w.m)
+            finally:
+                self.versions.add_in_place.on = False
         if last:
             w.backwards.pop(a.step, None)
             self.reducer.after_backward()
@@ -459,10 +479,10 @@ class PipelineEngine:
         kwargs = {"labels": ids} if self.last and ids is not None else None
         if self.bf16_versions and self.versions.cast is None:
             self.versions.use_bf16(find_casts(self.stage, self.versions.leaves_for(micro.version), arg, kwargs))
-        leaves = self.versions.compute_for(micro.version)
+        self._bind(micro.version)
         if not self.track_memory:
             with autocast(self.recipe.training.bf16):
-                return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+                return self.stage(arg, **(kwargs or {}))
         weights = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
         seen: set = set()
 
@@ -479,18 +499,37 @@ class PipelineEngine:
         hooks = checkpoint_input_hooks(self.stage, pack) if self.recipe.training.gradient_checkpointing else []
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
-                return functional_call(self.stage, leaves, (arg,), kwargs, strict=False)
+                return self.stage(arg, **(kwargs or {}))
         finally:
             for h in hooks:
                 h.remove()
 
-    def _parametrized(self, micro: _Micro):
-        """Where a backward runs: with activation checkpointing the layers recompute their forward inside it, from
-        the stage's parameters as they are then, so those are the microbatch's own version's leaves, as in its
-        forward (the Parameters may hold a newer version by now: 2BW, PipeDream)."""
+    def _bind(self, version: int) -> None:
+        """Make the stage's modules read ``version``'s weights (its leaves, and the bf16 copies of the names held in
+        bf16) until :meth:`_unbind`: the swap ``functional_call`` makes per call (every parameter of the stage set
+        and restored, about 1.7 ms of host for 290 tensors), made here only when the version changes, about once
+        per step, not once per microbatch. Keyed on the version's tensors, not its number: a cast decision or a
+        checkpoint load rebuilds them."""
+        weights = self.versions.compute_for(version)
+        if weights is self._bound:
+            return
+        self._unbind()
+        self._binding.enter_context(_reparametrize_module(self.stage, weights, tie_weights=True, strict=False))
+        self._bound = weights
+        self.weight_swaps += 1
+
+    def _unbind(self) -> None:
+        """The stage's own Parameters back in its modules (a checkpoint, an export or an evaluation reads them)."""
+        if self._bound is not None:
+            self._bound = None
+            self._binding.close()
+
+    def _recompute_from(self, micro: _Micro) -> None:
+        """Before a backward: with activation checkpointing the layers recompute their forward inside it, from the
+        weights the stage's modules read then, so those must be the microbatch's own version's, as in its forward
+        (the newest may be another by now: 2BW, PipeDream)."""
         if self.recipe.training.gradient_checkpointing:
-            return _reparametrize_module(self.stage, self.versions.compute_for(micro.version), tie_weights=True)
-        return nullcontext()
+            self._bind(micro.version)
 
     def _roots(self, micro: _Micro, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(tensors, their gradients) a microbatch's backward starts from: the loss, or the outputs the next stage

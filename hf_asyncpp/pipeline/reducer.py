@@ -88,19 +88,21 @@ class Reducer:
         self.owner_of = owner_of if groups.dp is not None else None
 
     # ------------------------------------------------------------------ the executor's calls
-    def arm(self, key: int, leaves: dict[str, torch.Tensor]) -> None:
+    def arm(self, key: int, leaves: dict[str, torch.Tensor]) -> bool:
         """Step ``key``'s last backward on this stage is next: launch each data-parallel bucket as soon as its
-        gradients are final (no-op without data parallelism)."""
+        gradients are final (no-op without data parallelism). True when it hooked the leaves' accumulation (the
+        backward must then accumulate through autograd, where the hooks fire)."""
         some = next(iter(leaves.values()))
         # gloo on CPU: the hooks run on this thread and issue the all-reduce; NCCL on CUDA: events, issued after
         # backward; gloo with CUDA tensors (stages sharing a GPU): at submit, as without arming
         if self.groups.dp is None or (some.is_cuda and not self._stream(leaves)):
-            return
+            return False
         early = self.early = self._plan(key, leaves)
         for n, leaf in leaves.items():
             if leaf.requires_grad:
                 early.handles.append(leaf.register_post_accumulate_grad_hook(
                     lambda t, n=n: self._accumulated(early, n)))
+        return True
 
     def _plan(self, key: int, tensors: dict[str, torch.Tensor]) -> _Early:
         """Step ``key``'s data-parallel buckets, last parameters first (backward finishes them first)."""

@@ -2,8 +2,9 @@
 
 The optimizer owns the stage's ``nn.Parameter``s, whose storage always holds the newest version. Forward passes
 never use those Parameters directly: each version gets its own leaf tensors sharing storage with a version buffer,
-and the executor runs the stage on them with ``functional_call``, so an update never touches a tensor that an
-in-flight microbatch saved for its backward. A buffer is reused as soon as its version has no microbatch in
+and the executor points the stage's modules at them (``PipelineEngine._bind``: when the version a forward needs
+changes, not per microbatch), so an update never touches a tensor that an in-flight microbatch saved for its
+backward. A buffer is reused as soon as its version has no microbatch in
 flight and no future forward needs it (``lag`` = the schedule record's ``lag``): 1 buffer for GPipe/1F1B (updates
 in place), 2 for 2BW (the version in use and the one the next STEP writes), up to p at stage 0 for PipeDream.
 
@@ -18,8 +19,10 @@ a version holds the weights autocast casts (``autocast_casts``: found on the sta
 made once when the STEP writes the version (``finish_update``); the fp32 master is the optimizer's Parameter,
 updated in place. The forward reads the bf16 copy through :class:`_Bf16Weight`, whose backward hands the gradient
 to an fp32 leaf as autocast's cast does (bf16 -> fp32, accumulated in fp32 over the step's microbatches), so the
-numbers are autocast's bit for bit. The leaf is an expanded fp32 scalar: it has a full-size fp32 ``.grad`` and
-holds no weights. A weight autocast uses both cast and uncast (a tied embedding and head on one stage) stays fp32.
+numbers are autocast's bit for bit; from a step's second microbatch on the backward adds the bf16 gradient into
+the leaf's fp32 ``.grad`` in place (no cast, no fp32 temporary; the same bits). The leaf is an expanded fp32 scalar
+(one zero per version, expanded to each shape): it has a full-size fp32 ``.grad`` and holds no weights. A weight
+autocast uses both cast and uncast (a tied embedding and head on one stage) stays fp32.
 A mixture-of-experts layer's 3-D expert stacks (:func:`expert_stacks`) are held in bf16 too, like every other matrix:
 autocast never casts a stack whole (the eager experts loop casts one expert's slice per matmul, per microbatch;
 transformers' grouped GEMM is not autocast's and ran in fp32 on fp32 stacks). Slicing the bf16 copy gives autocast's
@@ -33,16 +36,36 @@ from torch.func import functional_call
 from ..engine import autocast
 
 
+class Switch:
+    """A flag the executor sets while autograd runs (a plain object: an autograd node may hold it)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
 class _Bf16Weight(torch.autograd.Function):
-    """The forward reads ``w16`` (a version's bf16 copy); the backward sends the gradient, as fp32, to ``sink``."""
+    """The forward reads ``w16`` (a version's bf16 copy); the backward sends the gradient, as fp32, to ``sink``.
+
+    Once ``sink`` has a gradient and ``add_in_place`` is on (no hook waits on the leaf's accumulation: the reducer
+    hooks only the step's last backward), the backward adds the bf16 gradient into that fp32 ``.grad`` itself: one
+    mixed-dtype ``add_`` instead of autocast's cast (an fp32 temporary) and autograd's add, the same bits (bf16
+    widens to fp32 exactly, the sum is an fp32 add either way). Megatron's gradient-accumulation fusion, without a
+    rewritten GEMM."""
 
     @staticmethod
-    def forward(ctx, sink: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, sink: torch.Tensor, w16: torch.Tensor, add_in_place: "Switch") -> torch.Tensor:
+        ctx.sink, ctx.add_in_place = sink, add_in_place  # not the Versions: its compute dict holds this node
         return w16.view_as(w16)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.to(torch.float32), None
+        acc = ctx.sink.grad
+        if acc is not None and ctx.add_in_place.on:
+            acc.add_(grad)
+            return None, None, None
+        return grad.to(torch.float32), None, None
 
 
 def leaf_readers(outputs, leaves: dict[str, torch.Tensor]) -> dict[str, set[str]]:
@@ -141,6 +164,7 @@ class Versions:
         self.cast: set[str] | None = None  # names held per version in bf16 (None: not decided yet, fp32 everywhere)
         self.compute: dict[int, dict[str, torch.Tensor]] = {}  # version -> what its forward reads
         self.pending: dict[int, object] = {}  # version -> what must run before its first use (ZeRO-1's broadcast)
+        self.add_in_place = Switch()  # on: a backward adds bf16 gradients into the leaves' fp32 .grad (_Bf16Weight)
         self.peak_bytes = self.nbytes()
 
     def use_bf16(self, names: set[str]) -> None:
@@ -183,8 +207,16 @@ class Versions:
             raise RuntimeError(f"weight version {v} is not held (held: {sorted(self.buffers)}, latest {self.latest})")
         if v not in self.leaves:
             cast = self.cast or ()
-            self.leaves[v] = {n: torch.zeros((), dtype=self.params[n].dtype, device=b.device).expand(b.shape).requires_grad_()
-                              if n in cast else b.detach().requires_grad_() for n, b in self.buffers[v].items()}
+            zero: dict[tuple, torch.Tensor] = {}  # one scalar per (dtype, device) that every bf16-held leaf expands
+
+            def leaf(n: str, b: torch.Tensor) -> torch.Tensor:
+                if n not in cast:
+                    return b.detach().requires_grad_()
+                key = (self.params[n].dtype, b.device)
+                if key not in zero:
+                    zero[key] = torch.zeros((), dtype=key[0], device=key[1])
+                return zero[key].expand(b.shape).requires_grad_()
+            self.leaves[v] = {n: leaf(n, b) for n, b in self.buffers[v].items()}
         return self.leaves[v]
 
     def compute_for(self, v: int) -> dict[str, torch.Tensor]:
@@ -195,7 +227,8 @@ class Versions:
             return leaves
         if v not in self.compute:
             buf = self.buffers[v]
-            self.compute[v] = {n: _Bf16Weight.apply(t, buf[n]) if n in self.cast else t for n, t in leaves.items()}
+            self.compute[v] = {n: _Bf16Weight.apply(t, buf[n], self.add_in_place) if n in self.cast else t
+                               for n, t in leaves.items()}
         return self.compute[v]
 
     def _needed(self, v: int, latest: int) -> bool:
