@@ -24,8 +24,8 @@ def tiny():
 
 def test_every_part_ran(tiny):
     res = tiny["results"]
-    assert set(res) == {1, 2, 3, 4}
-    for part in (1, 2, 3):
+    assert set(res) == {1, 2, 3, 4, 5}
+    for part in (1, 2, 3, 5):
         assert "error" not in res[part], res[part]
     assert "CUDA" in res[4]["skipped"]
 
@@ -42,7 +42,12 @@ def test_part1_stage_vs_plain_rows(tiny):
     for r in rows:
         assert "error" not in r, r
         by_model.setdefault(r["model"], []).append(r)
-    assert set(by_model) == {"tiny llama", "tiny qwen3_moe"}
+    assert set(by_model) == {"tiny llama stage 0 of 2", "tiny llama", "tiny qwen3_moe"}
+    # the recipe's own stage: a pipeline's first stage, its hidden states go on; what multiplies there is its layer
+    # (1 of the 2), not the embedding or the head, and the plain model is the base model with as many layers
+    stage0, whole = by_model["tiny llama stage 0 of 2"][0], by_model["tiny llama"][0]
+    assert 0.3 * whole["active"] < stage0["active"] < 0.6 * whole["active"], (stage0["active"], whole["active"])
+    assert stage0["attention_flops"] == whole["attention_flops"] / 2
     for model, rs in by_model.items():
         measured = [r for r in rs if not r.get("plain_only")]
         assert any("compile" in r for r in measured), f"{model}: no compiled variant"
@@ -88,6 +93,13 @@ def test_part3_per_action_overhead(tiny):
     # torch's fused AdamW reads its step counters from host memory (on CUDA it reads them on the device)
     assert res["sources"] == [], res["sources"]
     assert res["item_per_step"] >= 0
+    # the unprofiled steps: their wall time; the event spans' share needs CUDA (None on CPU)
+    assert res["unprofiled"]["wall_ms_per_step"] > 0 and res["unprofiled"]["event_busy"] is None
+
+
+def test_part5_plan_measures_f_i_w_on_the_device(tiny):
+    text = tiny["results"][5]["text"]
+    assert "measured on cpu" in text and " zbh1:" in text and " I [" in text and " W [" in text, text[-2000:]
 
 
 def test_report_names_every_part(tiny):

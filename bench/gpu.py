@@ -4,7 +4,7 @@ memory model holds there, what the executor adds per action, and whether the red
     python -m bench.gpu [--write]          # one H100/H200, no network; sized for under 10 minutes
     python -m bench.gpu --cpu-tiny         # the same code paths at a tiny size on CPU (automatic without CUDA;
                                            # bench/check_gpu.py runs it, a minute or two)
-    python -m bench.gpu --parts 1,4 --models smollm2-360m   # a subset
+    python -m bench.gpu --parts 1,4 --models smollm2-360m-stage0   # a subset
 
 Models are built from recipe configs (``AutoConfig.for_model``, random weights) and fed random token ids, so
 nothing is downloaded; ``datasets``/``evaluate`` are never imported (the GPU image lacks them; every part's process
@@ -12,8 +12,13 @@ reports whether it imported them, and the output warns if one did). Every part r
 a time limit (``TIMEOUTS`` on a GPU; on CPU only a hang guard, ``CPU_HANG_GUARD_S``): a failure (an OOM, a compile
 error, a hang) becomes a row of the table and the other parts still run.
 
-1. **A stage as the executor runs it, against the plain model** (smollm2-360m; moe-2b and moe-10b cut to 4 layers;
-   bf16 autocast over fp32 master weights, as ``training.bf16``). The stage is ``partition_model(model, 1)[0]``,
+1. **A stage as the executor runs it, against the plain model** (the fair shape first: stage 0 of smollm2-360m's
+   4 stages -- its embedding and 9 layers -- at the recipe's 16 x 2048 with the 4 microbatches 2BW keeps in flight
+   there, against transformers' base model with 9 layers run to its hidden states, both backwards from a gradient
+   as the next stage sends it; then moe-2b and moe-10b cut to 4 layers as one stage; the whole smollm2-360m as one
+   stage only with ``--models smollm2-360m``: at a halved microbatch it is host-bound for the plain model too;
+   bf16 autocast over fp32 master weights, as ``training.bf16``). A whole model's stage is
+   ``partition_model(model, 1)[0]``,
    run as ``PipelineEngine._forward`` does: the stage's modules pointed at a weight version once per round
    (``_reparametrize_module(stage, compute)``, ``PipelineEngine._bind``), then ``stage(ids, labels=ids)``; the
    backward adds the bf16 weight gradients into the fp32 ones in place from the second microbatch on
@@ -52,8 +57,10 @@ error, a hang) becomes a row of the table and the other parts still run.
    ``torch.cuda.max_memory_allocated`` against ``plan_memory(recipe)`` (``pipeline/planner.py``) term by term
    (weights, gradients, optimizer, EF, activations). Why: the planner decides what fits on GPUs
    (``hf-asyncpp plan``); its activation model was calibrated on CPU only.
-3. **Executor overhead per action and host syncs per step** (``torch.profiler``) on a 1-stage run of the
-   smollm2-360m shape: every action is wrapped in a ``record_function``; per action kind the host time against
+3. **Executor overhead per action and host syncs per step** on a 1-stage run of the smollm2-360m shape (layers
+   compiled where ``training.torch_compile`` defaults to it, on CUDA). First without the profiler: the step's wall
+   time and the share of it the device actions' CUDA event spans cover (the engine's own ``GpuTimer``: is the GPU
+   left waiting between actions). Then under ``torch.profiler``: every action is wrapped in a ``record_function``; per action kind the host time against
    the GPU time of the kernels it launched, the loop's own time between actions, the GPU's busy share, and per
    step the ``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls, the device-to-host
    copies and the ``aten::_local_scalar_dense`` calls (``.item()``/``float()``, the sources of host syncs), each
@@ -66,6 +73,10 @@ error, a hang) becomes a row of the table and the other parts still run.
    slow all-reduce: on the reducer's side stream the compute throughput must equal the one without the delay;
    the same delay on the compute stream (what a synchronous collective on the default stream did) lowers it.
    Skipped on CPU (it needs CUDA streams).
+5. **F, I and W per layer on the device** (``hf-asyncpp plan recipes/smollm2-360m.yaml --measure``; cpu-tiny on
+   CPU): each layer's forward, input-gradient and weight-gradient passes timed apart, and 2BW, 1F1B, ZB-H1 and
+   GPipe simulated on those costs. Why: whether ZB-H1's split backward pays where F, I and W cost what a GPU makes
+   them cost (on CPU the split costs about what the bubble saves).
 
 ``--write`` replaces the ``gpu`` section of docs/benchmarks/gpu.md (device, torch and transformers versions,
 command); it refuses a CPU run, whose numbers would replace the GPU ones.
@@ -90,7 +101,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {1: "stage vs plain", 2: "2 stages, memory vs planner", 3: "per-action overhead and host syncs",
-         4: "reducer vs compute stream"}
+         4: "reducer vs compute stream", 5: "F, I and W per layer: the planner's schedules on measured costs"}
 # dense bf16 peak TFLOP/s by device name (first match wins: the PCIe and NVL H100s are slower than the SXM one)
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
                ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0)]
@@ -132,12 +143,25 @@ def inflight(schedule: str, p: int, m: int, extra: int = 0, stage: int = 0) -> i
 
 
 def part1_specs(cpu: bool, only: set | None) -> list[dict]:
+    """The models part 1 measures. First the recipe's own stage (``stage``: (stages, index)): stage 0 of
+    smollm2-360m's 4 at the recipe's 16 x 2048 with the k microbatches it holds, the shape a user's GPU runs (its
+    embedding and first layers; the plain model at the same shape is transformers' base model with as many layers,
+    its final norm the only extra); then whole models as one stage."""
     if cpu:
         k = inflight("2bw", 2, 4)
-        specs = [dict(name="tiny llama", config=TINY_LLAMA, mbs=2, seq=32, k=k, k_from="stage 0 of 2, 2bw, m=4"),
+        specs = [dict(name="tiny llama stage 0 of 2", key="stage", config=TINY_LLAMA, mbs=2, seq=32, k=k,
+                      k_from="stage 0 of 2, 2bw, m=4", stage=(2, 0)),
+                 dict(name="tiny llama", config=TINY_LLAMA, mbs=2, seq=32, k=k, k_from="stage 0 of 2, 2bw, m=4"),
                  dict(name="tiny qwen3_moe", config=TINY_MOE, mbs=2, seq=32, k=k, k_from="stage 0 of 2, 2bw, m=4")]
     else:
-        specs = []
+        r = recipe_yaml("smollm2-360m")
+        pl = r["pipeline"]
+        p, m, ew = pl["num_stages"], pl["num_microbatches"], pl.get("extra_warmup", 0)
+        ckpt = r.get("training", {}).get("gradient_checkpointing", False)
+        specs = [dict(name=f"smollm2-360m stage 0 of {p}", key="smollm2-360m-stage0", config=dict(r["model"]["config"]),
+                      mbs=pl["microbatch_size"], seq=r["data"]["seq_len"], k=inflight(pl["schedule"], p, m, ew),
+                      k_from=f"stage 0 of smollm2-360m's {p}-stage {pl['schedule']}, m={m}, the recipe's activation "
+                             f"checkpointing {'on' if ckpt else 'off'}", stage=(p, 0), checkpointing=ckpt)]
         for rname, layers in (("smollm2-360m", None), ("moe-2b", 4), ("moe-10b", 4)):
             r = recipe_yaml(rname)
             cfg = dict(r["model"]["config"])
@@ -147,8 +171,13 @@ def part1_specs(cpu: bool, only: set | None) -> list[dict]:
             p, m, ew = pl["num_stages"], pl["num_microbatches"], pl.get("extra_warmup", 0)
             specs.append(dict(name=rname + (f" ({layers} layers)" if layers else ""), key=rname, config=cfg,
                               mbs=pl["microbatch_size"], seq=r["data"]["seq_len"], k=inflight(pl["schedule"], p, m, ew),
-                              k_from=f"stage 0 of {rname}'s {p}-stage {pl['schedule']}, m={m}"))
-    return [s for s in specs if not only or s.get("key", s["name"]) in only or s["name"] in only]
+                              k_from=f"stage 0 of {rname}'s {p}-stage {pl['schedule']}, m={m}",
+                              # the whole 32 layers at a halved microbatch: host-bound for the plain model too (the
+                              # 2026-11-26 run), so only when named; the recipe's stage 0 is the fair shape
+                              optional=rname == "smollm2-360m"))
+    if not only:
+        return [s for s in specs if not s.get("optional")]
+    return [s for s in specs if s.get("key", s["name"]) in only or s["name"] in only]
 
 
 def part2_recipe(cpu: bool, mbs: int | None) -> dict:
@@ -417,9 +446,19 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
     kw = dict(spec["config"])
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    per_token = activation_values_per_token(config, list(range(config.num_hidden_layers)), last=True) * 2 * 2
-    cap = 0.7 * torch.cuda.get_device_properties(device).total_memory
+        meta = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in meta.parameters())
+    if spec.get("stage"):  # a pipeline stage: the planner's own figure for it (within 1% of a GPU's, benchmarks §4)
+        from hf_asyncpp.partition import partition_model
+
+        p, index = spec["stage"]
+        layers = list(partition_model(meta, p, seq_len=spec["seq"])[index].layer_ids)
+        per_token = activation_values_per_token(config, layers, last=index == p - 1,
+                                                checkpointed=bool(spec.get("checkpointing"))) * 2
+        cap = 0.9 * torch.cuda.get_device_properties(device).total_memory
+    else:  # a whole model: x 2 for what the planner leaves out (fp32 expert GEMMs, the loss's fp32 logits)
+        per_token = activation_values_per_token(config, list(range(config.num_hidden_layers)), last=True) * 2 * 2
+        cap = 0.7 * torch.cuda.get_device_properties(device).total_memory
     mbs = spec["mbs"]
     while mbs > 1 and 12 * n + spec["k"] * mbs * spec["seq"] * per_token > cap:  # 2 models, 1 gradient set
         mbs //= 2
@@ -432,28 +471,41 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
 
     from hf_asyncpp.config.recipe import ModelConfig
     from hf_asyncpp.engine import autocast
-    from hf_asyncpp.model.build import build_model
+    from hf_asyncpp.model.build import build_model, enable_activation_checkpointing
     from hf_asyncpp.partition import partition_model
-    from hf_asyncpp.partition.plan import get_module
+    from hf_asyncpp.partition.plan import anatomy, get_module
     from hf_asyncpp.pipeline.versions import Versions, expert_stacks, find_casts
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one entry per layer wrapper
 
-    def build():  # fp32 masters, as the trainer's
+    def build(layers: int | None = None):  # fp32 masters, as the trainer's
         torch.manual_seed(0)
-        return build_model(ModelConfig(config=dict(spec["config"])), device=device).train()
+        config = dict(spec["config"], **({"num_hidden_layers": layers} if layers else {}))
+        return build_model(ModelConfig(config=config), device=device).train()
 
     # Two models with the same weights: the stage's is only ever run as a stage, as in the executor. (A plain forward
     # leaves transformers' output-recorder hooks on the router modules, which a stage shares; under torch.compile
-    # their ContextVar.get breaks the graph.)
-    staged, model = build(), build()
+    # their ContextVar.get breaks the graph.) A stage of a pipeline (``spec["stage"]``): the plain model is
+    # transformers' base model with the stage's layers, run to its hidden states, the backward from a gradient as
+    # the next stage would send it
+    where = spec.get("stage")
+    staged = build()
+    if spec.get("checkpointing"):
+        enable_activation_checkpointing(staged)  # before partitioning, as PipelineEngine
+    stage = partition_model(staged, where[0] if where else 1, seq_len=spec["seq"])[where[1] if where else 0]
+    middle = where is not None and where[1] < where[0] - 1  # no loss here: hidden states go on
+    model = build(len(stage.layer_ids) if where else None)
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable()
     cfg, seq, k = model.config, spec["seq"], spec["k"]
     default_experts = getattr(cfg, "_experts_implementation", None)
     is_moe = ".experts." in "".join(f".{n}." for n, _ in model.named_parameters())
-    stage = partition_model(staged, 1, seq_len=seq)[0]
     versions = Versions(dict(stage.named_parameters()), lag=1)
     n_total, n_active = active_params(model)
+    if middle:  # what multiplies on the stage: its layers (the embedding is a lookup, the head is elsewhere)
+        n_total = sum(t.numel() for t in stage.parameters())
+        n_active = float(sum(t.numel() for t in get_module(model, anatomy(model).layers).parameters()))
     tokens = mbs * seq
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, cfg.vocab_size, (k, mbs, seq), generator=g)  # on the host, as the executor's batches
@@ -461,7 +513,8 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     # held by the version as one bf16 copy (find_casts, Versions.use_bf16, as PipelineEngine._forward); the forward
     # reads them, the gradients reach the fp32 leaves
     ids0 = batch[0].to(device)
-    casts = find_casts(stage, versions.leaves_for(0), ids0, {"labels": ids0})
+    labelled = lambda ids: None if middle else {"labels": ids}  # noqa: E731
+    casts = find_casts(stage, versions.leaves_for(0), ids0, labelled(ids0))
     versions.use_bf16(casts)
     leaves, compute = versions.leaves_for(0), versions.compute_for(0)
     stacks = len(casts & expert_stacks(stage))
@@ -473,17 +526,27 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
         with autocast(True):
             functional_call(stage, compute, (ids0,), None, strict=False)
 
+    sent: dict = {}  # the gradients "the next stage" sends back, made once (the executor allocates none per round)
+
+    def from_next(outs: list) -> list:
+        if "stage" not in sent:
+            sent["stage"] = [torch.randn_like(o) for o in outs]
+        return sent["stage"]
+
     def stage_round():  # as PipelineEngine: k forwards (F), then k backwards (B), the loss / m on the last stage
-        losses = []
+        roots = []
         with _reparametrize_module(stage, compute, tie_weights=True, strict=False):  # once per version (_bind)
             for i in range(k):
                 ids = batch[i].to(device, non_blocking=True)
                 with autocast(True):
-                    losses.append(stage(ids, labels=ids))
+                    out = stage(ids, **(labelled(ids) or {}))
+                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                        if o.is_floating_point() and o.requires_grad]
+                roots.append((outs, from_next(outs)) if middle else ([out / k], None))
             versions.add_in_place.on = True  # no reducer hooks here (one replica)
             try:
-                for loss in losses:
-                    (loss / k).backward()
+                for outs, grads in roots:
+                    torch.autograd.backward(outs, grads)
             finally:
                 versions.add_in_place.on = False
         for leaf in leaves.values():  # REDUCE takes the gradients away
@@ -492,18 +555,20 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     def plain_round(m=model, cast=True):
         for i in range(k):
             ids = batch[i].to(device, non_blocking=True)
-            if cast:
-                with autocast(True):
-                    loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-            else:
-                loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-            (loss / k).backward()
+            with autocast(cast):
+                if middle:
+                    out = m.model(input_ids=ids, use_cache=False).last_hidden_state
+                else:
+                    out = m(input_ids=ids, labels=ids, use_cache=False).loss / k
+            if middle:
+                sent.setdefault(("plain", out.dtype), torch.randn_like(out))
+            out.backward(sent[("plain", out.dtype)] if middle else None)
         m.zero_grad(set_to_none=True)
 
     def plain_forward(m, cast):
         ids = batch[0].to(device)
         with autocast(cast):
-            m(input_ids=ids, use_cache=False)
+            (m.model if middle else m)(input_ids=ids, use_cache=False)
 
     def host_syncs(fn) -> int | None:
         """Synchronizing CUDA calls in one round, as torch's sync debug mode reports them (the calling thread's)."""
@@ -638,7 +703,7 @@ def _set_experts(model, impl: str) -> None:
 def run_part1(args, cpu: bool, info: dict) -> dict:
     specs = part1_specs(cpu, set(args.models.split(",")) if args.models else None)
     if not specs:
-        raise ValueError(f"--models {args.models}: no such model (smollm2-360m, moe-2b, moe-10b)")
+        raise ValueError(f"--models {args.models}: no such model (smollm2-360m-stage0, smollm2-360m, moe-2b, moe-10b)")
     rows, notes = [], []
     for group in ([specs] if cpu else [[s] for s in specs]):  # on a GPU each model in a fresh process
         payload = {"cpu": cpu, "threads": args.threads, "specs": group, "rounds": args.rounds,
@@ -844,6 +909,7 @@ def part3_worker(rank: int, world: int, payload: dict) -> dict:
     from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.model.build import build_model
     from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.pipeline.gpu_timer import DEVICE_TIMED
     from hf_asyncpp.topology import Topology
 
     r = recipe_from_dict(payload["recipe"])
@@ -861,6 +927,15 @@ def part3_worker(rank: int, world: int, payload: dict) -> dict:
     eng.train_steps(batches(2), 0)
     _sync(device)
     steps = payload["steps"]
+    # unprofiled first (the profiler doubles the host's time per op): the share of the wall time the device actions'
+    # CUDA event spans cover (the engine's own GpuTimer), i.e. the GPU is not left waiting between actions
+    before = {k: eng.action_seconds[k] for k in DEVICE_TIMED}
+    t0 = time.perf_counter()
+    eng.train_steps(batches(steps), 2)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    spans = sum(eng.action_seconds[k] - before[k] for k in DEVICE_TIMED)
+    first = 2 + steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     kw = {}
     try:
@@ -869,16 +944,18 @@ def part3_worker(rank: int, world: int, payload: dict) -> dict:
         pass
     with profile(activities=acts, **kw) as prof:
         with record_function("run"):
-            eng.train_steps(batches(steps), 2)
+            eng.train_steps(batches(steps), first)
         _sync(device)  # outside "run": not one of the executor's syncs
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         events = json.loads(Path(path).read_text())["traceEvents"]
     res = analyse_trace(events, steps, device.type == "cuda")
+    res["unprofiled"] = {"wall_ms_per_step": 1e3 * wall / steps,
+                         "event_busy": spans / wall if device.type == "cuda" else None}
     mode = sync_sources_mode()
     with mode:  # one more step, for where the syncs come from (this thread: not autograd's device thread)
-        eng.train_steps(batches(1), 2 + steps)
+        eng.train_steps(batches(1), first + steps)
     res["sources"] = sorted(([n, kind, where] for (kind, where), n in mode.found.items()), key=lambda x: -x[0])
     eng.close()
     return res
@@ -985,6 +1062,13 @@ def render_part3(res: dict, info: dict) -> list[str]:
             f"- per step: {res['syncs_per_step']:.1f} stream/device/event synchronizations, {res['d2h_per_step']:.1f} "
             f"device-to-host copies, {res['item_per_step']:.1f} .item()/float() calls"
             + ("" if cuda else " (CPU: no device, so no synchronization; the .item() calls are where a GPU would sync)")]
+    un = res.get("unprofiled")
+    if un:
+        out.append(f"- without the profiler: {un['wall_ms_per_step']:.1f} ms per step"
+                   + (f"; the device actions' CUDA event spans (F, B, STEP: the engine's GpuTimer) cover "
+                      f"{un['event_busy']:.1%} of it (the GPU is not left waiting between actions; idle gaps inside an "
+                      "action, a host slower than its kernels, are inside the spans: the profiled figure below sees "
+                      "them)" if un.get("event_busy") is not None else ""))
     if cuda:
         out.append(f"- GPU busy {res['gpu_busy']:.1%} of the run (from its start to its last kernel's end, "
                    f"{res['gpu_wall_us'] / 1e3 / res['steps']:.1f} ms per step; host {res['wall_us'] / 1e3 / res['steps']:.1f} "
@@ -1085,7 +1169,7 @@ def render_part4(res: dict, info: dict) -> list[str]:
 
 
 # seconds a part's processes may run (part 1: per model) on a GPU: what fits the parts into a 10-minute lease
-TIMEOUTS = {1: 200.0, 2: 200.0, 3: 150.0, 4: 90.0}
+TIMEOUTS = {1: 200.0, 2: 200.0, 3: 150.0, 4: 90.0, 5: 120.0}
 # the CPU mode's limit per part: a hang guard only, far above the 10-60 s a part takes on a quiet 2-core machine
 # (a loaded one took part 1 past the 120 s this used to be, and a test failed on a machine's speed)
 CPU_HANG_GUARD_S = 1800.0
@@ -1095,8 +1179,44 @@ def _timeout(args, part: int, cpu: bool) -> float:
     return args.timeout or (CPU_HANG_GUARD_S if cpu else TIMEOUTS[part])
 
 
-RUNNERS = {1: run_part1, 2: run_part2, 3: run_part3, 4: run_part4}
-RENDER = {1: render_part1, 2: render_part2, 3: render_part3, 4: render_part4}
+# ---------------------------------------------------------------------------- part 5: plan --measure on the device
+
+
+def part5_worker(rank: int, world: int, payload: dict) -> dict:
+    """``hf-asyncpp plan RECIPE --measure --device DEVICE --top 0`` in this process: its printed lines."""
+    import contextlib
+    import io
+
+    from hf_asyncpp.cli import plan
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = plan.main([payload["recipe"], "--measure", "--device", payload["device"], "--top", "0",
+                        "--png", os.path.join(tempfile.gettempdir(), "bench-gpu-part5.png")])
+    return {"rc": rc, "text": out.getvalue()}
+
+
+def run_part5(args, cpu: bool, info: dict) -> dict:
+    recipe = str(ROOT / "recipes" / ("cpu-tiny.yaml" if cpu else "smollm2-360m.yaml"))
+    payload = {"cpu": cpu, "threads": args.threads, "recipe": recipe, "device": "cpu" if cpu else "cuda"}
+    res = isolated("part5_worker", payload, timeout_s=_timeout(args, 5, cpu))[0]
+    if res["rc"]:
+        raise RuntimeError(f"plan --measure exited {res['rc']}: {res['text'][-400:]}")
+    res["recipe"] = os.path.relpath(recipe, ROOT)
+    return res
+
+
+def render_part5(res: dict, info: dict) -> list[str]:
+    text = res["text"]
+    at = text.find("\nmeasured on")
+    return [f"`hf-asyncpp plan {res['recipe']} --measure --top 0` on this device (layer by layer, one at a time, at the "
+            "recipe's microbatch; F, B, I and W timed apart, I and W with torch's split backward as the executor's "
+            "ZB-H1; the simulated lines use these costs per stage):", "", "```",
+            (text[at + 1:] if at >= 0 else text).strip(), "```"]
+
+
+RUNNERS = {1: run_part1, 2: run_part2, 3: run_part3, 4: run_part4, 5: run_part5}
+RENDER = {1: render_part1, 2: render_part2, 3: render_part3, 4: render_part4, 5: render_part5}
 
 
 def _short(e: BaseException) -> str:
@@ -1126,8 +1246,9 @@ def _gb(x) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny models on CPU (automatic without CUDA)")
-    ap.add_argument("--parts", default="1,2,3,4")
-    ap.add_argument("--models", default=None, help="part 1: comma-separated (smollm2-360m, moe-2b, moe-10b)")
+    ap.add_argument("--parts", default="1,2,3,4,5")
+    ap.add_argument("--models", default=None, help="part 1: comma-separated (smollm2-360m-stage0, moe-2b, moe-10b: the "
+                    "default; smollm2-360m: the whole model as one stage, only when named)")
     ap.add_argument("--rounds", type=int, default=None, help="part 1: timed rounds of k microbatches (default 5, CPU 2)")
     ap.add_argument("--steps", type=int, default=None, help="parts 2, 3: timed steps (default 3, CPU 2)")
     ap.add_argument("--part2-mbs", type=int, default=None, help="part 2: microbatch size (default: 1 on GPU, 2 on CPU)")

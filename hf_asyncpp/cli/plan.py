@@ -29,6 +29,7 @@ import sys
 import torch
 
 from ..config.recipe import load_recipe, split_overrides
+from ..engine import autocast
 from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
@@ -167,8 +168,9 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     torch.manual_seed(0)
     opt = recipe.optimizer
     factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
-    c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
-                      optimizer=factory, split_backward=True)
+    with autocast(recipe.training.bf16):  # as the run computes (and as layers_per_stage: auto measures)
+        c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
+                          optimizer=factory, split_backward=True)
     m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
     print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
