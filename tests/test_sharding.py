@@ -38,7 +38,16 @@ def worker(rank, world, jobs, tmp):
         batches = replica_batches[topo.dp_rank]
         eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
         cut = RESUME_AT if resume else len(batches) // 2
-        res = eng.train_steps(batches[:cut], 0)
+        broadcast, calls = torch.distributed.broadcast, []
+
+        def counted(*args, **kwargs):  # the owners' weights: one collective per bucket, never one per tensor
+            calls.append(args[0].numel())
+            return broadcast(*args, **kwargs)
+        torch.distributed.broadcast = counted
+        try:
+            res = eng.train_steps(batches[:cut], 0)
+        finally:
+            torch.distributed.broadcast = broadcast
         if resume:
             folder = Path(tmp) / f"job{j}"
             if topo.is_main:
@@ -56,7 +65,8 @@ def worker(rank, world, jobs, tmp):
                 "optimizer_bytes": sum(t.numel() * t.element_size() for st in eng.optimizer.state.values()
                                        for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
                 "ef_bytes": sum(t.numel() * t.element_size() for t in ef_buffers(eng.optimizer)),
-                "params": sorted(eng.params)}
+                "params": sorted(eng.params), "broadcasts_per_step": len(calls) / cut,
+                "broadcast_values_per_step": sum(calls) / cut}
         infos = [None] * world
         torch.distributed.all_gather_object(infos, info)
         out.append((res, eng.full_state_dict(), eng.versions.peak, infos))
@@ -97,6 +107,11 @@ def test_sharded_equals_unsharded_at_dp2_and_dp4_and_resumes(tmp_path):
     _equal(res2[0], res2[1], "dp2 sharded vs not", exact=True)  # a sum of two is the same either way
     _equal(res2[2], res2[0], "dp2 resumed vs straight", exact=False)
     _check_shards(res2[0][3], 2)
+    for i in res2[0][3]:  # each replica's weights once per step, one bucket per run of one owner's tensors in
+        # parameter order (tiny tensors): 2 owners, and on stage 1 the tied head, owned by replica 0, comes last
+        assert i["broadcasts_per_step"] == (3 if i["stage"] == 1 else 2) < len(i["params"]), i
+        n_values = sum(t.numel() for k, t in res2[0][1].items() if k in i["params"])
+        assert i["broadcast_values_per_step"] == n_values or i["stage"] == 1, i  # (stage 1 holds the tied head too)
     unsharded = {i["stage"]: i for i in res2[1][3] if i["dp_rank"] == 0}
     for i in res2[0][3]:  # the error-feedback buffers are sharded too
         assert i["ef_bytes"] < 0.75 * unsharded[i["stage"]]["ef_bytes"]

@@ -455,15 +455,13 @@ class PipelineEngine:
             self._use_timeouts(first_step=False)
 
     def _broadcast_new_version(self) -> None:
-        """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in the same order on each, at
-        this STEP); a replica waits for them, and makes the version's bf16 copies, before its first use of it."""
-        ranks, dp = self.groups.dp_ranks, self.groups.dp
-        works = [dist.broadcast(prm.data, src=ranks[self.owner_of[n]], group=dp, async_op=True)
-                 for n, prm in self.params.items()]
+        """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in buckets, in the same order on
+        each, at this STEP); a replica waits for them, and makes the version's bf16 copies, before its first use of
+        it."""
+        received = self.reducer.broadcast_from_owners({n: prm.data for n, prm in self.params.items()})
 
         def settle():
-            for w in works:
-                w.wait()
+            received()
             self.versions.finish_update()
         self.versions.pending[self.versions.latest] = settle
 

@@ -66,6 +66,11 @@ class _Early:
         self.handles: list = []
 
 
+BROADCASTS_IN_FLIGHT = 2
+"""ZeRO-1's weight buckets in flight at once after a STEP: two keep the link busy while one is unpacked; each costs
+a flat copy of at most ``bucket_mb``."""
+
+
 class Reducer:
     """Per step, in order: DP all-reduce in buckets, tied-gradient sums, the global grad-norm all-reduce."""
 
@@ -194,6 +199,40 @@ class Reducer:
         if self.side is not None and sq.is_cuda:
             torch.cuda.current_stream(sq.device).wait_stream(self.side)  # the optimizer reads the reduced grads
         return grads, sq.sqrt()
+
+    def broadcast_from_owners(self, tensors: dict[str, torch.Tensor]):
+        """ZeRO-1, after a STEP: each owner's new weights of ``tensors`` (this stage's, every replica's in the same
+        order) to the other replicas, one broadcast per bucket of one owner's consecutive tensors (the gradient
+        buckets' layout, in parameter order), never one per tensor. A bucket is packed into one flat tensor by its
+        owner and unpacked by one foreach copy on the others; at most ``BROADCASTS_IN_FLIGHT`` buckets are in flight
+        (the oldest is finished before another is issued: on NCCL that waits on the stream, not the host), so the
+        flat copies never add up to the stage's weights. Returns the wait for the rest: on return every replica
+        holds every owner's weights."""
+        ranks, dp, me = self.groups.dp_ranks, self.groups.dp, self.topo.dp_rank
+        in_flight: deque = deque()
+
+        def finish(work, flat, parts, own) -> None:
+            work.wait()  # the group's own timeout ends a run whose owner died
+            if not own:
+                with torch.no_grad():
+                    views = flat.split([t.numel() for t in parts])
+                    torch._foreach_copy_(parts, [v.view_as(t) for v, t in zip(views, parts)])
+
+        for bucket in self._buckets(list(tensors), tensors):
+            owner, parts = self.owner_of[bucket[0]], [tensors[n] for n in bucket]
+            if owner == me:
+                flat = torch.cat([t.reshape(-1) for t in parts])
+            else:
+                flat = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, device=parts[0].device)
+            in_flight.append((dist.broadcast(flat, src=ranks[owner], group=dp, async_op=True), flat, parts,
+                              owner == me))
+            if len(in_flight) > BROADCASTS_IN_FLIGHT:
+                finish(*in_flight.popleft())
+
+        def wait() -> None:
+            while in_flight:
+                finish(*in_flight.popleft())
+        return wait
 
     def close(self) -> None:
         for job in list(self.jobs):  # a failed run: let what is in flight finish or time out
