@@ -32,7 +32,8 @@ Memory (docs/benchmarks/memory.md)
 Quality: the paper's claims at our scale (docs/benchmarks/quality.md)
     quality           the delay-tolerance table: {AdamW, Muon, NAdam} x {sync, delay, delay + EF}, seeds, the EF
                       lambda sweep, PipeDream at p = 4, 8 (300 steps; ``--long``: 1000)  python -m bench.quality
-    paper_regime      the same in the paper's regime (20 tokens per parameter), as the paper's ratios
+    paper_regime      the same in the paper's regime (20 tokens per parameter), as the paper's ratios; a
+                      dense model and a MoE of its active parameters (--phases moe-tune,moe-main,moe-ladder)
                                                                                   python -m bench.paper_regime
     noise_scale       the gradient noise scale of a finished run (used by paper_regime)
                                                                                   python -m bench.noise_scale RUN_DIR

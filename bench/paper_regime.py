@@ -2,6 +2,10 @@
 as the paper's ratios instead of nats. ``bench.quality`` stays the short-run (300-step) table.
 
     python -m bench.paper_regime [--out DIR] [--parallel 2] [--phases tune,main,ladder,beta1,lambda,syncstart] [--write]
+    python -m bench.paper_regime --phases moe-tune,moe-main,moe-ladder [--out DIR] [--parallel 2] [--write]
+
+The first is the dense study (its phases are the default), the second its MoE arm (issue 45); either writes the
+whole section, both models' tables, from whatever has finished.
 
 The protocol (``PROTOCOL``; every knob next to the paper's in the report's regime table):
 
@@ -26,6 +30,14 @@ seeds), ``ladder`` (complete sync runs at T/8, T/4, T/2 and delayed runs at T/4,
 seeds: the effective-step fraction and each gap's exponent in T), ``beta1`` (the first-moment table of the stability model), ``lambda`` (fixed 0.5 / 1 /
 1.5, auto and learned at T and T/2), ``syncstart`` (synchronous first 10%). ``--report-only`` runs nothing.
 
+The MoE arm (``MOE_MODEL``, ``MOE_PHASES``): a Qwen3-MoE with the dense model's shape and active parameters (8 experts
+of FFN 96, top-2: a token's expert FFN is the dense 192), T from 20 tokens per ACTIVE parameter (``count_params``),
+everything else the dense protocol's. ``moe-tune`` (3-point grids about the dense lrs, extended until bracketed),
+``moe-main`` (AdamW and Muon x sync / delay 1 / delay 1 + EF x 3 seeds), ``moe-ladder`` (complete sync runs at T/8,
+T/4, T/2, seed 0: R4). Its runs go to ``--out``/moe, its summaries to ``RESULTS``/moe, each with the router's balance
+over the run (``router_balance``: the aux loss and each expert's share of the tokens, which the single-process engine
+records per step in metrics.jsonl). A MoE run takes about 1.4x a dense one (measured 2026-11-27, interleaved steps).
+
 Finished arms are summarised in ``bench/results/paper_regime/`` (``RESULTS``, committed: the held-out curve and final
 loss, the training loss, lambda; the tuned learning rates, the noise scales): the run folders under ``--out`` hold
 the checkpoints a killed arm resumes from, the summaries are what a later session, on another machine, goes on from.
@@ -39,6 +51,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from .quality import launch, read_run
@@ -76,19 +89,76 @@ VARIANTS = {  # arm suffix -> overrides on top of the optimizer's base
     "delay": ["--optimizer.simulate_delay=1"],
     "delay+EF": ["--optimizer.simulate_delay=1", "--optimizer.delay_correction=error_feedback"],
 }
+# The MoE arm (issue 45): a Qwen3-MoE of the dense model's shape whose ACTIVE parameters are the dense model's: 8
+# experts of FFN 96, top-2, so a token's expert FFN is the dense FFN's 2 x 96 = 192 (plus the router and Qwen3's QK
+# norms: +0.8%); 2.7x the dense model's parameters in all. The package's MoE options: the router aux loss in the
+# model's config (coefficient 0.001, recipes/moe-2b.yaml's and Qwen3's), the top-k weights renormalised (Qwen3's),
+# expert stacks 3-D (Muon orthogonalises each expert's gate, up and down matrices apart), the routers on Muon's
+# AdamW side.
+MOE_MODEL = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 96, "decoder_sparse_step": 1, "norm_topk_prob": True,
+             "output_router_logits": True, "router_aux_loss_coef": 0.001, "max_position_embeddings": 128,
+             "tie_word_embeddings": True}
+# 3 points about the dense model's tuned lrs (adamw 0.016, muon 0.01), extended by x2 until the optimum is bracketed
+MOE_GRIDS = {"adamw": [8e-3, 1.6e-2, 3.2e-2], "muon": [5e-3, 1e-2, 2e-2]}
+MOE_PHASES = ("moe-tune", "moe-main", "moe-ladder")
+# arXiv 2606.30634, 10B MoE on 200B tokens: sync / delayed / delayed + EF (the sync hyperparameters)
+PAPER_MOE = (1.906, 1.911, 1.906)
+ROUTER_POINTS = 100  # windows of the run in a summary's router balance
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters, the tied head counted once. ``active``: what one token's forward uses, the routed
+    experts counted at top_k / num_experts (the tokens-per-parameter rule counts these, the paper's MoE too)."""
+
+    total: int
+    active: int
+    embedding: int
+    experts: int  # the routed experts' stacks, all of them
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the study: its config, its first lr grids, and the folder (under ``--out`` and ``RESULTS``) of
+    its runs and summaries: the dense model's are at the top, where they have always been."""
+
+    name: str
+    config: dict
+    grids: dict
+    folder: str
+
+
+DENSE = ModelSpec("dense", MODEL, GRIDS, "")
+MOE = ModelSpec("moe", MOE_MODEL, MOE_GRIDS, "moe")
+
+
+def count_params(config: dict) -> ParamCounts:
+    """Total, active, embedding and routed-expert parameters of ``config`` at the protocol's vocabulary (built on the
+    meta device). A routed expert parameter is a 3-D stack of an ``experts`` module; a token uses top_k of its
+    num_experts matrices."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{**config, "vocab_size": VOCAB})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}" and p.dim() == 3)
+    share = cfg.num_experts_per_tok / cfg.num_experts if experts else 1.0
+    return ParamCounts(total, round(total - experts * (1 - share)), model.get_input_embeddings().weight.numel(), experts)
 
 
 def params() -> tuple[int, int]:
-    """(parameters, of which the embedding) of the protocol's model, counted once for the tied head."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**{**MODEL, "vocab_size": VOCAB})
-    model = AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+    """(parameters, of which the embedding) of the dense protocol's model, counted once for the tied head."""
+    c = count_params(MODEL)
+    return c.total, c.embedding
 
 
-def full_steps() -> int:
-    return round(TOKENS_PER_PARAM * params()[0] / (BATCH * SEQ))
+def full_steps(config: dict = MODEL) -> int:
+    """T: 20 tokens per (active) parameter at the protocol's batch."""
+    return round(TOKENS_PER_PARAM * count_params(config).active / (BATCH * SEQ))
 
 
 def weight_decay(lr: float, steps: int) -> float:
@@ -106,18 +176,22 @@ def optimizer_args(opt: str, lr: float, steps: int) -> list[str]:
 
 
 class Bench:
-    def __init__(self, out: Path, parallel: int, report_only: bool):
-        self.out, self.parallel, self.report_only = out, parallel, report_only
-        self.T = full_steps()
-        self.train_files, self.eval_files = self._corpus()
-        self.results = RESULTS
-        lrs = self.results / "lrs.json" if (self.results / "lrs.json").exists() else out / "lrs.json"
+    """The study of one model (``spec``): its runs under ``out`` (the MoE's in ``out/moe``), its summaries under
+    ``RESULTS`` (``RESULTS/moe``); both models read the same corpus, ``out/corpus``."""
+
+    def __init__(self, out: Path, parallel: int, report_only: bool, spec: ModelSpec = DENSE):
+        self.spec, self.parallel, self.report_only = spec, parallel, report_only
+        self.out = out / spec.folder if spec.folder else out
+        self.T = full_steps(spec.config)
+        self.train_files, self.eval_files = self._corpus(out)
+        self.results = RESULTS / spec.folder if spec.folder else RESULTS
+        lrs = self.results / "lrs.json" if (self.results / "lrs.json").exists() else self.out / "lrs.json"
         self.lrs: dict[str, float] = json.loads(lrs.read_text()) if lrs.exists() else {}
 
-    def _corpus(self) -> tuple[list[str], list[str]]:
+    def _corpus(self, out: Path) -> tuple[list[str], list[str]]:
         from hf_asyncpp.data.corpus import prepare_default_corpus
 
-        return prepare_default_corpus(self.out / "corpus", eval_every=10)
+        return prepare_default_corpus(out / "corpus", eval_every=10)
 
     def run_dir(self, tag: str, steps: int, seed: int) -> Path:
         return self.out / f"T{steps}" / f"{tag}-seed{seed}"
@@ -128,17 +202,9 @@ class Bench:
     def summary_file(self, tag: str, steps: int, seed: int) -> Path:
         return self.results / f"T{steps}" / f"{tag}-seed{seed}.json"
 
-    def run(self, job: tuple) -> dict | None:
-        tag, args, steps, seed = job
-        kept = self.summary_file(tag, steps, seed)
-        if kept.exists():
-            return json.loads(kept.read_text())
-        out = self.run_dir(tag, steps, seed)
-        if not (out / "final_eval.json").exists():
-            if self.report_only:
-                return None
-            launch(f"{tag} T={steps}", seed, out, [
-                "--model.config=" + json.dumps(MODEL), f"--model.vocab_size={VOCAB}",
+    def train_args(self, args: list[str], steps: int, seed: int) -> list[str]:
+        """scripts/pretrain.py's overrides for an arm (``args``: its optimizer's) of ``steps`` steps: the protocol."""
+        return ["--model.config=" + json.dumps(self.spec.config), f"--model.vocab_size={VOCAB}",
                 "--data.train_files=" + json.dumps(self.train_files), "--data.eval_files=" + json.dumps(self.eval_files),
                 f"--data.seq_len={SEQ}", f"--data.eval_blocks={EVAL_BLOCKS}", f"--data.shuffle_buffer={SHUFFLE_BUFFER}",
                 "--pipeline.schedule=none", "--pipeline.num_stages=1", "--pipeline.num_microbatches=1",
@@ -146,13 +212,29 @@ class Bench:
                 f"--training.eval_steps={max(1, steps // 10)}", f"--training.save_steps={max(1, steps // 10)}",
                 f"--training.logging_steps={max(1, steps // 100)}", "--training.warmup_steps=0.1",
                 "--training.lr_scheduler_type=cosine_with_min_lr", "--training.lr_scheduler_kwargs={min_lr_rate: 0.1}",
-                "--optimizer.delay_correction=none", *args])
+                "--optimizer.delay_correction=none", *args]
+
+    def run(self, job: tuple, may_launch: bool = True) -> dict | None:
+        """A finished arm's summary: kept, read from its finished run folder, or run (resumed) now; None where it has
+        not finished and ``--report-only`` (or ``may_launch`` False: an arm of a phase not asked for) says not to
+        run it."""
+        tag, args, steps, seed = job
+        kept = self.summary_file(tag, steps, seed)
+        if kept.exists():
+            return json.loads(kept.read_text())
+        out = self.run_dir(tag, steps, seed)
+        if not (out / "final_eval.json").exists():
+            if self.report_only or not may_launch:
+                return None
+            launch(f"{self.spec.name} {tag} T={steps}", seed, out, self.train_args(args, steps, seed))
         r = read_run(tag, seed, out)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         r.update(tag=tag, steps=steps, lr=float(next(a.split("=")[1] for a in args
                                                                    if a.startswith("--optimizer.learning_rate="))))
         r["lambda"] = [(row["step"], row["ef_lambda"]) for row in rows if "ef_lambda" in row]
         r["train"] = r["train"][:: max(1, len(r["train"]) // 100)]  # about 100 points: the summary stays small
+        if any("expert_tokens" in row for row in rows):
+            r["router"] = router_balance(rows)
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(json.dumps(r))
         return json.loads(kept.read_text())  # the same types (lists, not tuples) whether just run or kept
@@ -193,16 +275,16 @@ class Bench:
                 out.append(self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T), self.T))
         return out
 
-    def run_all(self, jobs: list[tuple]) -> list[dict]:
+    def run_all(self, jobs: list[tuple], may_launch: bool = True) -> list[dict]:
         with ThreadPoolExecutor(self.parallel) as ex:
-            return [r for r in ex.map(self.run, jobs) if r is not None]
+            return [r for r in ex.map(lambda j: self.run(j, may_launch), jobs) if r is not None]
 
     # ------------------------------------------------------------------ phases
 
     def tune(self) -> None:
         """Each optimizer's sync arm over its grid at T (seed 0), both grids at once; a grid whose best point is at an
         edge is extended by x2 past it until the optimum is bracketed."""
-        grids = {opt: list(g) for opt, g in GRIDS.items()}
+        grids = {opt: list(g) for opt, g in self.spec.grids.items()}
         while True:
             jobs = [self.job(f"{opt}-lr{lr:g}-sync", optimizer_args(opt, lr, self.T), self.T) for opt, g in grids.items() for lr in g]
             res = {(r["tag"]): r["final"] for r in self.run_all(jobs)}
@@ -235,6 +317,12 @@ class Bench:
 
     def lengths(self) -> dict[str, int]:
         return {"T/8": round(self.T / 8), "T/4": round(self.T / 4), "T/2": round(self.T / 2), "T": self.T}
+
+    def sync_ladder_jobs(self) -> list[tuple]:
+        """Complete sync runs at T/8, T/4 and T/2 (seed 0), each with its own schedule and weight-decay timescale:
+        with T, the ladder a delayed arm's effective-step fraction (R4) is read from."""
+        L = self.lengths()
+        return [self.job(*self.arm(opt, "sync", L[k]), L[k]) for k in ("T/8", "T/4", "T/2") for opt in ("adamw", "muon")]
 
     def ladder_jobs(self, seeds=(0,)) -> list[tuple]:
         """Complete runs (each with its own schedule and weight-decay timescale) at fractions of T: sync at T/8
@@ -286,6 +374,39 @@ class Bench:
         return {f"{opt} {v} sync-start": self.arm(opt, v, steps, [f"--optimizer.delay_start_step={k}"],
                                                   tag=f"{opt}-lr{self.lrs[opt]:g}-{v}-start{k}")
                 for opt in ("adamw", "muon") for v in ("delay", "delay+EF")}
+
+
+# ---------------------------------------------------------------------------- the router's balance
+
+
+def expert_load(rows: list[dict]) -> list[list[float]]:
+    """Per layer, each expert's load over the step records ``rows`` (their ``expert_tokens`` summed): its share of the
+    tokens routed times the number of experts, so 1 is a uniform share and 2 twice it."""
+    layers = [[sum(col) for col in zip(*layer)] for layer in zip(*(r["expert_tokens"] for r in rows))]
+    return [[len(c) * x / max(1, sum(c)) for x in c] for c in layers]
+
+
+def balance(rows: list[dict]) -> tuple[float, float, float, float]:
+    """(mean aux loss, load CV, most loaded expert, least loaded expert) over ``rows``: the CV is the sd over experts
+    of the load (whose mean is 1), averaged over layers; the extremes are over all layers' experts."""
+    load = expert_load(rows)
+    cv = _mean([statistics.pstdev(layer) for layer in load])
+    return (round(_mean([r["router_aux_loss"] for r in rows]), 5), round(cv, 5), round(max(map(max, load)), 4),
+            round(min(map(min, load)), 4))
+
+
+def router_balance(rows: list[dict], points: int = ROUTER_POINTS) -> dict:
+    """The router's balance over a run, from its metrics.jsonl step records (``router_aux_loss``, ``expert_tokens``):
+    ``windows`` [last step, aux loss, load CV, most and least loaded expert] (``balance``) per window of about
+    1/``points`` of the run; ``final`` the same over its last 10%, and ``final_load`` the load per layer and expert
+    there. Windows, not steps: a step routes 1,024 tokens x top-2 over 8 experts per layer, too few for one step's
+    shares to say much."""
+    steps = [r for r in rows if "expert_tokens" in r]
+    size = max(1, len(steps) // points)
+    tail = steps[int(0.9 * len(steps)):]
+    return {"windows": [[w[-1]["step"], *balance(w)] for w in (steps[i:i + size] for i in range(0, len(steps), size))],
+            "final": dict(zip(("aux", "cv", "max", "min"), balance(tail))),
+            "final_load": [[round(x, 4) for x in layer] for layer in expert_load(tail)]}
 
 
 # ---------------------------------------------------------------------------- the stability model's prediction
@@ -356,6 +477,46 @@ def exponent(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
+def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
+    """The sync / delay / delay + EF table at T (final eval loss, mean ± sd over seeds; gaps paired by seed) and each
+    arm's ratios: its mean gap, relative gap (R3), the share of the delay gap EF closes (R2, on the seeds both arms
+    have) and the effective-step fraction (R4: the length of a complete sync run reaching the arm's loss, from the
+    seed-0 ladder T/8 .. T). An arm with no finished seed reads "not run", an optimizer whose lr is not tuned yet
+    "not tuned yet"."""
+    T, L = b.T, b.lengths()
+    get = lambda tag, steps, seed=0: results.get((tag, steps, seed))  # noqa: E731
+    tag = lambda opt, v, steps: b.arm(opt, v, steps)[0]  # noqa: E731
+    lines = ["| optimizer | arm | seeds | eval loss | gap to sync | relative gap (R3) | EF closes (R2) | effective steps (R4) |",
+             "|---|---|---|---|---|---|---|---|"]
+    ratios = {}
+    for opt in ("adamw", "muon"):
+        if opt not in b.lrs:
+            lines += [f"| {opt} | {v} | 0 | not tuned yet |  |  |  |  |" for v in VARIANTS]
+            continue
+        sync = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, "sync", T), T, sd))}
+        ladder = [(L[k], r["final"]) for k in ("T/8", "T/4", "T/2", "T") if (r := get(tag(opt, "sync", L[k]), L[k]))]
+        gaps = {}
+        for v in VARIANTS:  # sync, delay, then delay+EF: EF's share needs the delay arm's gaps
+            finals = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, v, T), T, sd))}
+            g = gaps[v] = {sd: finals[sd] - sync[sd] for sd in finals if sd in sync}
+            if not finals:
+                lines.append(f"| {opt} | {v} | 0 | not run |  |  |  |  |")
+                continue
+            vals = list(finals.values())
+            common = sorted(set(g) & set(gaps.get("delay", {})))
+            closed = (1 - _mean([g[k] for k in common]) / _mean([gaps["delay"][k] for k in common])
+                      if v == "delay+EF" and common else None)
+            eff = effective_fraction(_mean(vals), ladder, T) if v != "sync" else None
+            ratios[(opt, v)] = {"gap": _mean(list(g.values())) if g else None, "closed": closed, "eff": eff,
+                                "rel": _mean(list(g.values())) / _mean([sync[sd] for sd in g]) if g else None}
+            lines.append(f"| {opt} | {v} | {len(vals)} | {_pm(vals, signed=False)} | "
+                         + (_pm(list(g.values())) if v != "sync" and g else "") + " | "
+                         + (f"{ratios[(opt, v)]['rel']:+.2%}" if v != "sync" and g else "") + " | "
+                         + (f"{closed:.0%}" if closed is not None else "") + " | "
+                         + (f"{eff:.2f}" if eff is not None else ("" if v == "sync" else "outside the ladder")) + " |")
+    return lines, ratios
+
+
 def report(b: "Bench", results: dict, extras: dict) -> str:
     """``results``: (tag, steps, seed) -> run; ``extras``: table name -> {row name: (tag, steps)}."""
     T, L = b.T, b.lengths()
@@ -384,37 +545,9 @@ def report(b: "Bench", results: dict, extras: dict) -> str:
                       if st == T and sd == 0 and t.startswith(f"{opt}-lr") and t.endswith("-sync"))
         if grid:
             lines.append(f"- {opt} sync at T: " + ", ".join(f"lr {lr:g} -> {f:.4f}" for lr, f in grid))
-    # main table, paired by seed
-    rows, gaps = [], {}
-    for opt in ("adamw", "muon"):
-        for v in VARIANTS:
-            finals = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, v, T), T, sd))}
-            sync = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, "sync", T), T, sd))}
-            g = {sd: finals[sd] - sync[sd] for sd in finals if sd in sync}
-            gaps[(opt, v)] = g
-            rows.append((opt, v, finals, g))
-    lines += ["", "### Sync, delay, delay + EF at T (final eval loss, mean ± sd over seeds; gaps paired by seed)", "",
-              "| optimizer | arm | seeds | eval loss | gap to sync | relative gap (R3) | EF closes (R2) | effective steps (R4) |",
-              "|---|---|---|---|---|---|---|---|"]
-    ladder = {opt: [(L[k], r["final"]) for k in ("T/8", "T/4", "T/2", "T") if (r := get(tag(opt, "sync", L[k]), L[k]))]
-              for opt in ("adamw", "muon")}
-    ratios = {}
-    for opt, v, finals, g in rows:
-        if not finals:
-            continue
-        vals = list(finals.values())
-        common = sorted(set(g) & set(gaps[(opt, "delay")]))
-        closed = (1 - _mean([g[k] for k in common]) / _mean([gaps[(opt, "delay")][k] for k in common])
-                  if v == "delay+EF" and common else None)
-        sync_mean = _mean([results[(tag(opt, "sync", T), T, sd)]["final"] for sd in g])
-        eff = effective_fraction(_mean(vals), ladder[opt], T) if v != "sync" else None
-        ratios[(opt, v)] = {"gap": _mean(list(g.values())) if g else None, "closed": closed, "eff": eff,
-                            "rel": _mean(list(g.values())) / sync_mean if g else None}
-        lines.append(f"| {opt} | {v} | {len(vals)} | {_mean(vals):.4f} ± {_sd(vals):.4f} | "
-                     + (f"{_mean(list(g.values())):+.4f} ± {_sd(list(g.values())):.4f}" if v != "sync" and g else "") + " | "
-                     + (f"{ratios[(opt, v)]['rel']:+.2%}" if v != "sync" and g else "") + " | "
-                     + (f"{closed:.0%}" if closed is not None else "") + " | "
-                     + (f"{eff:.2f}" if eff is not None else ("" if v == "sync" else "outside the ladder")) + " |")
+    table, ratios = arm_table(b, results)
+    lines += ["", "### Sync, delay, delay + EF at T (final eval loss, mean ± sd over seeds; gaps paired by seed)", ""]
+    lines += table
     a, m = ratios.get(("adamw", "delay"), {}), ratios.get(("muon", "delay"), {})
     lines += ["", "### The paper's ratios", "", "| ratio | paper | ours | reproduces? |", "|---|---|---|---|"]
     if a.get("gap") and m.get("gap") is not None:
@@ -595,30 +728,191 @@ def _plot(b: "Bench", results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "runs" / "paper_regime"))
-    ap.add_argument("--parallel", type=int, default=2)
-    ap.add_argument("--phases", default=",".join(PHASES))
-    ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    b = Bench(out, args.parallel, args.report_only)
-    if args.report_only and not {"adamw", "muon"} <= set(b.lrs):
-        raise SystemExit(f"{out}: the learning rates are not tuned yet (the tune phase writes lrs.json)")
-    print(f"T = {b.T} steps; model {params()}", flush=True)
-    phases = args.phases.split(",")
-    if "tune" in phases:
-        b.tune()
-    L = b.lengths()
-    extras = {"beta1": {n: (t, args_, L["T/4"]) for n, (t, args_) in b.beta1_arms(L["T/4"]).items()},
-              "lambda": {f"{n} @{k}": (t, args_, L[k]) for k in ("T/4", "T/2") for n, (t, args_) in b.lambda_arms(L[k]).items()},
-              "syncstart": {n: (t, args_, L["T/2"]) for n, (t, args_) in b.syncstart_arms(L["T/2"]).items()}}
+def moe_report(moe: "Bench", results: dict, dense: "Bench", dense_results: dict) -> tuple[str, Path | None]:
+    """The MoE arm's part of the section: its model beside the dense one, what each optimizer does with it, its sync /
+    delay / delay + EF table, the router's balance per arm and the paper's ratios for the MoE beside the dense model's
+    and the paper's (its 360M dense and 10B MoE rows), from whatever has finished (the rest reads "not run"); and its
+    figure, None before any arm has finished at T."""
+    cfg, c, d = MOE_MODEL, count_params(MOE_MODEL), count_params(MODEL)
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    sides = optimizer_sides(cfg)
+    lines = ["### The MoE arm: a Qwen3-MoE in the same protocol", "",
+             f"Qwen3-MoE h{cfg['hidden_size']} x {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads "
+             f"({cfg['num_key_value_heads']} KV, head dim {cfg['head_dim']}, QK norms), {E} experts of FFN "
+             f"{cfg['moe_intermediate_size']} in every layer, top-{k} (weights renormalised), tied embeddings: a token's "
+             f"experts are the dense model's FFN ({k} x {cfg['moe_intermediate_size']} = {k * cfg['moe_intermediate_size']}), "
+             "so its active parameters are the dense model's, and T follows them (20 tokens per active parameter). "
+             "Everything else is the dense protocol's: data and its order, batch, warm-up, cosine, the weight-decay "
+             "timescale, the eval blocks, the exact single-process references.", "",
+             "| | dense (Llama) | MoE (Qwen3-MoE) |", "|---|---|---|",
+             f"| parameters, total | {d.total:,} | {c.total:,} ({c.total / d.total:.1f}x) |",
+             f"| active per token | {d.active:,} | {c.active:,} ({c.active / d.active:.3f}x) |",
+             f"| embedding (share of total / of active) | {d.embedding:,} ({d.embedding / d.total:.0%} / "
+             f"{d.embedding / d.active:.0%}) | {c.embedding:,} ({c.embedding / c.total:.0%} / {c.embedding / c.active:.0%}) |",
+             f"| routed experts (share of total) | - | {c.experts:,} ({c.experts / c.total:.0%}) |",
+             f"| optimizer steps T | {dense.T:,} | {moe.T:,} |",
+             f"| tokens per active parameter | {dense.T * BATCH * SEQ / d.active:.1f} | {moe.T * BATCH * SEQ / c.active:.1f} |",
+             f"| router aux loss coefficient (model config) | - | {cfg['router_aux_loss_coef']:g} |", "",
+             "What the optimizers do with it (`hf_asyncpp.optim.builder.classify_parameters`): Muon orthogonalises "
+             f"{sides['muon']:,} parameters: the attention matrices and every expert's matrices on their own (the 3-D "
+             "stacks `gate_up_proj` (E, 2I, H), split into gate and up by `optimizer.muon_split_fused`, and `down_proj` "
+             "(E, H, I): one batched Newton-Schulz over the experts); its AdamW side "
+             f"(lr {MUON_ADAMW_LR:g}) holds the embedding, the norms and the routers ({sides['router']:,} parameters, "
+             "the paper's hybrid), the routers with weight decay. The AdamW arms put everything on AdamW.", ""]
+    if not {"adamw", "muon"} <= set(moe.lrs):
+        lines += ["Learning rates: not tuned yet (`--phases moe-tune`)."]
+    else:
+        lines += [f"Learning rates (tuned on each sync arm at T, seed 0): {moe.lrs}.", ""]
+    for opt in ("adamw", "muon"):
+        grid = sorted((r["lr"], r["final"]) for (t, st, sd), r in results.items()
+                      if st == moe.T and sd == 0 and t.startswith(f"{opt}-lr") and t.endswith("-sync"))
+        if grid:
+            lines.append(f"- {opt} sync at T: " + ", ".join(f"lr {lr:g} -> {f:.4f}" for lr, f in grid))
+    table, ratios = arm_table(moe, results)
+    lines += ["", "### MoE: sync, delay, delay + EF at T (final eval loss, mean ± sd over seeds; gaps paired by seed)", ""]
+    lines += table + [""] + router_table(moe, results) + [""] + ratios_beside(arm_table(dense, dense_results)[1], ratios)
+    if not any(steps == moe.T for _, steps, _ in results):
+        return "\n".join(lines), None
+    png = moe.out / "paper_regime_moe.png"
+    _plot_moe(moe, results, png)
+    return "\n".join(lines), png
+
+
+def optimizer_sides(config: dict) -> dict[str, int]:
+    """Parameters of ``config``'s model by the kind the optimizer builder gives them (``muon``, ``adamw``,
+    ``adamw_no_decay``), and ``router``: those of its routers (all on the AdamW side)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.optim.builder import classify_parameters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**config, "vocab_size": VOCAB}))
+    kinds, sizes = classify_parameters(model), dict(model.named_parameters())
+    out = {kind: sum(sizes[n].numel() for n, x in kinds.items() if x == kind) for kind in ("muon", "adamw", "adamw_no_decay")}
+    routers = {n for n, m in model.named_modules() if type(m).__name__.lower().endswith("router")}
+    out["router"] = sum(p.numel() for n, p in sizes.items() if n.rpartition(".")[0] in routers)
+    return out
+
+
+def _at(windows: list, step: float) -> list:
+    """The router window whose last step is nearest ``step``."""
+    return min(windows, key=lambda w: abs(w[0] - step))
+
+
+def router_table(b: "Bench", results: dict) -> list[str]:
+    """Per arm at T: the aux loss and the load's CV over the last 10% of the run (mean over seeds; against sync paired
+    by seed), the CV's course (at 10% and 50% of the run: a drifting router's grows), the most and least loaded
+    expert."""
+    E, k = MOE_MODEL["num_experts"], MOE_MODEL["num_experts_per_tok"]
+    lines = ["### MoE: the router's balance per arm", "",
+             f"The aux loss is the model's load-balancing loss before its coefficient (transformers' Switch loss: {k}.0 "
+             f"when the load is uniform, more as it concentrates); an expert's load is its share of a layer's routed "
+             f"tokens times {E} (1: uniform), the CV its sd over the experts (mean over the {MOE_MODEL['num_hidden_layers']} "
+             "layers), the extremes over all layers; over the run's last 10% unless said. Mean over seeds; against "
+             "sync, paired by seed.", "",
+             "| optimizer | arm | seeds | aux loss | aux vs sync | load CV at 10% / 50% / end | CV vs sync | most / least loaded expert |",
+             "|---|---|---|---|---|---|---|---|"]
+    for opt in ("adamw", "muon"):
+        for v in VARIANTS:
+            if opt not in b.lrs:
+                lines.append(f"| {opt} | {v} | 0 | not tuned yet |  |  |  |  |")
+                continue
+            runs = {sd: r["router"] for sd in (0, 1, 2) if (r := results.get((b.arm(opt, v, b.T)[0], b.T, sd))) and "router" in r}
+            if not runs:
+                lines.append(f"| {opt} | {v} | 0 | not run |  |  |  |  |")
+                continue
+            sync = {sd: r["router"] for sd in (0, 1, 2) if (r := results.get((b.arm(opt, "sync", b.T)[0], b.T, sd))) and "router" in r}
+            fin = lambda key, rs: [x["final"][key] for x in rs.values()]  # noqa: E731
+            vs = lambda key: _pm([runs[sd]["final"][key] - sync[sd]["final"][key] for sd in runs if sd in sync])  # noqa: E731
+            course = [_mean([_at(x["windows"], f * b.T)[2] for x in runs.values()]) for f in (0.1, 0.5)]
+            lines.append(f"| {opt} | {v} | {len(runs)} | {_pm(fin('aux', runs), signed=False)} | "
+                         + (vs("aux") if v != "sync" and set(runs) & set(sync) else "") + " | "
+                         + " / ".join(f"{x:.3f}" for x in course) + f" / {_mean(fin('cv', runs)):.3f} | "
+                         + (vs("cv") if v != "sync" and set(runs) & set(sync) else "") + " | "
+                         + f"{_mean(fin('max', runs)):.2f} / {_mean(fin('min', runs)):.2f} |")
+    return lines
+
+
+def ratios_beside(dense: dict, moe: dict) -> list[str]:
+    """The paper's ratios R1-R4 for the MoE beside the dense model's, and the paper's 360M dense and 10B MoE rows (the
+    paper's MoE has one optimizer's row, sync / delayed / delayed + EF: R2 and R3 only)."""
+    ps, pd, pe = PAPER_MOE
+
+    def r1(r):
+        a, m = r.get(("adamw", "delay"), {}).get("gap"), r.get(("muon", "delay"), {}).get("gap")
+        return m / a if a and m is not None else None
+
+    def cell(x, fmt):
+        return "not run" if x is None else format(x, fmt)
+
+    get = lambda r, opt, v, key: r.get((opt, v), {}).get(key)  # noqa: E731
+    rows = [("R1 Muon's gap / AdamW's gap", "0.043", r1(dense), "-", r1(moe), ".3f")]
+    for opt, closed, rel, eff in (("muon", "58%", "0.47%", "about 0.94"), ("adamw", "90%", "10.60%", "about 0.25")):
+        moe_paper = opt == "muon"  # the paper's MoE row: its (Muon) method's
+        rows += [(f"R2 share of {opt}'s gap EF closes", closed, get(dense, opt, "delay+EF", "closed"),
+                  f"{(pd - pe) / (pd - ps):.0%}" if moe_paper else "-", get(moe, opt, "delay+EF", "closed"), ".0%"),
+                 (f"R3 {opt}'s relative gap", rel, get(dense, opt, "delay", "rel"),
+                  f"{(pd - ps) / ps:.2%}" if moe_paper else "-", get(moe, opt, "delay", "rel"), "+.2%"),
+                 (f"R4 {opt}'s effective-step fraction (delayed)", f"{eff} (review's reading)",
+                  get(dense, opt, "delay", "eff"), "-", get(moe, opt, "delay", "eff"), ".2f")]
+    lines = ["### The paper's ratios: MoE beside dense", "",
+             f"The paper's MoE: 10B parameters on 200B tokens, sync / delayed / delayed + EF {ps} / {pd} / {pe} with the "
+             "sync hyperparameters (its optimizer is not named in our notes; Muon, the paper's method, is assumed for "
+             "the R2 and R3 cells). R4 needs the MoE's sync ladder (`moe-ladder`).", "",
+             "| ratio | paper, 360M dense | ours, dense | paper, 10B MoE | ours, MoE |", "|---|---|---|---|---|"]
+    for name, paper_dense, ours_dense, paper_moe, ours_moe, fmt in rows:
+        lines.append(f"| {name} | {paper_dense} | {cell(ours_dense, fmt)} | {paper_moe} | {cell(ours_moe, fmt)} |")
+    return lines
+
+
+def _plot_moe(b: "Bench", results: dict, path: Path) -> None:
+    """Seed 0 of each MoE arm at T: the held-out loss, the router's aux loss and the load's CV over training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):
+        for v, style in (("sync", "-"), ("delay", "--"), ("delay+EF", ":")):
+            r = results.get((b.arm(opt, v, b.T)[0], b.T, 0)) if opt in b.lrs else None
+            if not r:
+                continue
+            axes[0].plot(*zip(*r["curve"][1:]), style, color=color, label=f"{opt} {v}")
+            if "router" in r:
+                steps, aux, cv = zip(*((w[0], w[1], w[2]) for w in r["router"]["windows"]))
+                axes[1].plot(steps, aux, style, color=color, label=f"{opt} {v}", lw=1)
+                axes[2].plot(steps, cv, style, color=color, label=f"{opt} {v}", lw=1)
+    for ax, title in zip(axes, (f"MoE held-out loss, T = {b.T} (seed 0)", "router aux loss (uniform: "
+                                f"{MOE_MODEL['num_experts_per_tok']})", "expert load CV (mean over layers)")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # nothing run yet: an empty frame, no legend
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _unique(jobs: list[tuple]) -> list[tuple]:
+    """``jobs`` without repeats (the same tag, length and seed), in order."""
+    seen, out = set(), []
+    for j in jobs:
+        if (j[0], j[2], j[3]) not in seen:
+            seen.add((j[0], j[2], j[3]))
+            out.append(j)
+    return out
+
+
+def dense_jobs(b: "Bench", phases: list[str], extras: dict) -> list[tuple]:
+    """The dense study's runs of ``phases`` in priority order (cheap tables first, then the seeds): a cut-short
+    session leaves the least undone."""
     seeded = [b.job(t, a_, st, seed) for n, (t, a_, st) in extras["lambda"].items() if n.endswith("@T/4")
               and n.split()[2] in SEEDED_LAMBDAS for seed in (1, 2)]
-    jobs = []  # in priority order (cheap tables first, then the seeds): a cut-short session leaves the least undone
+    jobs = []
     want = lambda phase, k=None: [b.job(t, a_, st) for n, (t, a_, st) in extras[phase].items()  # noqa: E731
                                   if phase in phases and (k is None or n.endswith("@" + k))]
     if "main" in phases:
@@ -633,28 +927,90 @@ def main() -> None:
         jobs += b.ladder_jobs(seeds=(1, 2))
     if "lambda-seeds" in phases:
         jobs += seeded
-    seen, unique = set(), []
-    for j in jobs:
-        if (j[0], j[2], j[3]) not in seen:
-            seen.add((j[0], j[2], j[3]))
-            unique.append(j)
-    done = b.run_all(unique + b.tuning_jobs())
+    return _unique(jobs)
+
+
+def moe_jobs(b: "Bench", phases: list[str]) -> list[tuple]:
+    """The MoE arm's runs of ``phases`` after its tuning, in priority order: the main arms' seed 0, the sync ladder,
+    the main arms' seeds 1 and 2 (none before both learning rates are tuned)."""
+    if not {"adamw", "muon"} <= set(b.lrs):
+        return []
+    jobs = b.main_jobs(seeds=(0,)) if "moe-main" in phases else []
+    jobs += b.sync_ladder_jobs() if "moe-ladder" in phases else []
+    jobs += b.main_jobs(seeds=(1, 2)) if "moe-main" in phases else []
+    return _unique(jobs)
+
+
+def _missing(jobs: list[tuple], results: dict) -> list[str]:
+    return [f"{t} T={st} seed {sd}" for t, _, st, sd in jobs if (t, st, sd) not in results]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "runs" / "paper_regime"))
+    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"comma-separated, of {', '.join(PHASES + MOE_PHASES)} (default: the dense study's)")
+    ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    phases = args.phases.split(",")
+    unknown = [x for x in phases if x not in PHASES + MOE_PHASES]
+    if unknown:
+        raise SystemExit(f"--phases: unknown {unknown}; known: {', '.join(PHASES + MOE_PHASES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    b = Bench(out, args.parallel, args.report_only)
+    moe = Bench(out, args.parallel, args.report_only, MOE)
+    if args.report_only and not {"adamw", "muon"} <= set(b.lrs):
+        raise SystemExit(f"{out}: the learning rates are not tuned yet (the tune phase writes lrs.json)")
+    print(f"T = {b.T} steps; model {count_params(MODEL)}; MoE T = {moe.T} steps, {count_params(MOE_MODEL)}", flush=True)
+    if "tune" in phases:
+        b.tune()
+    if "moe-tune" in phases:
+        moe.tune()
+    L = b.lengths()
+    extras = {"beta1": {n: (t, args_, L["T/4"]) for n, (t, args_) in b.beta1_arms(L["T/4"]).items()},
+              "lambda": {f"{n} @{k}": (t, args_, L[k]) for k in ("T/4", "T/2") for n, (t, args_) in b.lambda_arms(L[k]).items()},
+              "syncstart": {n: (t, args_, L["T/2"]) for n, (t, args_) in b.syncstart_arms(L["T/2"]).items()}}
+    # the phases asked for run (dense first); every other finished arm of either model is read for the report
+    asked, moe_asked = dense_jobs(b, phases, extras), moe_jobs(moe, phases)
+    done = b.run_all(asked + b.tuning_jobs())
+    moe_done = moe.run_all(moe_asked + moe.tuning_jobs())
+    keys = {(j[0], j[2], j[3]) for j in asked}
+    done += b.run_all([j for j in dense_jobs(b, PHASES, extras) if (j[0], j[2], j[3]) not in keys], may_launch=False)
+    moe_all = moe_jobs(moe, MOE_PHASES)
+    moe_keys = {(j[0], j[2], j[3]) for j in moe_asked}
+    moe_done += moe.run_all([j for j in moe_all if (j[0], j[2], j[3]) not in moe_keys], may_launch=False)
     results = {(r["tag"], r["steps"], r["seed"]): r for r in done}
+    moe_results = {(r["tag"], r["steps"], r["seed"]): r for r in moe_done}
     b.measure(results)
     text, png = report(b, results, extras)
-    missing = [f"{t} T={st} seed {sd}" for t, _, st, sd in unique if (t, st, sd) not in results]
+    missing = _missing(asked, results)
     if missing:
-        text += f"\n\nNot run yet ({len(missing)} of {len(unique)}): " + "; ".join(missing) + "."
-    print(text)
+        text += f"\n\nNot run yet ({len(missing)} of {len(asked)}): " + "; ".join(missing) + "."
+    moe_text, moe_png = moe_report(moe, moe_results, b, results)
+    moe_missing = _missing(moe_all, moe_results)
+    if moe_missing:
+        moe_text += f"\n\nMoE arms not run yet ({len(moe_missing)} of {len(moe_all)}): " + "; ".join(moe_missing) + "."
+    print(text + "\n\n" + moe_text)
     if args.write:
         from .report import DOCS, write_section
 
         (DOCS / "paper_regime.png").write_bytes(png.read_bytes())
+        if moe_png is not None:
+            (DOCS / "paper_regime_moe.png").write_bytes(moe_png.read_bytes())
         shown = " ".join(a for a in sys.argv[1:] if a != "--report-only")
         write_section("paper-regime", "## Delay tolerance in the paper's regime (20 tokens per parameter, "
-                      f"{b.T:,} steps)\n\nCommand: `python -m bench.paper_regime {shown}` ({time.strftime('%Y-%m-%d')}; "
-                      "single-process exact delay references, 1 thread each, two at a time)\n\n" + text
-                      + "\n\n![eval loss and learned lambda](paper_regime.png)")
+                      f"{b.T:,} steps)\n\nCommands, each resumable (a re-run reuses the finished arms and resumes "
+                      "killed ones from their last checkpoint), two runs at a time (`--parallel 2`), 1 thread each, "
+                      "single-process exact delay references: the dense study `python -m bench.paper_regime --out DIR "
+                      "--write`; the MoE arm `python -m bench.paper_regime --phases moe-tune,moe-main,moe-ladder --out "
+                      "DIR --write`; `--report-only --write` rewrites this section from the summaries committed in "
+                      f"`bench/results/paper_regime/`. This text: `python -m bench.paper_regime {shown}` "
+                      f"({time.strftime('%Y-%m-%d')}).\n\n" + text
+                      + "\n\n![eval loss and learned lambda](paper_regime.png)\n\n" + moe_text
+                      + ("\n\n![MoE: eval loss and the router's balance](paper_regime_moe.png)" if moe_png else ""))
 
 
 if __name__ == "__main__":

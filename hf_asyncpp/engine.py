@@ -26,6 +26,7 @@ from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .optim.ef import LEARNED, learned_lambda
 from .optim.lr import build_scheduler, continue_schedule
 from .partition import anatomy, partition_plan
+from .partition.aux import expert_token_counts
 from .partition.plan import get_module
 from .schedules.records import get_simulated_delay
 from .storage import files as ckpt
@@ -42,6 +43,12 @@ class StepResult:
     applied: bool
     skipped_nonfinite: bool = False
     ef_lambda: float | None = None  # ``ef_lambda: learned``: its value after the step (the mean over stages)
+    # a MoE model whose config sets ``output_router_logits`` (single-process engine): the router's load-balancing aux
+    # loss (the model's ``aux_loss``, before ``router_aux_loss_coef``; mean over microbatches) and the tokens each
+    # router call (layer) sent to each expert over the step (this replica's), so a run shows whether its routers stay
+    # balanced
+    router_aux_loss: float | None = None
+    expert_tokens: list[list[int]] | None = None
 
 
 def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | None = None) -> bool:
@@ -232,12 +239,18 @@ class LocalEngine:
         self.delay.before_forward()
         loss_sum = torch.zeros((), device=self.device)
         batch = batch.to(self.device)
+        aux, tokens = [], None  # the router's balance (a MoE model that outputs its router logits)
+        top_k = getattr(self.config, "num_experts_per_tok", None)
         for i in range(m):
             ids = batch[i]
             with autocast(cfg.training.bf16):
-                loss = self.model(input_ids=ids, labels=ids).loss
-            (loss / m).backward()
-            loss_sum += loss.detach().float()
+                out = self.model(input_ids=ids, labels=ids)
+            (out.loss / m).backward()
+            loss_sum += out.loss.detach().float()
+            if getattr(out, "router_logits", None) and getattr(out, "aux_loss", None) is not None and top_k:
+                aux.append(float(out.aux_loss.detach()))
+                counts = expert_token_counts(out.router_logits, top_k)
+                tokens = counts if tokens is None else tokens + counts
         self.delay.after_backward()  # the current weights back; a tied head's gradient summed into its parameter
         loss_mean = self._allreduce_grads(loss_sum) / m
         lr = self.optimizer.param_groups[0]["lr"]
@@ -253,7 +266,8 @@ class LocalEngine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.delay.after_step()
-        return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped, learned_lambda(self.optimizer))
+        return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped, learned_lambda(self.optimizer),
+                          sum(aux) / len(aux) if aux else None, tokens.tolist() if tokens is not None else None)
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)

@@ -3,7 +3,9 @@
 Only the main process writes. ``metrics.jsonl`` gets one record per step (``step, loss, learning_rate, grad_norm,
 num_input_tokens_seen, tokens_per_s, applied, elapsed_s, train_s``: seconds since this process started training, when
 the result arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
-time-to-loss comparison) and one per evaluation (``eval_loss, eval_ppl, eval_tokens``). Where a number is one the HF
+time-to-loss comparison; a single-process MoE run whose config sets ``output_router_logits`` adds
+``router_aux_loss`` and ``expert_tokens``, the tokens each layer's router sent to each expert that step) and one per
+evaluation (``eval_loss, eval_ppl, eval_tokens``). Where a number is one the HF
 Trainer logs, it has the Trainer's name, so a script written for a Trainer's ``log_history`` reads ours. The trackers
 and the log get the mean over each ``training.logging_steps`` interval, as the HF Trainer does (:func:`interval_log`).
 Reporting never waits on the pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing
@@ -214,6 +216,9 @@ class RunLog:
             rec["skipped_nonfinite"] = True
         if result.ef_lambda is not None:
             rec["ef_lambda"] = result.ef_lambda
+        if result.router_aux_loss is not None:  # a MoE model's router balance (the single-process engine's)
+            rec["router_aux_loss"] = result.router_aux_loss
+            rec["expert_tokens"] = result.expert_tokens
         self._write(rec)
         self.interval.append(rec)
         self.bar.update(1)
