@@ -239,7 +239,7 @@ class LocalEngine:
         self.delay.before_forward()
         loss_sum = torch.zeros((), device=self.device)
         batch = batch.to(self.device)
-        aux, tokens = [], None  # the router's balance (a MoE model that outputs its router logits)
+        aux, n_aux, tokens = None, 0, None  # the router's balance (a MoE model with router logits), on the device
         top_k = getattr(self.config, "num_experts_per_tok", None)
         for i in range(m):
             ids = batch[i]
@@ -248,7 +248,8 @@ class LocalEngine:
             (out.loss / m).backward()
             loss_sum += out.loss.detach().float()
             if getattr(out, "router_logits", None) and getattr(out, "aux_loss", None) is not None and top_k:
-                aux.append(float(out.aux_loss.detach()))
+                aux = out.aux_loss.detach().float() + (0 if aux is None else aux)
+                n_aux += 1
                 counts = expert_token_counts(out.router_logits, top_k)
                 tokens = counts if tokens is None else tokens + counts
         self.delay.after_backward()  # the current weights back; a tied head's gradient summed into its parameter
@@ -267,7 +268,7 @@ class LocalEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.delay.after_step()
         return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped, learned_lambda(self.optimizer),
-                          sum(aux) / len(aux) if aux else None, tokens.tolist() if tokens is not None else None)
+                          float(aux) / n_aux if n_aux else None, tokens.tolist() if tokens is not None else None)
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)

@@ -58,17 +58,17 @@ class AuxLoss:
         return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * self.num_experts
 
 
-
 def expert_token_counts(router_logits, top_k: int) -> torch.Tensor:
     """(router calls, experts) int64: the tokens each router call sent to each expert, chosen as transformers' routers
     and ``load_balancing_loss_func`` choose them (top-k of the softmax). The aux loss is one number pooled over every
-    layer; the counts per layer show which router's load drifts, and by how much."""
+    layer; the counts per layer show which router's load drifts, and by how much. Counted with ``scatter_add`` into
+    a fixed size (``bincount``'s size depends on the data: a host sync on a GPU)."""
     with torch.no_grad():
-        rows = []
-        for logits in router_logits:
-            selected = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices
-            rows.append(torch.bincount(selected.reshape(-1), minlength=logits.shape[-1]))
-        return torch.stack(rows)
+        selected = torch.stack([torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices.reshape(-1)
+                                for logits in router_logits])
+        counts = torch.zeros(selected.shape[0], router_logits[0].shape[-1], dtype=torch.int64, device=selected.device)
+        return counts.scatter_add_(1, selected, torch.ones_like(selected))
+
 
 @dataclass(frozen=True)
 class GatheredAux:
