@@ -20,6 +20,9 @@ def _with(section, **kw):
 
 BAD = [
     (_with("pipeline", schedule="zero-bubble"), r"pipeline\.schedule: 'zero-bubble' is not allowed; choose one of '2bw', '1f1b', 'zbh1', 'gpipe', 'pipedream', 'none'"),
+    (_with("pipeline", schedule="zbv", num_stages=2), r"pipeline\.schedule: 'zbv' holds 2 stages per process, and the "
+                                                   r"executor runs one stage per process: interleaved and V-shaped "
+                                                   r"schedules are planner-only for now"),
     (_with("training", max_stepz=10), r"training\.max_stepz: unknown field; did you mean 'max_steps'\? allowed fields of "
                                       r"training: .*max_steps"),
     (_with("training", per_device_train_batch_size=8),

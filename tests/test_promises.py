@@ -24,7 +24,7 @@ from hf_asyncpp.optim import install_error_feedback
 from hf_asyncpp.pipeline import stage_state
 from hf_asyncpp.pipeline.versions import Versions
 from hf_asyncpp.run import checkpointer
-from hf_asyncpp.schedules.records import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS
+from hf_asyncpp.schedules.records import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS, VIRTUAL_SCHEDULES
 from hf_asyncpp.storage import files as ckpt
 from hf_asyncpp.storage.names import (FINAL_EVAL, LOSS_CURVE, MANIFEST, METRICS, MODEL_FILE, OPTIMIZER_FILE, PROFILE,
                                       RECIPE_FILE, RUN_STATE, TIMELINE, TRAINER_STATE)
@@ -244,7 +244,8 @@ def test_the_recipe_types_spell_the_records_names():
     from hf_asyncpp.config.optimizer import OptimizerConfig
     from hf_asyncpp.config.recipe import PipelineConfig
 
-    assert set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])) == set(SCHEDULES) | {NO_PIPELINE}
+    assert set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])) == (
+        set(SCHEDULES) | set(VIRTUAL_SCHEDULES) | {NO_PIPELINE})
     assert set(typing.get_args(typing.get_type_hints(OptimizerConfig)["simulate_delay"])) == set(SIMULATED_DELAYS)
 
 

@@ -20,7 +20,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from ..errors import RecipeError
-from ..schedules.records import NO_PIPELINE, SCHEDULES, get_simulated_delay, one_step_delay, pipelined
+from ..schedules.records import (NO_PIPELINE, SCHEDULES, get_schedule, get_simulated_delay, one_step_delay,
+                                 pipelined)
 from ..storage.write import write_file
 from .names import FOREIGN_NAMES
 from .optimizer import EF_LEARNED, OptimizerConfig
@@ -53,10 +54,11 @@ SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial"
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    schedule: Literal["2bw", "1f1b", "zbh1", "gpipe", "pipedream", "none"] = "none"
+    schedule: Literal["2bw", "1f1b", "zbh1", "gpipe", "pipedream", "none", "interleaved1f1b", "zbv", "dualpipev"] = "none"
     """Pipeline schedule; ``none`` runs the whole model in each process. ``zbh1``: 1F1B with each backward split
     into the input gradient and the weight gradient, the latter filling the cool-down (synchronous, 1F1B's
-    numbers)."""
+    numbers). ``interleaved1f1b``, ``zbv`` and ``dualpipev`` hold several stages per process: ``hf-asyncpp plan``
+    compares them; training refuses them (the executor runs one stage per process)."""
     num_stages: int = field(default=1, metadata=_range(lo=1))
     num_microbatches: int = field(default=4, metadata=_range(lo=1))
     """Microbatches per optimizer step (gradients accumulated over them)."""
@@ -372,6 +374,12 @@ def _cross_checks(r: Recipe) -> None:
     o = r.optimizer
     if not pipelined(p.schedule) and p.num_stages != 1 and not delay.per_stage and o.ef_lambda != EF_LEARNED:
         raise RecipeError(f"pipeline.num_stages: {p.num_stages} needs a pipeline schedule; set pipeline.schedule to one of {', '.join(SCHEDULES)}")
+    record = get_schedule(p.schedule) if pipelined(p.schedule) else None
+    if record is not None and not record.runs_in_executor:
+        raise RecipeError(f"pipeline.schedule: {p.schedule!r} holds {record.stages_per_rank} stages per process, and the "
+                          f"executor runs one stage per process: interleaved and V-shaped schedules are planner-only for "
+                          f"now (hf-asyncpp plan compares them with these for any recipe); train with one of "
+                          f"{', '.join(SCHEDULES)}")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
             SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)

@@ -1,7 +1,8 @@
 """Pipeline schedules as data, and everything that reasons about them without a process: pure Python, no torch.
 
 =============  ==========================================================================================
-``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``ZB_H1``, ``GPIPE``, ``PIPEDREAM``) and their action lists
+``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``ZB_H1``, ``GPIPE``, ``PIPEDREAM``; virtual stages,
+               planner only: ``INTERLEAVED_1F1B``, ``ZBV``, ``DUALPIPEV``) and their action lists
 ``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles (fill/drain
                and imbalance: ``split_bubble``)
 ``nccl_rule``  NCCL's point-to-point ordering rule, as the simulator applies it
@@ -12,9 +13,10 @@
 The recipe's checks, the planner, ``hf-asyncpp timeline`` and the runtime (``pipeline/``) read these; importing
 them stays cheap.
 """
-from .records import (GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ZB_H1, Action, ActionType, Schedule,
-                      get_schedule, schedule_actions)
+from .records import (DUALPIPEV, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, VIRTUAL_SCHEDULES,
+                      ZB_H1, ZBV, Action, ActionType, Schedule, get_schedule, interleaved_1f1b, schedule_actions)
 from .simulator import BubbleSplit, Costs, ScheduleError, SimResult, simulate, split_bubble
 
 __all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "ZB_H1", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",
+           "VIRTUAL_SCHEDULES", "INTERLEAVED_1F1B", "ZBV", "DUALPIPEV", "interleaved_1f1b",
            "Action", "ActionType", "BubbleSplit", "Costs", "ScheduleError", "SimResult", "simulate", "split_bubble"]

@@ -20,12 +20,20 @@ from __future__ import annotations
 Channel = tuple[str, int]
 
 
-def channel(src: int, dst: int) -> Channel:
-    """The communicator of a transfer from stage ``src`` to the adjacent stage ``dst``."""
+def channel(src: int, dst: int, num_ranks: int | None = None) -> Channel:
+    """The communicator of a transfer from stage ``src`` to the adjacent stage ``dst``.
+
+    Where ranks hold several stages (virtual stages) the transfers go between ranks and the same rule holds: one
+    communicator per direction between two ranks, whatever it carries (in V placement rank r sends r+1 both its
+    first stage's activations and its second stage's input gradients; they leave in one order and the receiver takes
+    them in it). With ``num_ranks`` the ranks form a ring, as a looping placement needs (stage p-1 on rank p-1 feeds
+    stage p on rank 0): its wrap-around pair gets ("act", p-1) for p-1 -> 0 and ("grad", p-1) for 0 -> p-1."""
     if dst == src + 1:
         return ("act", src)
     if dst == src - 1:
         return ("grad", dst)
+    if num_ranks is not None and num_ranks > 2 and (src, dst) in ((num_ranks - 1, 0), (0, num_ranks - 1)):
+        return ("act", src) if dst == 0 else ("grad", dst)
     raise ValueError(f"stages {src} and {dst} are not adjacent: transfers go between neighbours only")
 
 

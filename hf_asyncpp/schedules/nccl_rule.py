@@ -15,6 +15,17 @@ T = ActionType
 SEND_OF = {T.RECV_ACT: T.SEND_ACT, T.RECV_GRAD: T.SEND_GRAD}
 
 
+def message_text(send: Action) -> str:
+    """A sent message as error lines name it: ``SEND_ACT3.1`` (``/s5``: the stage it comes from, with several per rank)."""
+    return f"{send.type.value}{send.step}.{send.microbatch}" + (f"/s{send.stage}" if send.stage is not None else "")
+
+
+def awaited_text(recv: Action, rank: int) -> str:
+    """The send a receive in ``rank``'s list waits for, as ``message_text`` names it."""
+    stage = f"/s{recv.sending_stage(rank)}" if recv.stage is not None else ""
+    return f"{SEND_OF[recv.type].value}{recv.step}.{recv.microbatch}{stage}"
+
+
 class _Op:
     """One posted NCCL send or receive: ``action`` (list index ``idx``) of stage ``rank`` on communicator ``comm``,
     posted while the stage ran its action ``at`` (``at < idx``: a prefetched receive)."""
@@ -30,7 +41,7 @@ class _Op:
 
     def message(self) -> tuple:
         a = self.action
-        return (SEND_OF.get(a.type, a.type), a.step, a.microbatch)
+        return (SEND_OF.get(a.type, a.type), a.step, a.microbatch, a.sending_stage(self.rank))
 
 
 class NcclFifos:
@@ -41,16 +52,22 @@ class NcclFifos:
         self.fifo: dict[tuple, deque[_Op]] = defaultdict(deque)  # (rank, comm, peer) -> ops not completed, in post order
         self.free: dict[tuple, float] = defaultdict(float)  # (rank, comm, peer) -> its last completion
         self.posted: dict[tuple[int, int], _Op] = {}  # (rank, list index) -> its op, until its action finished
-        self.next_recv: list[dict[int, int]] = []  # per stage: RECV index -> index of the next RECV of its kind
+        self.next_recv: list[dict[int, int]] = []  # per rank: RECV index -> the next RECV on its communicator and peer
 
     def index(self, actions: list[list[Action]]) -> None:
-        for acts in actions:
+        """What the prefetch posts: after each receive, the rank's next receive from the same peer on the same
+        communicator (with one stage per rank: the next of the same kind)."""
+        for s, acts in enumerate(actions):
             nxt, last = {}, {}
             for j, a in enumerate(acts):
                 if a.type.is_recv:
-                    if a.type in last:
-                        nxt[last[a.type]] = j
-                    last[a.type] = j
+                    try:
+                        fifo = (self.channel(a.peer, s), a.peer)
+                    except ValueError:
+                        continue  # no communicator: the receive fails when posted
+                    if fifo in last:
+                        nxt[last[fifo]] = j
+                    last[fifo] = j
             self.next_recv.append(nxt)
 
 
@@ -83,12 +100,12 @@ class NcclRule:
         while mine and theirs and mine[0].action.type.is_send != theirs[0].action.type.is_send:
             snd, rcv = (mine[0], theirs[0]) if mine[0].action.type.is_send else (theirs[0], mine[0])
             if snd.message() != rcv.message():
-                k, i = snd.action.step, snd.action.microbatch
-                self.fail(rcv.rank, f"{rcv.action}, but the next message from stage {snd.rank} is "
-                                    f"{snd.action.type.value}{k}.{i} (receives out of send order; on {comm!r})",
+                self.fail(rcv.rank, f"{rcv.action}, but the next message from {self.label} {snd.rank} is "
+                                    f"{message_text(snd.action)} (receives out of send order; on {comm!r})",
                           "out of send order")
             mine.popleft(), theirs.popleft()
-            done = max(snd.posted, rcv.posted, n.free[(s, comm, d)], n.free[(d, comm, s)]) + self.cost(rcv.action, rcv.rank)
+            done = (max(snd.posted, rcv.posted, n.free[(s, comm, d)], n.free[(d, comm, s)])
+                    + self.cost(rcv.action, self.where(rcv.action, rcv.rank)))
             snd.done = rcv.done = n.free[(s, comm, d)] = n.free[(d, comm, s)] = done
 
     def nccl_recv(self, s: int, a: Action) -> bool:
@@ -98,6 +115,7 @@ class NcclRule:
             return False
         del self.nccl.posted[(s, idx)]
         self.clock[s] = max(self.clock[s], op.done)
+        self.arrived(s, a)
         nxt = self.nccl.next_recv[s].get(idx)
         if self.nccl.prefetch and nxt is not None:  # the executor's prefetch, before the stage's next action
             self.post(s, nxt)
@@ -119,20 +137,20 @@ class NcclRule:
         op = n.posted[(s, self.ptr[s])]
         d, comm = a.peer, op.comm
         if a.type.is_recv:
-            wait = f"waits for {SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {d}"
+            wait = f"waits for {awaited_text(a, s)} from {self.label} {d}"
         else:
             wait = "blocking send waits for its receive"
         how = f"prefetched at @{op.at} after {self.actions[s][op.at]}" if op.at != op.idx else "posted here"
         q, other = list(n.fifo[(s, comm, d)]), n.fifo[(d, comm, s)]
         pos = q.index(op)
-        where = f"{op} ({how}) " + (f"heads {comm!r} to stage {d}" if pos == 0 else
-                                     f"is queued on {comm!r} to stage {d} behind {_few(q[:pos])}")
+        where = f"{op} ({how}) " + (f"heads {comm!r} to {self.label} {d}" if pos == 0 else
+                                     f"is queued on {comm!r} to {self.label} {d} behind {_few(q[:pos])}")
         head = "it" if pos == 0 else f"the head {q[0]}"
         if not other:
-            facing = f"stage {d} has posted nothing there for {head}"
+            facing = f"{self.label} {d} has posted nothing there for {head}"
         else:
             kind = "receives" if q[0].action.type.is_recv else "sends"
-            facing = f"stage {d}'s head there is {other[0]} (two {kind} wait for each other)"
+            facing = f"{self.label} {d}'s head there is {other[0]} (two {kind} wait for each other)"
         behind = f"; behind it: {_few(q[pos + 1:])}" if pos + 1 < len(q) else ""
         return f"{wait}: {where}; {facing}{behind}"
 

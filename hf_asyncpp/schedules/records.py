@@ -10,6 +10,13 @@ single-process names are here too: ``NO_PIPELINE`` (``pipeline.schedule: none``;
 ``processes_per_pipeline``) and ``SimulatedDelay`` (``optimizer.simulate_delay``: the delays of a record,
 reproduced in one process; ``SIMULATED_DELAYS`` by name).
 
+Virtual stages (``VIRTUAL_SCHEDULES``: ``INTERLEAVED_1F1B``, ``ZBV``, ``DUALPIPEV``): a rank holds
+``stages_per_rank`` model stages, placed by ``stage_ranks`` (looping: rank r holds r, r+p, ...; V: r and 2p-1-r).
+Their ``actions(num_stages, ...)`` take the number of ranks and return one list per rank, whose F, B, I, W and
+transfers name their model stage (``Action.stage``, written ``/s{g}``); a transfer goes only between stages on
+different ranks (``peer`` is a rank), and stages on one rank hand their tensors over in memory. The simulator and the
+planner run them; the executor runs one stage per rank, so a recipe cannot select them yet (``runs_in_executor``).
+
 Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`` = step, ``i`` = microbatch in the step):
 
 ==========================  ============================================================================
@@ -24,6 +31,8 @@ Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`` = step, ``i`` = micr
 ``RECV_ACT{k}.{i}<{s-1}``   before F on s > 0: the inputs from stage s-1 (blocks until they are here)
 ``SEND_GRAD{k}.{i}>{s-1}``  after B (or I) on s > 0: isend the input gradients to stage s-1 (non-blocking)
 ``RECV_GRAD{k}.{i}<{s+1}``  before B (or I) on s < p-1: the output gradients from stage s+1 (blocks)
+``F{k}.{i}@v{v}/s{g}``      with several stages per rank: the forward at model stage g (likewise every
+                            F, B, I, W and transfer names its stage)
 ``REDUCE{k}``               after the stage's last B (or W) of step k: post step k's gradient
                             reductions (data-parallel all-reduce, tied-embedding sum, global grad norm),
                             a collective every stage issues in the same step order
@@ -66,7 +75,7 @@ only where the numbers need a drained pipeline (a checkpoint, an evaluation, the
 from __future__ import annotations
 
 import re
-from collections import deque
+from collections import defaultdict, deque
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,6 +83,7 @@ from typing import Callable, Iterator, Optional
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "ZB_H1", "TWO_BW", "PIPEDREAM", "BACKWARDS", "get_schedule",
+    "VIRTUAL_SCHEDULES", "INTERLEAVED_1F1B", "ZBV", "DUALPIPEV", "interleaved_1f1b", "stage_ranks",
     "ActionType", "Action", "schedule_actions", "version_lag", "format_actions", "parse_actions", "NO_PIPELINE", "pipelined",
     "processes_per_pipeline", "one_step_delay", "SimulatedDelay", "SIMULATED_DELAYS", "get_simulated_delay",
 ]
@@ -107,7 +117,7 @@ released, its weight gradient accumulated, and the step's REDUCE may follow the 
 _FIELDS = {t: (t in _COMPUTE or t.is_send or t.is_recv, t in _COMPUTE, t.is_send or t.is_recv) for t in ActionType}
 """Which of (microbatch, version, peer) each type has: looked up, not derived, for every one of the million actions
 a planner's search lowers."""
-_PATTERN = re.compile(r"([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@v(\d+))?(?:([<>])(\d+))?")
+_PATTERN = re.compile(r"([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@v(\d+))?(?:([<>])(\d+))?(?:/s(\d+))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,18 +131,34 @@ class Action:
     version: Optional[int] = None
     """Weight version of F and B."""
     peer: Optional[int] = None
-    """The other stage of a transfer (destination of a send, source of a receive)."""
+    """The other rank of a transfer (destination of a send, source of a receive); with one stage per rank, the other
+    stage."""
+    stage: Optional[int] = None
+    """Where a rank holds several model stages (``Schedule.stages_per_rank`` > 1): the stage an F, B, I or W computes,
+    whose output (SEND_ACT) or input gradient (SEND_GRAD) a send carries, or whose input (RECV_ACT) or output
+    gradient (RECV_GRAD) a receive brings. None where each rank holds one stage, the list's own (stage = rank)."""
 
     def __post_init__(self):
         t = self.type
         if type(t) is not ActionType:
             t = ActionType(t)
             object.__setattr__(self, "type", t)
-        mb, v, peer = self.microbatch, self.version, self.peer
+        mb, v, peer, g = self.microbatch, self.version, self.peer, self.stage
         if (_FIELDS[t] != (mb is not None, v is not None, peer is not None) or self.step < 0
-                or (mb is not None and mb < 0) or (v is not None and v < 0) or (peer is not None and peer < 0)):
+                or (mb is not None and mb < 0) or (v is not None and v < 0) or (peer is not None and peer < 0)
+                or (g is not None and (g < 0 or mb is None))):
             raise ValueError(f"malformed action {t.value}: step={self.step} microbatch={self.microbatch} "
-                             f"version={self.version} peer={self.peer}")
+                             f"version={self.version} peer={self.peer} stage={self.stage}")
+
+    def sending_stage(self, rank: int) -> int:
+        """For a transfer in ``rank``'s list: the stage whose output or input gradient it carries. A send's own stage;
+        for a receive the neighbour it comes from: the stage before for activations, the one after for gradients.
+        With one stage per rank the stages are the ranks (a send's rank, a receive's peer)."""
+        if self.stage is None:
+            return rank if self.type.is_send else self.peer
+        if self.type.is_send:
+            return self.stage
+        return self.stage - 1 if self.type == ActionType.RECV_ACT else self.stage + 1
 
     def __str__(self) -> str:
         s = f"{self.type.value}{self.step}"
@@ -142,6 +168,8 @@ class Action:
             s += f"@v{self.version}"
         if self.peer is not None:
             s += f"{'>' if self.type.is_send else '<'}{self.peer}"
+        if self.stage is not None:
+            s += f"/s{self.stage}"
         return s
 
     __repr__ = __str__
@@ -151,25 +179,27 @@ class Action:
         m = _PATTERN.fullmatch(text.strip())
         if not m or m.group(1) not in ActionType.__members__:
             raise ValueError(f"not an action: {text!r} (e.g. F3.1@v2, SEND_ACT3.1>2, RECV_GRAD3.1<2, STEP3)")
-        op, k, i, v, arrow, peer = m.groups()
+        op, k, i, v, arrow, peer, stage = m.groups()
         t = ActionType(op)
         if arrow is not None and arrow != (">" if t.is_send else "<"):
             raise ValueError(f"not an action: {text!r} (sends name their peer with '>', receives with '<')")
         num = lambda x: None if x is None else int(x)
-        return Action(t, int(k), num(i), num(v), num(peer))
+        return Action(t, int(k), num(i), num(v), num(peer), num(stage))
 
 
 def format_actions(lists: list[list[Action]]) -> str:
-    """One line per stage (``stage s: a a a``), for logs and for ``parse_actions``."""
-    return "\n".join(f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(lists))
+    """One line per stage (``stage s: a a a``), or per rank where the actions name their stages (``rank r: ...``,
+    virtual stages), for logs and for ``parse_actions``."""
+    head = "rank" if any(a.stage is not None for acts in lists for a in acts) else "stage"
+    return "\n".join(f"{head} {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(lists))
 
 
 def parse_actions(text: str) -> list[list[Action]]:
     out = []
     for line in filter(None, map(str.strip, text.splitlines())):
         head, _, body = line.partition(":")
-        if head != f"stage {len(out)}":
-            raise ValueError(f"expected 'stage {len(out)}: ...', got {line[:40]!r}")
+        if head not in (f"stage {len(out)}", f"rank {len(out)}"):
+            raise ValueError(f"expected 'stage {len(out)}: ...' (or 'rank {len(out)}: ...'), got {line[:40]!r}")
         out.append([Action.from_str(w) for w in body.split()])
     return out
 
@@ -235,42 +265,253 @@ def _per_step(local: Callable[[int, int, int], Order], s: int, p: int, m: int, n
             yield t, k * m + j
 
 
-def _lower(order: Order, s: int, p: int, m: int, k0: int, version: Callable[[int], int], late_step: bool) -> Iterator[Action]:
-    """Turn a compute order into actions: transfers around F and B (or I), REDUCE after a step's last B (or W), and
-    STEP."""
+# ---------------------------------------------------------------------------- virtual stages: several per rank
+# A rank holding several model stages runs an order of chunks: each a tuple of (F, B, I or W, microbatch, stage) run
+# as one unit. A chunk is one computation, except DualPipeV's overlapped pair (torch's OVERLAP_F_B): a forward of one
+# stage and a backward of the other, both inputs received before it and both outputs sent after it, computed one
+# after the other as torch's runtime does without a custom overlap function.
+
+Item = tuple[ActionType, int, int]  # (F, B, I or W, microbatch in the step, model stage)
+Chunks = Iterator[tuple[Item, ...]]
+
+
+def stage_ranks(placement: str, num_ranks: int, stages_per_rank: int) -> list[int]:
+    """The rank holding each model stage. ``loop``: rank r holds r, r + p, r + 2p, ... (Megatron's interleaving, torch's
+    default); ``v``: rank r holds r and 2p-1-r, so the first and last stages share rank 0 and the model's activations
+    turn back at rank p-1 without a transfer (ZBV, DualPipeV)."""
+    p, v = num_ranks, stages_per_rank
+    if placement == "loop":
+        return [g % p for g in range(p * v)]
+    if placement == "v" and v == 2:
+        return list(range(p)) + list(range(p - 1, -1, -1))
+    raise ValueError(f"placement {placement!r} with {v} stages per rank: 'loop' takes any number, 'v' exactly 2")
+
+
+def _order_interleaved(rank: int, p: int, v: int, m: int) -> Chunks:
+    """Interleaved 1F1B at ``rank`` over one step's m microbatches, on the v stages rank, rank + p, ... (Narayanan et
+    al., "Efficient Large-Scale Language Model Training on GPU Clusters", 2021), in the order torch's
+    ``ScheduleInterleaved1F1B`` generates: the microbatches go in rounds of m // max(1, m // p) (so m need not be a
+    multiple of p, only of the number of rounds); a rank runs (v-1) rounds + 2(p-1-rank) warm-up forwards, walking
+    its stages one round at a time (stage order rank, rank + p, ...), then one forward and one backward (stages in the
+    reverse order) per op, then the cool-down backwards. With v stages per rank a microbatch crosses p*v stages of
+    1/v the work each, so fill and drain take 1/v as long as 1F1B's."""
+    T = ActionType
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+    total = m * v
+    forwards = [0] * v  # per local stage: the next microbatch
+    backwards = [0] * v
+
+    def forward(op: int) -> tuple[Item]:
+        local = (op // per_round) % v
+        forwards[local] += 1
+        return ((T.F, forwards[local] - 1, local * p + rank),)
+
+    def backward(op: int) -> tuple[Item]:
+        local = v - 1 - ((op - warmup) // per_round) % v
+        backwards[local] += 1
+        return ((T.B, backwards[local] - 1, local * p + rank),)
+
+    for op in range(warmup):
+        yield forward(op)
+    for op in range(warmup, total):
+        yield forward(op)
+        yield backward(op)
+    for op in range(total, total + warmup):
+        yield backward(op)
+
+
+def _order_zbv(rank: int, p: int, m: int) -> Chunks:
+    """ZBV at ``rank`` over one step's m microbatches, on its stages rank and 2p-1-rank (V placement; Qi et al.,
+    "Zero Bubble Pipeline Parallelism", 2024, section 6), in the order torch's ``ScheduleZBVZeroBubble`` generates:
+    2(p-rank)-1 forwards of the first stage, then pairs of both stages' forwards, then forwards of the second stage
+    each with its I and W at once (the V's turn: the last stage, on rank 0, starts backwards early), a steady state of
+    F, I, W on each stage in turn, and a cool-down of I's whose W's fill the drain. torch plans for
+    max(2p-1, m) microbatches and drops those >= m, so any m runs (fewer than 2p-1 leave bubbles). With F = I = W the
+    steady state has no bubble: near-zero bubble, at 1F1B's activation memory per rank."""
+    T = ActionType
+    n = max(2 * p - 1, m)
+    first, second = rank, 2 * p - 1 - rank
+    out: list[Item] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - rank) - 1):
+        out.append((T.F, f0, first)); f0 += 1
+    for _ in range(rank):
+        out.append((T.F, f1, second)); f1 += 1
+        out.append((T.F, f0, first)); f0 += 1
+    for _ in range(p - rank):
+        out += [(T.F, f1, second), (T.I, b1, second), (T.W, b1, second)]
+        f1 += 1; b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            out.append((T.F, f0, first)); f0 += 1
+        out += [(T.I, b0, first), (T.W, b0, first), (T.F, f1, second), (T.I, b1, second), (T.W, b1, second)]
+        b0 += 1; f1 += 1; b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        out += [(T.I, b0, first), (T.I, b1, second)]
+        b0 += 1; b1 += 1
+    for _ in range(p - rank):
+        out += [(T.I, b0, first), (T.W, w0, first)]
+        b0 += 1; w0 += 1
+    out += [(T.W, j, second) for j in range(w1, b1)] + [(T.W, j, first) for j in range(w0, b0)]
+    return ((item,) for item in out if item[1] < m)
+
+
+def _order_dualpipev(rank: int, p: int, m: int) -> Chunks:
+    """DualPipeV at ``rank`` over one step's m >= 2p microbatches, on its stages rank and 2p-1-rank (V placement;
+    DeepSeek-V3's DualPipe folded onto p ranks), in the order torch's ``ScheduleDualPipeV`` generates: forwards of the
+    first stage, then of both, then zero-bubble I/W/F on the second; the main phase runs overlapped pairs, a forward of
+    one stage with a backward (B) of the other (torch's OVERLAP_F_B: one chunk here, computed one after the other as
+    torch's runtime does without a custom overlap function; DeepSeek overlaps them to hide the expert all-to-all,
+    which a cost model of compute alone cannot show); the cool-down runs B's, then I's whose W's fill the drain.
+    A rank's W's come from one queue of its I's in order, as torch's."""
+    T = ActionType
+    first, second = rank, 2 * p - 1 - rank
+    nxt: dict[tuple[int, bool], int] = defaultdict(int)  # (stage, forward?) -> its next microbatch (B and I share one)
+    weights: deque[tuple[int, int]] = deque()  # (stage, microbatch) of I's whose W is not placed yet
+
+    def one(t: ActionType, stage: int) -> Item:
+        key = (stage, t == T.F)
+        j = nxt[key]
+        nxt[key] += 1
+        if t == T.I:
+            weights.append((stage, j))
+        return (t, j, stage)
+
+    def weight() -> Iterator[tuple[Item]]:
+        if weights:
+            stage, j = weights.popleft()
+            yield ((T.W, j, stage),)
+
+    for _ in range(2 * (p - rank - 1)):
+        yield (one(T.F, first),)
+    for _ in range(rank + 1):
+        yield (one(T.F, first),)
+        yield (one(T.F, second),)
+    for _ in range(p - rank - 1):
+        yield (one(T.I, second),)
+        yield from weight()
+        yield (one(T.F, second),)
+    for i in range(m - 2 * p + rank + 1):
+        if i == 0 and rank == p - 1:  # torch: not overlapped, a smaller bubble at the V's turn
+            yield (one(T.F, first),)
+            yield (one(T.B, second),)
+        else:
+            yield (one(T.F, first), one(T.B, second))
+        yield (one(T.F, second), one(T.B, first))
+    for _ in range(p - rank - 1):
+        yield (one(T.B, second),)
+        yield (one(T.F, second), one(T.B, first))
+    split = False  # the second half of the cool-down splits its backwards (zero bubble)
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        yield (one(T.I if split else T.B, second),)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        yield (one(T.I if split else T.B, first),)
+    for _ in range(p - rank - 1):
+        yield from weight()
+        yield (one(T.I if split else T.B, first),)
+    for _ in range(rank + 1):
+        yield from weight()
+
+
+Message = tuple[ActionType, int, int]  # (SEND_ACT or SEND_GRAD, microbatch from the window's start, sending stage)
+
+
+def _sends(chunks: Chunks, src: int, dst: int, ranks: list[int]) -> Iterator[Message]:
+    """The messages rank ``src`` sends rank ``dst``, in its order (``_lower``'s: per chunk, in the order of its items)."""
+    T, last = ActionType, len(ranks) - 1
+    for chunk in chunks:
+        for t, j, g in chunk:
+            if t == T.F and g < last and ranks[g + 1] == dst != src:
+                yield T.SEND_ACT, j, g
+            elif t in (T.B, T.I) and g > 0 and ranks[g - 1] == dst != src:
+                yield T.SEND_GRAD, j, g
+
+
+def _lower(chunks: Chunks, rank: int, ranks: list[int], m: int, k0: int, version: Callable[[int], int], late_step: bool,
+           label_stages: bool, senders: Optional[dict[int, Iterator[Message]]] = None) -> Iterator[Action]:
+    """Turn a rank's compute order into actions: a chunk's receives, its computations, its sends (a transfer only
+    between stages on different ranks: ``ranks[g]`` holds stage g); REDUCE after a step's last B (or W) on the rank, and
+    STEP. ``chunks`` count microbatches from the window's start (j: step k0 + j // m, microbatch j % m);
+    ``label_stages``: the actions name their stage (several per rank).
+
+    ``senders``: per peer rank, the messages it sends this rank in its order (``_sends``). Messages between two ranks
+    are received in send order (no tags; NCCL completes them in that order), so where this rank needs a message
+    before one its peer sent earlier -- in V placement one pair of ranks carries the first stage's activations and
+    the second stage's gradients -- the earlier one is received first, ahead of its place (it left no later, so
+    this waits no longer), and not again at its place. With one stage per rank each pair carries one kind of message
+    in microbatch order, the order it is needed in: None."""
     A, T = Action, ActionType
+    last = len(ranks) - 1
+    per_step = m * ranks.count(rank)  # backwards that complete a step on this rank
     b_done: dict[int, int] = {}
     pending: deque[int] = deque()  # late_step: reduced steps whose STEP is not placed yet
-    for t, j in order:
-        k, i = k0 + j // m, j % m
-        v = version(k)
-        if t == T.F:
-            while pending and pending[0] <= k - 2:  # 2bw: STEP(k-2) just before the first forward of step k
-                yield A(T.STEP, pending.popleft())
-            if s > 0:
-                yield A(T.RECV_ACT, k, i, peer=s - 1)
-            yield A(T.F, k, i, v)
-            if s < p - 1:
-                yield A(T.SEND_ACT, k, i, peer=s + 1)
-        elif t == T.W:
-            yield A(T.W, k, i, v)
-        else:
-            if s < p - 1:
-                yield A(T.RECV_GRAD, k, i, peer=s + 1)
-            yield A(t, k, i, v)
-            if s > 0:
-                yield A(T.SEND_GRAD, k, i, peer=s - 1)
-        if t in BACKWARDS:
-            b_done[k] = b_done.get(k, 0) + 1
-            if b_done[k] == m:  # the stage's last backward of step k
-                del b_done[k]
-                yield A(T.REDUCE, k)
-                if late_step:
-                    pending.append(k)
-                else:
-                    yield A(T.STEP, k)
+    early: set[Message] = set()  # received ahead of their place
+
+    def receive(out: list[Action], kind: ActionType, j: int, g: int) -> None:
+        """The receive of stage g's input (RECV_ACT) or output gradient (RECV_GRAD) of microbatch j, and any message
+        its peer sent before it that is not received yet."""
+        sender = g - 1 if kind == T.RECV_ACT else g + 1
+        peer = ranks[sender]
+        msg = (T.SEND_ACT if kind == T.RECV_ACT else T.SEND_GRAD, j, sender)
+        if senders is not None:
+            if msg in early:
+                early.remove(msg)
+                return
+            for sent in senders[peer]:
+                if sent == msg:
+                    break
+                early.add(sent)
+                send_kind, j_sent, g_sent = sent
+                at = g_sent + 1 if send_kind == T.SEND_ACT else g_sent - 1
+                out.append(A(T.RECV_ACT if send_kind == T.SEND_ACT else T.RECV_GRAD, k0 + j_sent // m, j_sent % m,
+                             peer=peer, stage=at if label_stages else None))
+        out.append(A(kind, k0 + j // m, j % m, peer=peer, stage=g if label_stages else None))
+
+    for chunk in chunks:
+        receives, computes, sends, reduced = [], [], [], []
+        for t, j, g in chunk:
+            k, i = k0 + j // m, j % m
+            tag = g if label_stages else None
+            if t == T.F:
+                while pending and pending[0] <= k - 2:  # 2bw: STEP(k-2) just before the first forward of step k
+                    yield A(T.STEP, pending.popleft())
+                if g > 0 and ranks[g - 1] != rank:
+                    receive(receives, T.RECV_ACT, j, g)
+                computes.append(A(T.F, k, i, version(k), stage=tag))
+                if g < last and ranks[g + 1] != rank:
+                    sends.append(A(T.SEND_ACT, k, i, peer=ranks[g + 1], stage=tag))
+            elif t == T.W:
+                computes.append(A(T.W, k, i, version(k), stage=tag))
+            else:
+                if g < last and ranks[g + 1] != rank:
+                    receive(receives, T.RECV_GRAD, j, g)
+                computes.append(A(t, k, i, version(k), stage=tag))
+                if g > 0 and ranks[g - 1] != rank:
+                    sends.append(A(T.SEND_GRAD, k, i, peer=ranks[g - 1], stage=tag))
+            if t in BACKWARDS:
+                b_done[k] = b_done.get(k, 0) + 1
+                if b_done[k] == per_step:  # the rank's last backward of step k
+                    del b_done[k]
+                    reduced.append(k)
+        yield from receives
+        yield from computes
+        yield from sends
+        for k in reduced:
+            yield A(T.REDUCE, k)
+            if late_step:
+                pending.append(k)
+            else:
+                yield A(T.STEP, k)
     for k in pending:
         yield A(T.STEP, k)
+
+
+def _one_stage(order: Order, s: int) -> Chunks:
+    """A one-stage-per-rank order as chunks of one computation each."""
+    return (((t, j, s),) for t, j in order)
 
 
 # ---------------------------------------------------------------------------- builders
@@ -287,13 +528,43 @@ def _flushed(local: Callable[[int, int, int, int], Order]):
     """Builder of a synchronous schedule: ``local`` per step, REDUCE and STEP right after a step's last backward."""
     def build(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
         order = _per_step(lambda s_, p_, m_: local(s_, p_, m_, extra), s, p, m, n)
-        return _lower(order, s, p, m, k0, lambda k: sched.version(k, s, p), False)
+        return _lower(_one_stage(order, s), s, list(range(p)), m, k0, lambda k: sched.version(k, s, p), False, False)
     return build
 
 
 def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
     """Builder of an asynchronous schedule: 1F1B over the continuous stream of n*m microbatches, no flush."""
-    return _lower(_order_1f1b(s, p, n * m, extra), s, p, m, k0, lambda k: sched.version(k, s, p), sched.late_step)
+    return _lower(_one_stage(_order_1f1b(s, p, n * m, extra), s), s, list(range(p)), m, k0,
+                  lambda k: sched.version(k, s, p), sched.late_step, False)
+
+
+def _flushed_virtual(local: Callable[[int, int, int, int], Chunks]):
+    """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: ``local(rank, p, v, m)``, one step's
+    chunks, per step; REDUCE and STEP right after the rank's last backward of the step (of every stage it holds)."""
+    def build(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+        ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
+
+        def chunks(rank: int) -> Chunks:
+            for k in range(n):
+                for chunk in local(rank, p, sched.stages_per_rank, m):
+                    yield tuple((t, k * m + j, g) for t, j, g in chunk)
+        peers = {ranks[g + d] for g in range(len(ranks)) if ranks[g] == r for d in (-1, 1) if 0 <= g + d < len(ranks)}
+        senders = {q: _sends(chunks(q), q, r, ranks) for q in peers - {r}}
+        return _lower(chunks(r), r, ranks, m, k0, lambda k: sched.version(k, r, p), False, True, senders)
+    return build
+
+
+def _check_interleaved(p: int, m: int, extra: int) -> None:
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"interleaved 1F1B runs the microbatches in rounds of about num_stages; num_microbatches "
+                         f"must be a multiple of max(1, m // p) = {rounds} (got {m}): use {m - m % rounds} or "
+                         f"{m - m % rounds + rounds}")
+
+
+def _check_dualpipev(p: int, m: int, extra: int) -> None:
+    if m < 2 * p:
+        raise ValueError(f"dualpipev needs num_microbatches >= 2 x num_stages, one per model stage ({m} < {2 * p})")
 
 
 def _check_2bw(p: int, m: int, extra: int) -> None:
@@ -337,6 +608,22 @@ class Schedule:
     extra_warmup_ok: bool
     _build: Callable = field(repr=False)
     _constraints: Callable[[int, int, int], None] = field(repr=False, default=lambda p, m, extra: None)
+    stages_per_rank: int = 1
+    """Model stages each rank (process) holds: 1, or more for the virtual-stage schedules (interleaved 1F1B: v; ZBV and
+    DualPipeV: 2), whose ``num_stages`` arguments count ranks: p ranks run p x stages_per_rank model stages, their
+    actions name the stage (``Action.stage``) and their ``version``/``lag`` take a rank."""
+    placement: str = "loop"
+    """Which rank holds which stage where there are several per rank (``stage_ranks``): ``loop`` or ``v``."""
+
+    @property
+    def runs_in_executor(self) -> bool:
+        """Whether ``pipeline/executor.py`` can run it: it runs one stage per rank; the virtual-stage schedules are
+        data for the simulator and the planner only, for now."""
+        return self.stages_per_rank == 1
+
+    def stage_ranks(self, num_ranks: int) -> list[int]:
+        """The rank holding each of the ``num_ranks x stages_per_rank`` model stages."""
+        return stage_ranks(self.placement, num_ranks, self.stages_per_rank)
 
     def check(self, num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> None:
         """ValueError naming the knob when (p, m, extra_warmup) cannot run this schedule."""
@@ -355,7 +642,8 @@ class Schedule:
 
     def stage_actions(self, stage: int, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
                       extra_warmup: int = 0) -> Iterator[Action]:
-        """Stage ``stage``'s list of ``actions``, produced lazily (checked now, generated as it is consumed)."""
+        """Stage ``stage``'s list of ``actions``, produced lazily (checked now, generated as it is consumed); with
+        several stages per rank, rank ``stage``'s list (of ``num_stages`` ranks)."""
         p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
         _check(self.name, p, m, n, k0, extra_warmup)
         self.check(p, m, extra_warmup)
@@ -420,6 +708,41 @@ ZB_H1 = Schedule(
 later); the W's fill the cool-down. It computes 1F1B's gradients, flushed every step (version k)."""
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, ZB_H1, TWO_BW, PIPEDREAM)}
+"""The schedules the executor runs (``pipeline.schedule``)."""
+
+INTERLEAVED_1F1B = Schedule(
+    name="interleaved1f1b", title="interleaved 1F1B (2 stages per rank), synchronous", synchronous=True,
+    version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
+    extra_warmup_ok=False, _build=_flushed_virtual(_order_interleaved), _constraints=_check_interleaved,
+    stages_per_rank=2, placement="loop")
+"""Interleaved 1F1B (``_order_interleaved``): v stages per rank in looping placement (``interleaved_1f1b(v)``; 2 here),
+flushed every step (version k); it computes 1F1B's gradients on a p x v-stage split."""
+
+ZBV = Schedule(
+    name="zbv", title="ZBV zero bubble (2 stages per rank, V placement), synchronous", synchronous=True,
+    version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
+    extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_zbv(r, p, m)), stages_per_rank=2,
+    placement="v")
+"""ZBV (``_order_zbv``): 2 stages per rank in V placement, F, I and W; flushed every step (version k)."""
+
+DUALPIPEV = Schedule(
+    name="dualpipev", title="DualPipeV (2 stages per rank, V placement), synchronous", synchronous=True,
+    version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
+    extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_dualpipev(r, p, m)),
+    _constraints=_check_dualpipev, stages_per_rank=2, placement="v")
+"""DualPipeV (``_order_dualpipev``): 2 stages per rank in V placement, overlapped forward/backward pairs, B and I/W;
+flushed every step (version k)."""
+
+VIRTUAL_SCHEDULES: dict[str, Schedule] = {s.name: s for s in (INTERLEAVED_1F1B, ZBV, DUALPIPEV)}
+"""The virtual-stage schedules (several stages per rank): simulator and planner only, not the executor."""
+
+
+def interleaved_1f1b(stages_per_rank: int) -> Schedule:
+    """Interleaved 1F1B with ``stages_per_rank`` (v >= 2) stages per rank."""
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 2:
+        raise ValueError(f"interleaved 1F1B needs at least 2 stages per rank, got {stages_per_rank!r}")
+    return dataclasses.replace(INTERLEAVED_1F1B, stages_per_rank=stages_per_rank,
+                               title=f"interleaved 1F1B ({stages_per_rank} stages per rank), synchronous")
 
 
 def with_sync_start(schedule: Schedule, start_step: int) -> Schedule:
@@ -451,8 +774,11 @@ def with_sync_start(schedule: Schedule, start_step: int) -> Schedule:
 def get_schedule(name: "str | Schedule") -> Schedule:
     if isinstance(name, Schedule):
         return name
+    if name in VIRTUAL_SCHEDULES:
+        return VIRTUAL_SCHEDULES[name]
     if name not in SCHEDULES:
-        raise ValueError(f"pipeline.schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"pipeline.schedule: {name!r} is not one of {', '.join(SCHEDULES)} (planner only: "
+                         f"{', '.join(VIRTUAL_SCHEDULES)})")
     return SCHEDULES[name]
 
 

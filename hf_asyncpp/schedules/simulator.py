@@ -33,6 +33,12 @@ stage's next send while the peer's stands in front of its own: a deadlock gloo n
 1F1B still hangs there: two unbuffered sends meet at the heads). With the per-direction channels each FIFO holds
 only sends or only receives, and for the schedules' lists the rule costs nothing (same timeline at comm = 0).
 
+Virtual stages (a rank holding several model stages, its actions naming them: ``Action.stage``): the clock, the
+timeline, versions, REDUCE and STEP are the rank's; forwards and backwards are counted per model stage, costs of F,
+B, I, W and receives are looked up by model stage (STEP and REDUCE by rank), and messages are matched per pair of
+ranks with the stage they come from. A stage's forward needs its input: received from the previous stage's rank, or
+computed before it by the previous stage on the same rank; a backward (B or I) needs its output's gradient likewise.
+
 Bubble (``SimResult.bubble``, idle share of stage-time) in two parts that sum to it (``split_bubble``): ``imbalance``,
 the idle that exists only because the stages' work differs (each stage idles at least as long as the busiest stage
 works more than it), and ``fill_drain``, the rest: the schedule's own warm-up and cool-down and its waits on
@@ -48,13 +54,14 @@ version against the schedule record's ``version`` rule.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, fields
 from typing import Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import channels
-from .nccl_rule import NcclFifos, NcclRule, SEND_OF
+from .nccl_rule import NcclFifos, NcclRule, SEND_OF, awaited_text, message_text
 from .records import Action, ActionType, get_schedule
 
 __all__ = ["BubbleSplit", "Costs", "Interval", "SimResult", "ScheduleError", "simulate", "split_bubble"]
@@ -67,6 +74,7 @@ _COMPUTED = frozenset({T.F, T.B, T.I, T.W})
 """A microbatch's compute on a stage."""
 _TIMED = _COMPUTED | {T.STEP}
 """What takes time on a stage's compute stream."""
+_TRANSFERS = frozenset({T.SEND_ACT, T.RECV_ACT, T.SEND_GRAD, T.RECV_GRAD})
 
 
 class ScheduleError(RuntimeError):
@@ -88,7 +96,9 @@ class Costs:
     backward_input: Optional[Number] = None
     """``I`` of a split backward (zero-bubble schedules); None: half of ``backward``."""
     backward_weight: Optional[Number] = None
-    """``W`` of a split backward; None: half of ``backward``."""
+    """``W`` of a split backward; None: half of ``backward``.
+
+    With several stages per rank, lists index F, B, I, W and comm by model stage and STEP and REDUCE by rank."""
 
     _KEYS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight", "STEP": "step",
              "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
@@ -188,7 +198,8 @@ class SimResult:
     throughput: float
     """Microbatches per unit time."""
     peak_inflight: list[int] = field(default_factory=list)
-    """Per stage: most microbatches forwarded and not yet backwarded (activations held)."""
+    """Per stage: most microbatches forwarded and not yet backwarded (activations held); with several stages per rank,
+    per rank, counting (stage, microbatch) pairs."""
     peak_versions: list[int] = field(default_factory=list)
     """Per stage: most weight versions alive at once (the newest + older ones a later F/B of this list uses)."""
     busy: list[float] = field(default_factory=list)
@@ -199,27 +210,29 @@ class SimResult:
     """The bubble's part due to unequal stage work (``BubbleSplit.imbalance``)."""
 
 
-def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4) -> str:
-    """Each stage's last actions, the one it stands at in brackets, and why it cannot go on."""
+def _grid(actions: list[list[Action]], ptr: list[int], notes: dict[int, str], width: int = 4, label: str = "stage") -> str:
+    """Each stage's (or rank's) last actions, the one it stands at in brackets, and why it cannot go on."""
     lines = []
     for s, acts in enumerate(actions):
         words = (["..."] if ptr[s] > width else []) + [str(a) for a in acts[max(0, ptr[s] - width):ptr[s]]]
         words.append(f"[{acts[ptr[s]]}]" if ptr[s] < len(acts) else "(done)")
         if s in notes:
             words.append(f" <-- ERROR HERE: {notes[s]}")
-        lines.append(f"stage {s} @{ptr[s]:>4}: " + " ".join(words))
+        lines.append(f"{label} {s} @{ptr[s]:>4}: " + " ".join(words))
     return "\n".join(lines)
 
 
 def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Optional[str] = None,
              num_microbatches: Optional[int] = None, *, blocking_sends: bool = False,
              reduce_scope: str = "global", nccl: bool = False,
-             channel: Callable[[int, int], Hashable] = channels.channel, prefetch: bool = True,
+             channel: Optional[Callable[[int, int], Hashable]] = None, prefetch: bool = True,
              reduce_on_compute_stream: bool = False) -> SimResult:
-    """Run one window's action lists (``actions[s]`` for stage s); raise ``ScheduleError`` on any defect.
+    """Run one window's action lists (``actions[s]`` for stage s, or for rank s where it holds several stages); raise
+    ``ScheduleError`` on any defect.
 
     Args:
-        actions: per stage, its actions in order (``schedules.schedule_actions``).
+        actions: per stage, its actions in order (``schedules.schedule_actions``); with several stages per rank, per
+            rank, every F, B, I, W and transfer naming its stage (``Action.stage``).
         costs: ``Costs``, a dict (``{"forward": 1, "B": 2, ...}``) or a callable ``(action, stage) -> cost``.
         schedule: a schedule name or record; if given, every forward's version is checked against its ``version``.
         num_microbatches: if given, every step must have exactly these microbatches.
@@ -235,10 +248,12 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
             max(its two posts, the previous completion on either FIFO) + ``comm``; the receiver's clock becomes
             max(its clock, completion). Sends never block the program (with ``blocking_sends`` they wait for
             their completion in place).
-        channel: ``(src, dst) -> communicator`` of a transfer (``nccl`` only); ``channels.channel`` by default, one
-            per direction between adjacent stages; ``lambda s, d: "world"`` is the old single communicator.
-        prefetch: (``nccl`` only) post a stage's next receive of a kind as soon as its previous one completed,
-            as the executor's ``_receive`` does; False: every receive is posted at its RECV action.
+        channel: ``(src, dst) -> communicator`` of a transfer between two ranks (``nccl`` only); ``channels.channel``
+            by default, one per direction between adjacent ranks (and the ring's wrap-around pair, where the lists'
+            stages loop over the ranks); ``lambda s, d: "world"`` is the old single communicator.
+        prefetch: (``nccl`` only) post a stage's next receive from the same peer on the same communicator as soon as
+            its previous one completed, as the executor's ``_receive`` does (with one stage per rank: the next
+            receive of the same kind); False: every receive is posted at its RECV action.
         reduce_on_compute_stream: a stage computes nothing after its REDUCE{k} until step k's reduction has
             finished: what a collective waited for on the compute stream does (a reduction issued with NCCL from
             a thread that never selected a stream), against the default, a reduction off the compute stream that
@@ -246,26 +261,53 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
     """
     if reduce_scope not in ("global", "stage"):
         raise ValueError(f"reduce_scope must be 'global' or 'stage', got {reduce_scope!r}")
+    ranks = _stage_ranks(actions)
+    if channel is None:
+        channel = channels.channel if ranks is None else functools.partial(channels.channel, num_ranks=len(actions))
     sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global",
-               NcclFifos(channel, prefetch) if nccl else None, reduce_on_compute_stream)
+               NcclFifos(channel, prefetch) if nccl else None, reduce_on_compute_stream, ranks)
     sim.run()
     sim.check_complete(num_microbatches)
     return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
 
 
-class _Message:
-    __slots__ = ("type", "step", "microbatch", "sent", "done")
+def _stage_ranks(actions: list[list[Action]]) -> Optional[list[int]]:
+    """The rank holding each model stage where the actions name their stages (several stages per rank), else None
+    (each list is one stage)."""
+    holder: dict[int, int] = {}
+    for r, acts in enumerate(actions):
+        for a in acts:
+            if a.stage is not None and holder.setdefault(a.stage, r) != r:
+                raise ScheduleError(f"stage {a.stage} has actions on ranks {holder[a.stage]} and {r}: a stage lives on "
+                                    f"one rank")
+    if not holder:
+        return None
+    if any(a.stage is None and (a.type in _COMPUTED or a.type in _TRANSFERS) for acts in actions for a in acts):
+        raise ScheduleError("some actions name their stage and some do not: where a rank holds several stages every "
+                            "F, B, I, W and transfer names its own")
+    if sorted(holder) != list(range(len(holder))):
+        raise ScheduleError(f"the lists hold stages {sorted(holder)}, expected 0..{len(holder) - 1}")
+    return [holder[g] for g in range(len(holder))]
 
-    def __init__(self, a: Action, sent: float):
-        self.type, self.step, self.microbatch, self.sent, self.done = a.type, a.step, a.microbatch, sent, None
+
+class _Message:
+    __slots__ = ("action", "key", "sent", "done")
+
+    def __init__(self, a: Action, rank: int, sent: float):
+        self.action, self.sent, self.done = a, sent, None
+        self.key = (a.type, a.step, a.microbatch, a.sending_stage(rank))
 
 
 class _Run(NcclRule):
-    """The simulation state; ``run`` advances every stage as far as it can until all are done or stuck."""
+    """The simulation state; ``run`` advances every rank as far as it can until all are done or stuck. A rank runs one
+    list; it holds one stage (the stages are the ranks) or several (``stage_rank``: the rank of each stage)."""
 
     def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[NcclFifos] = None,
-                 reduce_blocks: bool = False):
+                 reduce_blocks: bool = False, stage_rank: Optional[list[int]] = None):
         p = self.p = len(actions)
+        self.stage_rank = stage_rank if stage_rank is not None else list(range(p))
+        self.label = "stage" if stage_rank is None else "rank"
+        n_stages = self.num_stages = len(self.stage_rank)
         self.reduce_blocks, self.reduce_waiting = reduce_blocks, {}
         self.nccl = nccl
         if nccl is not None:
@@ -277,20 +319,32 @@ class _Run(NcclRule):
         self.k0 = self.steps[0] if self.steps else 0  # the window's first step: every stage holds version k0
         self.ptr, self.clock, self.latest = [0] * p, [0.0] * p, [self.k0] * p
         self.timeline: list[list[Interval]] = [[] for _ in range(p)]
-        self.chan: dict[tuple[int, int], deque[_Message]] = defaultdict(deque)  # (src, dst) -> in send order
+        self.chan: dict[tuple[int, int], deque[_Message]] = defaultdict(deque)  # (src, dst) rank -> in send order
         self.sending: dict[int, _Message] = {}  # blocking sends: the message a stage waits on
-        self.reduce_at: dict[int, dict[int, float]] = defaultdict(dict)  # step -> stage -> time posted
+        self.reduce_at: dict[int, dict[int, float]] = defaultdict(dict)  # step -> rank -> time posted
         self.reduce_seq: list[list[int]] = [[] for _ in range(p)]
         self.reduce_idx: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of REDUCE
-        self.fwd: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]  # (k, i) -> version
-        self.bwd: list[set] = [set() for _ in range(p)]
-        self.inp: list[set] = [set() for _ in range(p)]  # (k, i) whose I ran (a split backward's first half)
+        # per model stage
+        self.fwd: list[dict[tuple[int, int], int]] = [{} for _ in range(n_stages)]  # (k, i) -> version
+        self.bwd: list[set] = [set() for _ in range(n_stages)]
+        self.inp: list[set] = [set() for _ in range(n_stages)]  # (k, i) whose I ran (a split backward's first half)
+        self.act_in: set[tuple[int, int, int]] = set()  # (stage, k, i): its input is here (received, or computed on its rank)
+        self.grad_in: set[tuple[int, int, int]] = set()  # (stage, k, i): the gradient of its output is here
+        # per rank
         self.step_version: list[dict[int, int]] = [{} for _ in range(p)]
         self.last_b: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of its last B
         self.inflight, self.peak_inflight = [0] * p, [0] * p
+        recv, send = (self.nccl_recv, self.nccl_send) if nccl is not None else (self.recv, self.send)
+        self.handlers = {T.F: self.forward, T.B: self.backward, T.I: self.backward_input, T.W: self.backward_weight,
+                         T.REDUCE: self.reduce, T.STEP: self.step, T.RECV_ACT: recv, T.RECV_GRAD: recv,
+                         T.SEND_ACT: send, T.SEND_GRAD: send}
+
+    def where(self, a: Action, s: int) -> int:
+        """The model stage of rank s's action ``a`` (its own where the rank holds one)."""
+        return s if a.stage is None else a.stage
 
     def fail(self, s: int, msg: str, note: str):
-        raise ScheduleError(f"stage {s}: {msg}\n" + _grid(self.actions, self.ptr, {s: note}))
+        raise ScheduleError(f"{self.label} {s}: {msg}\n" + _grid(self.actions, self.ptr, {s: note}, label=self.label))
 
     def run(self) -> None:
         progress = True
@@ -302,39 +356,51 @@ class _Run(NcclRule):
                     progress = True
         stuck = {s: self.why_blocked(s, acts[self.ptr[s]]) for s, acts in enumerate(self.actions) if self.ptr[s] < len(acts)}
         if stuck:
-            raise ScheduleError("deadlock: no stage can go on\n" + _grid(self.actions, self.ptr, stuck))
+            raise ScheduleError("deadlock: no stage can go on\n" + _grid(self.actions, self.ptr, stuck, label=self.label))
 
     def execute(self, s: int, a: Action) -> bool:
-        """Run ``a`` on stage s if it can start now (False: blocked); record it on the timeline."""
+        """Run ``a`` on rank s if it can start now (False: blocked); record it on the timeline."""
         t = a.type
-        if (t.is_send or t.is_recv) and (not 0 <= a.peer < self.p or a.peer == s):
-            self.fail(s, f"{a} names no other stage", "bad peer")
-        handler = {T.F: self.forward, T.B: self.backward, T.I: self.backward_input, T.W: self.backward_weight,
-                   T.REDUCE: self.reduce, T.STEP: self.step}.get(t)
-        if self.nccl is not None:
-            handler = handler or (self.nccl_recv if t.is_recv else self.nccl_send)
-        handler = handler or (self.recv if t.is_recv else self.send)
-        if not handler(s, a):
+        if t in _TRANSFERS:
+            if not 0 <= a.peer < self.p or a.peer == s:
+                self.fail(s, f"{a} names no other {self.label}", "bad peer")
+            if a.stage is not None:
+                self.check_neighbour(s, a)
+        if not self.handlers[t](s, a):
             return False
-        dur = self.cost(a, s) if t in _TIMED else 0.0
+        dur = self.cost(a, s if a.stage is None else a.stage) if t in _TIMED else 0.0
         self.timeline[s].append(Interval(self.clock[s] - dur, self.clock[s], a))
         return True
+
+    def check_neighbour(self, s: int, a: Action) -> None:
+        """A transfer naming its stage goes to or comes from the rank holding the neighbouring stage."""
+        g = a.stage
+        other = g + 1 if a.type in (T.SEND_ACT, T.RECV_GRAD) else g - 1
+        if not 0 <= other < self.num_stages:
+            self.fail(s, f"{a}: stage {g} has no stage {other} to exchange with", "no neighbour")
+        if self.stage_rank[other] != a.peer:
+            self.fail(s, f"{a} names rank {a.peer}, but stage {other} is on rank {self.stage_rank[other]}", "wrong peer")
+
+    def arrived(self, s: int, a: Action) -> None:
+        """A receive completed: its stage's input (or output gradient) for (k, i) is here."""
+        (self.act_in if a.type == T.RECV_ACT else self.grad_in).add((self.where(a, s), a.step, a.microbatch))
 
     def recv(self, s: int, a: Action) -> bool:
         q = self.chan[(a.peer, s)]
         if not q:
             return False
         msg = q[0]
-        if (SEND_OF[a.type], a.step, a.microbatch) != (msg.type, msg.step, msg.microbatch):
-            self.fail(s, f"{a}, but the next message from stage {a.peer} is {msg.type.value}{msg.step}.{msg.microbatch} "
+        if (SEND_OF[a.type], a.step, a.microbatch, a.sending_stage(s)) != msg.key:
+            self.fail(s, f"{a}, but the next message from {self.label} {a.peer} is {message_text(msg.action)} "
                          f"(receives out of send order)", "out of send order")
         q.popleft()
-        self.clock[s] = msg.done = max(self.clock[s], msg.sent) + self.cost(a, s)
+        self.clock[s] = msg.done = max(self.clock[s], msg.sent) + self.cost(a, self.where(a, s))
+        self.arrived(s, a)
         return True
 
     def send(self, s: int, a: Action) -> bool:
         if s not in self.sending:
-            self.sending[s] = _Message(a, self.clock[s])
+            self.sending[s] = _Message(a, s, self.clock[s])
             self.chan[(s, a.peer)].append(self.sending[s])
         if self.blocking_sends:
             if self.sending[s].done is None:
@@ -348,7 +414,7 @@ class _Run(NcclRule):
             n = len(self.reduce_seq[s])
             for o, seq in enumerate(self.reduce_seq):
                 if len(seq) > n and seq[n] != a.step:
-                    self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on stage {o} "
+                    self.fail(s, f"reduction #{n} is step {a.step} here but step {seq[n]} on {self.label} {o} "
                                  f"(collectives out of order)", "collective out of order")
             if a.step in self.reduce_idx[s]:
                 self.fail(s, f"{a} twice", "duplicate")
@@ -367,7 +433,7 @@ class _Run(NcclRule):
         return True
 
     def _reduction_done(self, s: int, k: int) -> Optional[float]:
-        """When step k's reduction finishes as seen from stage s (None: not every stage it needs has posted it)."""
+        """When step k's reduction finishes as seen from rank s (None: not every rank it needs has posted it)."""
         posted = self.reduce_at[k] if self.global_reduce else {s: self.reduce_at[k][s]}
         if len(posted) < (self.p if self.global_reduce else 1):
             return None
@@ -375,7 +441,7 @@ class _Run(NcclRule):
 
     def step(self, s: int, a: Action) -> bool:
         if a.step != self.latest[s]:
-            self.fail(s, f"{a} but the stage holds version {self.latest[s]}: STEP{self.latest[s]} must come next",
+            self.fail(s, f"{a} but the {self.label} holds version {self.latest[s]}: STEP{self.latest[s]} must come next",
                       "STEP out of order")
         if a.step not in self.reduce_idx[s]:
             self.fail(s, f"{a} before REDUCE{a.step}", "no reduction posted")
@@ -387,8 +453,8 @@ class _Run(NcclRule):
         return True
 
     def forward(self, s: int, a: Action) -> bool:
-        key, p = (a.step, a.microbatch), self.p
-        if key in self.fwd[s]:
+        g, key, p = self.where(a, s), (a.step, a.microbatch), self.p
+        if key in self.fwd[g]:
             self.fail(s, f"forward of {key} twice", "duplicate forward")
         if a.version > self.latest[s]:
             self.fail(s, f"{a} uses version {a.version}, only {self.latest[s]} exists yet", "future version")
@@ -397,74 +463,105 @@ class _Run(NcclRule):
                          f"(gradients of one step accumulate in one version)", "mixed versions")
         if self.schedule is not None and a.version != self.schedule.version(a.step, s, p):
             self.fail(s, f"{a}: {self.schedule.name} prescribes version {self.schedule.version(a.step, s, p)}", "wrong version")
-        self.fwd[s][key] = a.version
+        if g > 0:
+            need = (g, a.step, a.microbatch)
+            if need not in self.act_in:
+                self.missing(s, a, g - 1, "forwarded", "RECV_ACT")
+            self.act_in.discard(need)
+        self.fwd[g][key] = a.version
         self.inflight[s] += 1
         self.peak_inflight[s] = max(self.peak_inflight[s], self.inflight[s])
-        self.clock[s] += self.cost(a, s)
+        self.clock[s] += self.cost(a, g)
+        if g + 1 < self.num_stages and self.stage_rank[g + 1] == s:  # the next stage is here: no transfer
+            self.act_in.add((g + 1, a.step, a.microbatch))
         return True
 
+    def missing(self, s: int, a: Action, source: int, done: str, transfer: str) -> None:
+        """``a`` needs what the neighbouring stage ``source`` computes (its output, or its input gradient), and it is
+        neither received nor computed on this rank before it."""
+        if self.stage_rank[source] == s:
+            why = f"stage {source}, on this rank, has not {done} it yet"
+        else:
+            why = f"no {transfer}{a.step}.{a.microbatch} from {self.label} {self.stage_rank[source]} before it"
+        self.fail(s, f"{a} before its {'input' if transfer == 'RECV_ACT' else 'output gradient'}: {why}",
+                  "dependency not met")
+
     def _check_backward(self, s: int, a: Action) -> tuple[int, int]:
-        key = (a.step, a.microbatch)
-        if key not in self.fwd[s]:
+        g, key = self.where(a, s), (a.step, a.microbatch)
+        if key not in self.fwd[g]:
             self.fail(s, f"backward of {key} before its forward", "no forward")
-        if key in self.bwd[s]:
+        if key in self.bwd[g]:
             self.fail(s, f"backward of {key} twice", "duplicate backward")
-        if self.fwd[s][key] != a.version:
-            self.fail(s, f"{a} but its forward used version {self.fwd[s][key]}", "version mismatch")
+        if self.fwd[g][key] != a.version:
+            self.fail(s, f"{a} but its forward used version {self.fwd[g][key]}", "version mismatch")
         if a.step in self.reduce_idx[s]:
             self.fail(s, f"{a} after REDUCE{a.step}", "backward after its step's reduction")
         return key
 
+    def _input_gradient(self, s: int, a: Action) -> None:
+        """B or I: needs the gradient of the stage's output; hands the input gradient to the previous stage if here."""
+        g = self.where(a, s)
+        if g + 1 < self.num_stages:
+            need = (g, a.step, a.microbatch)
+            if need not in self.grad_in:
+                self.missing(s, a, g + 1, "computed its input gradient for", "RECV_GRAD")
+            self.grad_in.discard(need)
+        if g > 0 and self.stage_rank[g - 1] == s:
+            self.grad_in.add((g - 1, a.step, a.microbatch))
+
     def backward_input(self, s: int, a: Action) -> bool:
         """I: the input gradient only; the microbatch stays in flight (its graph is kept) until its W."""
-        key = self._check_backward(s, a)
-        if key in self.inp[s]:
+        key, g = self._check_backward(s, a), self.where(a, s)
+        if key in self.inp[g]:
             self.fail(s, f"I of {key} twice", "duplicate I")
-        self.inp[s].add(key)
-        self.clock[s] += self.cost(a, s)
+        self._input_gradient(s, a)
+        self.inp[g].add(key)
+        self.clock[s] += self.cost(a, g)
         return True
 
     def backward_weight(self, s: int, a: Action) -> bool:
         """W: completes the backward its I began."""
-        key = self._check_backward(s, a)
-        if key not in self.inp[s]:
+        key, g = self._check_backward(s, a), self.where(a, s)
+        if key not in self.inp[g]:
             self.fail(s, f"W of {key} before its I", "no I")
-        self.inp[s].discard(key)
+        self.inp[g].discard(key)
         return self._completed(s, a, key)
 
     def backward(self, s: int, a: Action) -> bool:
-        key = self._check_backward(s, a)
-        if key in self.inp[s]:
+        key, g = self._check_backward(s, a), self.where(a, s)
+        if key in self.inp[g]:
             self.fail(s, f"B of {key} after its I (a split backward ends with W)", "B after I")
+        self._input_gradient(s, a)
         return self._completed(s, a, key)
 
     def _completed(self, s: int, a: Action, key: tuple[int, int]) -> bool:
-        self.bwd[s].add(key)
+        g = self.where(a, s)
+        self.bwd[g].add(key)
         self.last_b[s][a.step] = self.ptr[s]
         self.inflight[s] -= 1
-        self.clock[s] += self.cost(a, s)
+        self.clock[s] += self.cost(a, g)
         return True
 
     def why_blocked(self, s: int, a: Action) -> str:
         if self.nccl is not None and (a.type.is_recv or a.type.is_send):
             return self.why_blocked_nccl(s, a)
         if a.type.is_recv:
-            return f"waits for {SEND_OF[a.type].value}{a.step}.{a.microbatch} from stage {a.peer}"
+            return f"waits for {awaited_text(a, s)} from {self.label} {a.peer}"
         if a.type.is_send:
-            return f"blocking send waits for stage {a.peer} to receive it"
+            return f"blocking send waits for {self.label} {a.peer} to receive it"
         missing = sorted(set(range(self.p)) - set(self.reduce_at[a.step]))
-        return f"waits for REDUCE{a.step} of stage(s) {missing}"
+        return f"waits for REDUCE{a.step} of {self.label}(s) {missing}"
 
     def check_complete(self, m: Optional[int]) -> None:
         """After a run without deadlock: every message received, every microbatch done, one update per step."""
         for (src, dst), q in self.chan.items():
             if q:
-                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
-                                    f"{q[0].type.value}{q[0].step}.{q[0].microbatch}")
+                raise ScheduleError(f"{self.label} {src} sent {len(q)} message(s) {self.label} {dst} never received, "
+                                    f"first {message_text(q[0].action)}")
         for (src, comm, dst), q in (self.nccl.fifo.items() if self.nccl is not None else ()):
             if q:  # only sends can be left: a posted receive blocks its stage at its RECV
-                raise ScheduleError(f"stage {src} sent {len(q)} message(s) stage {dst} never received, first "
-                                    f"{q[0].action} (on {comm!r})")
+                raise ScheduleError(f"{self.label} {src} sent {len(q)} message(s) {self.label} {dst} never received, "
+                                    f"first {q[0].action} (on {comm!r})")
         ref = set(self.fwd[0]) if self.p else set()
         sizes: dict[int, list[int]] = defaultdict(list)
         for k, i in sorted(ref):
@@ -473,22 +570,23 @@ class _Run(NcclRule):
         for k, v in sizes.items():
             if v != list(range(len(v))) or len(counts) > 1 or (m is not None and len(v) != m):
                 raise ScheduleError(f"step {k} has microbatches {v} on stage 0, expected 0..{(m or max(counts)) - 1}")
-        for s in range(self.p):
-            if self.inp[s]:
-                raise ScheduleError(f"stage {s}: I without its W for {sorted(self.inp[s])[:4]} (its weight gradient "
+        for g in range(self.num_stages):
+            if self.inp[g]:
+                raise ScheduleError(f"stage {g}: I without its W for {sorted(self.inp[g])[:4]} (its weight gradient "
                                     "is never computed)")
-            for what, got in (("forwards", set(self.fwd[s])), ("backwards", self.bwd[s])):
+            for what, got in (("forwards", set(self.fwd[g])), ("backwards", self.bwd[g])):
                 if got != ref:
-                    raise ScheduleError(f"stage {s} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
+                    raise ScheduleError(f"stage {g} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
                                         f"extra {sorted(got - ref)[:4]}, missing {sorted(ref - got)[:4]}")
+        for s in range(self.p):
             for k in sizes:
                 if k not in self.reduce_idx[s]:
-                    raise ScheduleError(f"stage {s}: step {k} has no REDUCE")
+                    raise ScheduleError(f"{self.label} {s}: step {k} has no REDUCE")
                 if self.reduce_idx[s][k] < self.last_b[s][k]:
-                    raise ScheduleError(f"stage {s}: REDUCE{k} comes before the step's last backward")
+                    raise ScheduleError(f"{self.label} {s}: REDUCE{k} comes before the step's last backward")
             if self.latest[s] != self.k0 + len(sizes):
-                raise ScheduleError(f"stage {s} ends with version {self.latest[s]}, expected {self.k0 + len(sizes)} "
-                                    f"(one STEP per step, {len(sizes)} steps from step {self.k0})")
+                raise ScheduleError(f"{self.label} {s} ends with version {self.latest[s]}, expected "
+                                    f"{self.k0 + len(sizes)} (one STEP per step, {len(sizes)} steps from step {self.k0})")
 
 
 def _peak_versions(acts: list[Action], k0: int) -> int:
