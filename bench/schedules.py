@@ -1,11 +1,13 @@
 """Which schedule wins for a recipe at its scale: the planner's decision table (issue "which schedule wins").
 
 For each recipe and stage count, every schedule the executor runs (2BW, 1F1B, ZB-H1, GPipe) on the recipe's own
-partition: steady-state seconds per step simulated from the partition's FLOPs at ``--tflops`` (the difference of a
-4-step and a 2-step window, so a window's fill and drain, paid once per drain point, do not count; ZB-H1's I and W
-half a backward each), the bubble, the fullest stage's planned memory and whether it fits ``--gpu-memory``, the speed
-against 1F1B, and the speed at the same loss: a 2BW step is worth ``planner.DELAYED_STEP_WORTH`` of a synchronous one
-for the recipe's optimizer and correction (measured in the paper-regime study). Nothing is allocated (meta device).
+partition, and the virtual-stage schedules the planner simulates (interleaved 1F1B, ZBV, DualPipeV: 2 stages per GPU
+on the model split into twice the stages, balanced by FLOPs; not in the executor yet): steady-state seconds per step
+simulated from the partition's FLOPs at ``--tflops`` (the difference of a 4-step and a 2-step window, so a window's
+fill and drain, paid once per drain point, do not count; I and W half a backward each), the bubble, the fullest
+GPU's planned memory (a stage, or a rank's two stages) and whether it fits ``--gpu-memory``, the speed against 1F1B,
+and the speed at the same loss: a 2BW step is worth ``planner.DELAYED_STEP_WORTH`` of a synchronous one for the
+recipe's optimizer and correction (measured in the paper-regime study). Nothing is allocated (meta device).
 
     python -m bench.schedules            # print the table
     python -m bench.schedules --write    # and replace its section of docs/benchmarks/speed.md
@@ -17,14 +19,14 @@ import copy
 
 from hf_asyncpp.cli.plan import parse_bytes
 from hf_asyncpp.config.recipe import load_recipe
-from hf_asyncpp.pipeline.planner import (DELAYED_STEP_WORTH, STEP_WORTH_SOURCE, _runnable_m, meta_model, plan_memory,
-                                         steady_step_time, step_worth)
-from hf_asyncpp.schedules.records import SCHEDULES
-from hf_asyncpp.schedules.simulator import Costs
+from hf_asyncpp.pipeline.planner import (DELAYED_STEP_WORTH, PLANNED_SCHEDULES, STEP_WORTH_SOURCE, _runnable_m,
+                                         flops_costs, meta_model, plan_memory, steady_step_time, step_worth,
+                                         why_not_planned)
+from hf_asyncpp.schedules.records import get_schedule
 
 CASES = [("smollm2-360m", 4, 1), ("moe-10b", 8, 2), ("moe-10b", 16, 1)]
 """(recipe, stages, data-parallel replicas): the recipes' own layouts and moe-10b on all 16 GPUs as stages."""
-NAMES = ("2bw", "1f1b", "zbh1", "gpipe")
+NAMES = PLANNED_SCHEDULES
 
 
 def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) -> list[dict]:
@@ -33,14 +35,15 @@ def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) ->
     cap = 0.9 * parse_bytes(gpu_memory)
     rows = []
     for name in NAMES:
+        sched = get_schedule(name)
+        if not sched.runs_in_executor and why_not_planned(sched, model.config.num_hidden_layers, p,
+                                                          base.pipeline.num_microbatches):
+            continue  # the virtual-stage schedules at the recipe's own m only, where the layers allow
         rec = copy.deepcopy(base)
         rec.pipeline.schedule = name
         plan, mem, _ = plan_memory(rec, p, model=model, dp=dp)
-        sched = SCHEDULES[name]
         m = _runnable_m(sched, p, max(rec.pipeline.num_microbatches, 1))
-        tokens = rec.pipeline.microbatch_size * rec.data.seq_len
-        fwd = [s.cost * tokens / (tflops * 1e12) for s in plan.stages]
-        costs = Costs(forward=fwd, backward=[2 * f for f in fwd])
+        costs = flops_costs(plan, rec, tflops * 1e12).per_rank(sched.stage_ranks(p))
         step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(rec.training.max_grad_norm))
         # the global clip: every stage's STEP waits for the norm of all stages; against each stage on its own norm
         local, _ = steady_step_time(sched, p, m, costs, "stage")
@@ -56,13 +59,15 @@ def decide(recipe_name: str, p: int, dp: int, tflops: float, gpu_memory: str) ->
 
 
 def table(cases, tflops: float, gpu_memory: str) -> str:
-    lines = [f"| recipe | stages x replicas | schedule | m | s/step | bubble | fullest stage | fits {gpu_memory} | "
+    lines = [f"| recipe | ranks x replicas | schedule | m | s/step | bubble | fullest GPU | fits {gpu_memory} | "
              "speed vs 1F1B | to the same loss vs 1F1B | global clip's delay |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for recipe_name, p, dp in cases:
         for r in decide(recipe_name, p, dp, tflops, gpu_memory):
             at_loss = f"{r['at_loss']:.2f}x" if r["at_loss"] is not None else "not measured"
-            lines.append(f"| {recipe_name} | {p} x {dp} | {r['schedule']} | {r['m']} | {r['step_s']:.3f} | "
+            per_rank = get_schedule(r["schedule"]).stages_per_rank
+            name = r["schedule"] + (f" ({per_rank} stages per rank)" if per_rank > 1 else "")
+            lines.append(f"| {recipe_name} | {p} x {dp} | {name} | {r['m']} | {r['step_s']:.3f} | "
                          f"{r['bubble']:.1%} | {r['peak'] / 1e9:.1f} GB | {'yes' if r['fits'] else 'no'} | "
                          f"{r['speed']:.2f}x | {at_loss} | {r['clip_delay'] * 1e3:.1f} ms |")
     return "\n".join(lines)

@@ -92,28 +92,40 @@ def test_compare_takes_recipe_overrides_in_both_forms(tmp_path):
     assert arm_overrides("2bw", tmp_path, 4, 2, 2, extra)[-3:] == extra
 
 
-def test_plan_compares_zero_bubble_and_puts_2bw_at_the_same_loss(capsys):
-    """The plan lists ZB-H1 beside 2BW, 1F1B and GPipe, and 2BW's speed at the same loss: its steps are worth less
-    than synchronous ones by the paper-regime study's measured fraction for the recipe's optimizer and correction."""
-    from hf_asyncpp.pipeline.planner import DELAYED_STEP_WORTH
+def test_plan_compares_zero_bubble_and_puts_2bw_at_the_same_loss(capsys, tmp_path):
+    """The plan lists ZB-H1 beside 2BW, 1F1B and GPipe, the virtual-stage schedules (2 stages per rank: cpu-tiny's 4
+    layers on 2 ranks), each with its fullest stage's or rank's memory, and 2BW's speed at the same loss: its steps
+    are worth less than synchronous ones by the paper-regime study's measured fraction for the recipe's optimizer and
+    correction. On 4 ranks the virtual-stage schedules would need 8 layers: the plan says so."""
+    from hf_asyncpp.pipeline.planner import DELAYED_STEP_WORTH, PLANNED_SCHEDULES
 
     assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--optimizer.name", "adamw",
                  "--optimizer.delay_correction", "none"]) in (0, None)
     out = capsys.readouterr().out
     rows = schedule_rows(out)
-    assert set(rows) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
+    assert set(rows) == set(PLANNED_SCHEDULES), out
+    for name in ("interleaved1f1b", "zbv", "dualpipev"):
+        assert re.search(rf"^ +{name}: .*; fullest rank [\d.]+ GB; 2 stages per rank \((loop|v) placement\)", out, re.M)
+    assert re.search(r"^ +zbh1: .*; fullest stage [\d.]+ GB$", out, re.M)
     assert rows["zbh1"]["bubble"] < rows["1f1b"]["bubble"]  # the W's fill part of 1F1B's bubble
     speed, at_loss, worth = (rows["2bw"][k] for k in ("speed", "at_loss", "worth"))
     assert worth == DELAYED_STEP_WORTH[("adamw", "none")] and at_loss == pytest.approx(speed * worth, abs=0.011)
     assert "docs/benchmarks/quality.md" in out and rows["1f1b"]["at_loss"] is None
     for r in rows.values():  # the bubble's two parts, each rounded to 0.1%
         assert r["fill_drain"] + r["imbalance"] == pytest.approx(r["bubble"], abs=0.11)
+    assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--num-stages", "4", "--png", str(tmp_path / "t.png")]) in (0, None)
+    out = capsys.readouterr().out
+    assert set(schedule_rows(out)) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
+    assert re.search(r"^ +zbv: does not fit: needs 8 stages of at least one layer; the model has 4 layers$", out, re.M)
 
 
 def test_plan_measure_simulates_the_schedules_on_measured_f_i_w(capsys, tmp_path):
-    """``plan --measure`` times F, B, I and W per layer here and simulates the four schedules again on the measured
-    split with them: the first stage has no I, the others do, and the simulated steps are at least what the slowest
-    stage's measured work takes (not the FLOPs estimate, which is far smaller for this tiny model)."""
+    """``plan --measure`` times F, B, I and W per layer here and simulates the schedules again on the measured
+    split with them (the virtual-stage ones on a finer split by the same per-layer times): the first stage has no I,
+    the others do, and the simulated steps are at least what the slowest stage's measured work takes (not the FLOPs
+    estimate, which is far smaller for this tiny model)."""
+    from hf_asyncpp.pipeline.planner import PLANNED_SCHEDULES
+
     import torch
 
     threads = torch.get_num_threads()  # --measure times one pipeline rank's thread
@@ -124,7 +136,7 @@ def test_plan_measure_simulates_the_schedules_on_measured_f_i_w(capsys, tmp_path
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     flops, measured = out.split("simulated with the measured ms per stage")
-    assert set(schedule_rows(flops)) == set(schedule_rows(measured)) == {"2bw", "1f1b", "zbh1", "gpipe"}, out
+    assert set(schedule_rows(flops)) == set(schedule_rows(measured)) == set(PLANNED_SCHEDULES), out
     split = [int(n) for n in re.search(r"the schedules on the measured split \[([\d, ]+)\]", flops).group(1).split(",")]
     per_stage = {k: [float(x) / 1e3 for x in v.split()] for k, v in re.findall(r"(\w+) \[([\d. ]+)\]", measured)}
     assert set(per_stage) == {"F", "B", "I", "W", "step"} and all(len(v) == len(split) == 2 for v in per_stage.values())

@@ -3,6 +3,7 @@ compute order equal to the one torch.distributed.pipelining generates, checked b
 stages on the same and on other ranks, receives in send order, NCCL's rule, memory in flight), and their bubbles."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -232,3 +233,103 @@ def test_constraints_name_the_knob():
     with pytest.raises(ValueError, match=r"'zb' is not one of gpipe, 1f1b, zbh1, 2bw, pipedream \(planner only: "
                                          r"interleaved1f1b, zbv, dualpipev\)"):
         get_schedule("zb")
+
+
+# ---------------------------------------------------------------------------- the planner
+
+
+def _recipe(layers: int, tied: bool = True, **pipeline):
+    from hf_asyncpp.config.recipe import recipe_from_dict
+
+    return recipe_from_dict({"model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                  "num_hidden_layers": layers, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "max_position_embeddings": 64,
+                                                  "tie_word_embeddings": tied},
+                                       "vocab_size": 256},
+                             "data": {"seq_len": 32},
+                             "pipeline": {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 4,
+                                          "microbatch_size": 2, **pipeline},
+                             "optimizer": {"name": "adamw"}})
+
+
+def test_virtual_stages_are_costed_by_their_own_layers():
+    """From FLOPs: each of the p x v stages costs its own layers (``partition_plan`` into p x v stages), the same model
+    work as the p-stage plan in all. Measured: the per-layer seconds split into p x v stages balanced by them, each
+    pass of each stage the sum of its layers', and the optimizer step per rank the sum of its stages'."""
+    from hf_asyncpp.partition import partition_plan
+    from hf_asyncpp.partition.costs import MeasuredCosts, PassSeconds
+    from hf_asyncpp.pipeline.planner import flops_costs, meta_model, virtual_costs
+
+    recipe, p = _recipe(8), 2
+    model = meta_model(recipe)
+    coarse = flops_costs(partition_plan(model, p, seq_len=32), recipe, 1e9)
+    for sched in (INTERLEAVED_1F1B, ZBV, interleaved_1f1b(4)):
+        fine = virtual_costs(sched, recipe, p, model, 1e9)
+        stages = p * sched.stages_per_rank
+        assert fine.forward == flops_costs(partition_plan(model, stages, seq_len=32), recipe, 1e9).forward
+        assert len(fine.forward) == stages and sum(fine.forward) == pytest.approx(sum(coarse.forward))
+    layers = [1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0]
+    passes = {name: PassSeconds([x * f for x in layers], 0.5 * f, 2.0 * f)
+              for name, f in (("forward", 1.0), ("backward", 2.0), ("backward_input", 1.0), ("backward_weight", 1.0))}
+    measured = MeasuredCosts([3 * x for x in layers], 1.5, 6.0, layer_steps=[0.1] * 8, first_step=0.2, last_step=0.3,
+                             passes=passes)
+    split = measured.balance(4, 4)
+    costs = virtual_costs(ZBV, recipe, p, measured=measured)  # ranks hold stages (0, 3) and (1, 2)
+    assert costs.forward == measured.stage_costs(split).forward and sum(costs.forward) == pytest.approx(sum(layers) + 2.5)
+    steps = measured.stage_costs(split).step
+    assert costs.step == pytest.approx([steps[0] + steps[3], steps[1] + steps[2]])
+    assert sum(costs.step) == pytest.approx(0.1 * 8 + 0.2 + 0.3)
+    with pytest.raises(ValueError, match="needs measured per-layer costs, or a model and flops_per_s"):
+        virtual_costs(ZBV, recipe, p)
+
+
+def test_a_rank_holds_its_stages_parameters_once_and_their_activations_as_they_fly():
+    """Per rank: the parameters of all its stages (in V placement rank 0 holds the embedding and the head, one tensor
+    when tied: counted once), and the activations of its in-flight (stage, microbatch) pairs each at its own stage's
+    size, walked in the rank's order."""
+    from hf_asyncpp.partition import partition_plan
+    from hf_asyncpp.pipeline.planner import meta_model, peak_in_flight, plan_memory, schedule_memory
+
+    for tied in (True, False):
+        recipe = _recipe(8, tied)
+        model = meta_model(recipe)
+        total = sum(q.numel() for q in model.parameters())  # each tensor once
+        plan = partition_plan(model, 4, seq_len=32)
+        zbv = schedule_memory(recipe, "zbv", 2, model)
+        assert [m.layers for m in zbv] == [f"0-{plan.stages[0].layers.stop - 1},{plan.stages[3].layers.start}-7",
+                                           f"{plan.stages[1].layers.start}-{plan.stages[1].layers.stop - 1},"
+                                           f"{plan.stages[2].layers.start}-{plan.stages[2].layers.stop - 1}"]
+        assert sum(m.params for m in zbv) == total  # the tied head is on the embedding's rank: no copy
+        loop = schedule_memory(recipe, "interleaved1f1b", 2, model)
+        assert sum(m.params for m in loop) == total + (model.lm_head.weight.numel() if tied else 0)  # a copy on rank 1
+    _, one, sim = plan_memory(recipe, 2, model)
+    assert [m.activations for m in one] == [
+        peak_in_flight([iv.action for iv in sim.timeline[s]], s, {s: m.activations / m.inflight}) for s, m in enumerate(one)]
+    walk = [Action(T.F, 0, 0, 0, stage=0), Action(T.F, 0, 0, 0, stage=3), Action(T.I, 0, 0, 0, stage=3),
+            Action(T.F, 0, 1, 0, stage=0), Action(T.W, 0, 0, 0, stage=3), Action(T.B, 0, 0, 0, stage=0)]
+    assert peak_in_flight(walk, 0, {0: 1.0, 3: 10.0}) == 12.0  # two of stage 0 and one of stage 3 (held to its W)
+
+
+def test_costs_per_rank_sum_the_steps_of_a_ranks_stages():
+    costs = Costs(forward=[1, 2, 3, 4], step=[0.1, 0.2, 0.3, 0.4], reduce=0.5).per_rank([0, 1, 1, 0])
+    assert costs.forward == [1, 2, 3, 4] and costs.step == pytest.approx([0.5, 0.5]) and costs.reduce == [1.0, 1.0]
+
+
+def test_plan_simulates_the_virtual_stage_schedules_where_they_fit():
+    """``simulate_schedules`` adds interleaved 1F1B, ZBV and DualPipeV where the layers allow p x 2 stages and the
+    schedule takes m (DualPipeV: m >= 2p); on balanced layers interleaving halves 1F1B's fill and drain."""
+    from hf_asyncpp.pipeline.planner import PLANNED_SCHEDULES, meta_model, plan_memory, simulate_schedules, why_not_planned
+
+    recipe = _recipe(16, num_microbatches=8)
+    model = meta_model(recipe)
+    plan, _, _ = plan_memory(recipe, 4, model)
+    sims = simulate_schedules(plan, recipe, 4, 1e12, model=model)
+    assert set(sims) == set(PLANNED_SCHEDULES)
+    assert all(not math.isnan(r.makespan) and r.makespan > 0 for r in sims.values())
+    assert sims["interleaved1f1b"].makespan < sims["1f1b"].makespan and sims["zbv"].makespan < sims["zbh1"].makespan
+    assert simulate_schedules(plan, recipe, 4, 1e12).keys() == {"2bw", "1f1b", "zbh1", "gpipe"}  # no model: no split
+    few = _recipe(6, num_microbatches=4)
+    plan, _, _ = plan_memory(few, 4, meta_model(few))
+    assert set(simulate_schedules(plan, few, 4, 1e12, model=meta_model(few))) == {"2bw", "1f1b", "zbh1", "gpipe"}
+    assert why_not_planned(ZBV, 6, 4, 4) == "needs 8 stages of at least one layer; the model has 6 layers"
+    assert "dualpipev needs num_microbatches >= 2 x num_stages" in why_not_planned(DUALPIPEV, 16, 4, 4)

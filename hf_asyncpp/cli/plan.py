@@ -1,7 +1,9 @@
-"""Plan a run before launching it: partition, per-stage memory, whether it fits, simulated step time and
-bubble of 2bw against 1f1b, zbh1 and gpipe, and a timeline PNG. Nothing is allocated (meta device). Each bubble is
-split into fill/drain (the schedule's warm-up, cool-down and dependency waits: what equal stages would idle too) and
-imbalance (what the stages' unequal work adds), which sum to it.
+"""Plan a run before launching it: partition, per-stage memory, whether it fits, simulated step time, bubble and
+fullest stage's memory of 2bw against 1f1b, zbh1 and gpipe -- and, planner only, interleaved 1F1B, ZBV and DualPipeV
+(2 stages per rank, on the model split into twice the stages: where the layers allow and the schedule takes the
+microbatch count) -- and a timeline PNG. Nothing is allocated (meta device). Each bubble is split into fill/drain (the
+schedule's warm-up, cool-down and dependency waits: what equal stages would idle too) and imbalance (what the stages'
+unequal work adds), which sum to it.
 
     hf-asyncpp plan recipes/moe-10b.yaml --num-stages 16 --gpu-memory 80GB
     hf-asyncpp plan recipes/smollm2-360m.yaml --num-stages 4
@@ -34,9 +36,10 @@ from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
 from ..partition import measure_costs
-from ..pipeline.planner import (PLANNED_STEPS, STEP_WORTH_SOURCE, plan_memory, reduction_stall, search_plans,
-                                simulate_schedules, step_worth)
-from ..schedules.records import SCHEDULES
+from ..pipeline.planner import (PLANNED_SCHEDULES, PLANNED_STEPS, STEP_WORTH_SOURCE, meta_model, plan_memory,
+                                planned_microbatches, reduction_stall, schedule_memory, search_plans,
+                                simulate_schedules, step_worth, why_not_planned)
+from ..schedules.records import get_schedule
 from ..schedules.timeline import plot_timeline
 
 
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     p = args.num_stages or recipe.pipeline.num_stages
     dp = max(1, (args.gpus or p) // p)
-    plan, mem, _ = plan_memory(recipe, p, dp=dp)
+    model = meta_model(recipe)
+    plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp)
     cap = parse_bytes(args.gpu_memory)
     total_params = sum(m.params for m in mem)
     print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
@@ -105,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nfits: the largest stage (stage {worst.stage}) needs {gb(worst.total)} GB at its peak of "
               f"{args.gpu_memory} ({(cap - worst.total) / cap:.0%} margin; 90% budget)")
-    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12)
-    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {max(recipe.pipeline.num_microbatches, p)} microbatches per "
-          "step (bubble = fill/drain, what equal stages would idle too, + imbalance, what unequal stages add):")
-    print("\n".join(schedule_lines(sims, recipe)))
+    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12, model=model)
+    fullest = {name: max(x.total for x in schedule_memory(recipe, name, p, model, dp)) for name in sims}
+    print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {planned_microbatches(recipe, p)} microbatches per "
+          "step (bubble = fill/drain, what equal stages would idle too, + imbalance, what unequal stages add; the "
+          "virtual-stage schedules on the model split into more stages, balanced by FLOPs, planner only):")
+    print("\n".join(schedule_lines(sims, recipe, fullest, not_planned(sims, plan.num_layers, recipe, p))))
     name = os.path.splitext(os.path.basename(args.recipe))[0]
     png = args.png or f"{name}-{p}stages.png"
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -121,24 +127,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def schedule_lines(sims: dict, recipe) -> list[str]:
+def schedule_lines(sims: dict, recipe, fullest: dict | None = None, skipped: dict | None = None) -> list[str]:
     """One line per simulated schedule: seconds per step, the bubble and its two parts, the speed against 1F1B and,
-    where a step is worth less than a synchronous one (2BW), the speed to the same loss."""
+    where a step is worth less than a synchronous one (2BW), the speed to the same loss; the fullest stage's (or
+    rank's) planned memory where ``fullest`` has it, and for a virtual-stage schedule its stages per rank. Then one
+    line per schedule in ``skipped``: why it does not fit."""
     base = sims["1f1b"].makespan
     lines = []
     for name, r in sims.items():
+        sched = get_schedule(name)
         speed = base / r.makespan
-        worth = step_worth(SCHEDULES[name], recipe.optimizer)
+        worth = step_worth(sched, recipe.optimizer)
         if worth is None:
             loss = "; to the same loss: not measured for this optimizer"
-        elif worth == 1.0 and SCHEDULES[name].synchronous:
+        elif worth == 1.0 and sched.synchronous:
             loss = ""
         else:
             loss = (f"; {speed * worth:.2f}x to the same loss: a step is worth {worth:.2f} of a synchronous one with "
                     f"{recipe.optimizer.name} + delay correction {recipe.optimizer.delay_correction} ({STEP_WORTH_SOURCE})")
-        lines.append(f"  {name:>5}: {r.makespan / PLANNED_STEPS:.4g} s/step, bubble {r.bubble:.1%} = fill/drain "
-                     f"{r.fill_drain:.1%} + imbalance {r.imbalance:.1%}; {speed:.2f}x the speed of 1f1b{loss}")
+        where = "stage" if sched.runs_in_executor else "rank"
+        memory = f"; fullest {where} {gb(fullest[name])} GB" if fullest and name in fullest else ""
+        virtual = (f"; {sched.stages_per_rank} stages per rank ({sched.placement} placement), "
+                   f"{max(r.peak_inflight)} stage-microbatches in flight at most" if not sched.runs_in_executor else "")
+        lines.append(f"  {name:>15}: {r.makespan / PLANNED_STEPS:.4g} s/step, bubble {r.bubble:.1%} = fill/drain "
+                     f"{r.fill_drain:.1%} + imbalance {r.imbalance:.1%}; {speed:.2f}x the speed of 1f1b{loss}"
+                     f"{memory}{virtual}")
+    for name, why in (skipped or {}).items():
+        lines.append(f"  {name:>15}: does not fit: {why}")
     return lines
+
+
+def not_planned(sims: dict, num_layers: int, recipe, p: int) -> dict[str, str]:
+    """Why each planned schedule missing from ``sims`` was left out."""
+    m = planned_microbatches(recipe, p)
+    return {name: why_not_planned(get_schedule(name), num_layers, p, m) or "no per-layer costs to split it by"
+            for name in PLANNED_SCHEDULES if name not in sims}
 
 
 def search(recipe, gpus: int, cap: float, args) -> None:
@@ -191,7 +214,8 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "
           f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]  "
           f"I [{ms(costs.backward_input)}]  W [{ms(costs.backward_weight)}]  step [{ms(costs.step)}]")
-    print("\n".join(schedule_lines(simulate_schedules(plan, recipe, p, costs=costs), recipe)))
+    sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c)
+    print("\n".join(schedule_lines(sims, recipe, skipped=not_planned(sims, plan.num_layers, recipe, p))))
 
 
 if __name__ == "__main__":

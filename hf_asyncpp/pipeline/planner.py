@@ -39,7 +39,10 @@ A tensor held on several stages (a tied head, a block shared by several layers) 
 Step time: the schedule simulator with forward cost = stage FLOPs / sustained FLOP/s, backward = 2 x forward
 (``flops_costs``), or the per-stage F, B, I, W and optimizer step timed on a device (``MeasuredCosts.stage_costs``,
 ``plan --measure``); the bubble in two parts that sum to it (``schedules.simulator.split_bubble``): imbalance, the idle
-only unequal stages cause, and fill/drain, the schedule's own warm-up, cool-down and dependency waits.
+only unequal stages cause, and fill/drain, the schedule's own warm-up, cool-down and dependency waits. The
+virtual-stage schedules (interleaved 1F1B, ZBV, DualPipeV; planner only) run on the model split into ranks x
+stages_per_rank stages, each costed by its own layers (``virtual_costs``), and their memory is per rank: the
+parameters of its stages, and the activations of its in-flight (stage, microbatch) pairs (``peak_in_flight``).
 
 ``search_plans``: for a number of GPUs, every stage count p dividing it (the rest data parallel), the FLOPs-balanced
 split and, where p divides the layers, the even one, and every microbatch size dividing the recipe's at the same
@@ -59,7 +62,7 @@ from ..config.recipe import Recipe
 from ..model.build import build_config
 from ..optim import classify_parameters
 from ..partition import partition_plan
-from ..schedules.records import ONE_F_ONE_B, SCHEDULES, Schedule, get_schedule
+from ..schedules.records import BACKWARDS, ONE_F_ONE_B, ActionType, Schedule, get_schedule, pipelined
 from ..schedules.simulator import BubbleSplit, Costs, simulate, split_bubble
 
 
@@ -97,7 +100,7 @@ class StageMemory:
 def planned_schedule(name: str) -> Schedule:
     """The record a recipe's schedule is planned with: its own, or 1F1B's memory and timing for ``schedule: none``
     (one process holds what one 1F1B stage of the whole model would)."""
-    return get_schedule(name) if name in SCHEDULES else ONE_F_ONE_B
+    return get_schedule(name) if pipelined(name) else ONE_F_ONE_B
 
 
 def meta_model(recipe: Recipe):
@@ -184,13 +187,18 @@ def received_values_per_token(anatomy, layers: range, stage: int) -> float:
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
                 layers_per_stage: list[int] | None = None, dp: int = 1) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule); ``dp``: data-parallel
-    replicas of each stage (the reducer's buckets exist only with more than one)."""
+    replicas of each stage (the reducer's buckets exist only with more than one). With a virtual-stage schedule
+    (several stages per rank) ``num_stages`` counts ranks, the plan splits the model into ranks x stages_per_rank
+    stages, and the memory is per rank: the parameters of all its stages, and the activations of the in-flight
+    (stage, microbatch) pairs at the rank's peak, each of its own stage's size."""
     p = num_stages or recipe.pipeline.num_stages
     sched = planned_schedule(recipe.pipeline.schedule)
+    v = sched.stages_per_rank
     model = model or meta_model(recipe)
     if layers_per_stage is None:
-        layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages else None
-    plan = partition_plan(model, p, layers_per_stage, seq_len=recipe.data.seq_len)
+        layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages and v == 1 else None
+    plan = partition_plan(model, p * v, layers_per_stage, seq_len=recipe.data.seq_len)
+    ranks = sched.stage_ranks(p)
     m, steps = sched.representative(p, recipe.pipeline.num_microbatches)
     m = _runnable_m(sched, p, m)
     extra = recipe.pipeline.extra_warmup if sched.extra_warmup_ok else 0
@@ -214,45 +222,71 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     cfg = model.config
     h = getattr(cfg, "hidden_size", None) or cfg.n_embd
     cast_names = linear_weights(model) if bf16 else set()
+    last = len(plan.stages) - 1
     out = []
-    for s, st in enumerate(plan.stages):
-        n_params = sum(sizes[n] for n in per_stage_names[s])
-        versions = sched.weight_versions(s, p)
+    for r in range(p):
+        mine = [g for g, q in enumerate(ranks) if q == r]
+        # a rank holding both names of a tied pair (V placement: the embedding's and the head's stage) holds one tensor
+        held = [n for g in mine for n in per_stage_names[g]]
+        held = [n for n in held if not any(n == copy and first in held for first, copy in plan.tied_pairs)]
+        n_params = sum(sizes[n] for n in held)
+        versions = sched.weight_versions(r, p)
         if opt.name == "muon":
-            opt_bytes = sum(sizes[n] * (4 if kinds.get(n) == "muon" else 8) for n in per_stage_names[s])
+            opt_bytes = sum(sizes[n] * (4 if kinds.get(n) == "muon" else 8) for n in held)
         elif opt.name in ("adamw", "nadam"):
             opt_bytes = 8 * n_params
         else:
             opt_bytes = 4 * n_params
-        inflight = sim.peak_inflight[s]
-        layer_ids = list(st.layers)
-        act = inflight * tokens_mb * (activation_bytes_per_token(cfg, layer_ids, s == p - 1, ckpt, bf16)
-                                      + 4 * received_values_per_token(plan.anatomy, st.layers, s))
+        inflight = sim.peak_inflight[r]
+        per_microbatch = {g: tokens_mb * (activation_bytes_per_token(cfg, list(plan.stages[g].layers), g == last, ckpt, bf16)
+                                          + 4 * received_values_per_token(plan.anatomy, plan.stages[g].layers, g))
+                          for g in mine}
+        act = peak_in_flight([iv.action for iv in sim.timeline[r]], r, per_microbatch)
+        layer_ids = [i for g in mine for i in plan.stages[g].layers]
         # bf16: the linear weights are held per version in bf16 (+ their fp32 master), except one also read uncast
         # on this stage (a tied head beside its embedding), which autocast casts for each microbatch in flight
-        n16 = sum(sizes[n] for n in per_stage_names[s] if n in cast_names)
+        n16 = sum(sizes[n] for n in held if n in cast_names)
         weights = 4.0 * (n_params - n16) * versions + (4.0 + 2.0 * versions) * n16
         head = f"{plan.anatomy.head}.weight"
-        casts = inflight * 2.0 * sizes[head] if bf16 and tied_here(plan, s) and head in sizes else 0.0
+        casts = inflight * 2.0 * sizes[head] if bf16 and tied_here(plan, ranks, r) and head in sizes else 0.0
         recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) if ckpt else 0.0
         # fp32 boundary tensors: outputs kept per in-flight microbatch + the received output gradient + one
-        # prefetched receive of each kind + the input gradient on its way back
+        # prefetched receive of each kind + the input gradient on its way back (a stage next to one on the same
+        # rank hands over in memory)
         boundary = 4.0 * tokens_mb * h
-        transfers = boundary * ((inflight + 2 if s < p - 1 else 0) + (2 if s > 0 else 0))
+        sends = any(g < last and ranks[g + 1] != r for g in mine)
+        receives = any(g > 0 and ranks[g - 1] != r for g in mine)
+        transfers = boundary * ((inflight + 2 if sends else 0) + (2 if receives else 0))
         ef = 4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0
         if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the tensors
             opt_bytes, ef = opt_bytes / dp, ef / dp
-        out.append(StageMemory(s, f"{st.layers.start}-{st.layers.stop - 1}", n_params, weights,
-                               4.0 * n_params * sched.grad_sets, float(opt_bytes), ef, act, inflight,
-                               casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
+        layers = ",".join(f"{plan.stages[g].layers.start}-{plan.stages[g].layers.stop - 1}" for g in mine)
+        out.append(StageMemory(r, layers, n_params, weights, 4.0 * n_params * sched.grad_sets, float(opt_bytes), ef,
+                               act, inflight, casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
                                reducer=4.0 * n_params if dp > 1 else 0.0))
     return plan, out, sim
 
 
-def tied_here(plan, stage: int) -> bool:
-    """Whether an output head sharing the embedding's weight runs on the embedding's stage (one stage): its weight is
-    read uncast by the lookup and cast by autocast for the head in each microbatch."""
-    return bool(plan.tied) and stage == 0 and len(plan.stages) == 1
+def peak_in_flight(actions, rank: int, per_microbatch: dict[int, float]) -> float:
+    """The most activation memory a rank holds at once, walking its actions in order: a forward at stage g adds
+    ``per_microbatch[g]``, the B or W that completes its backward frees it (with one stage per rank: the peak of
+    in-flight microbatches times one microbatch's)."""
+    held = peak = 0.0
+    for a in actions:
+        g = rank if a.stage is None else a.stage
+        if a.type == ActionType.F:
+            held += per_microbatch[g]
+            peak = max(peak, held)
+        elif a.type in BACKWARDS:
+            held -= per_microbatch[g]
+    return peak
+
+
+def tied_here(plan, ranks: list[int], rank: int) -> bool:
+    """Whether an output head sharing the embedding's weight runs on the embedding's rank (one stage, or V placement:
+    the first and the last stage on rank 0): its weight is read uncast by the lookup and cast by autocast for the
+    head in each microbatch."""
+    return bool(plan.tied) and ranks[0] == ranks[-1] == rank
 
 
 DELAYED_STEP_WORTH = {("muon", "none"): 0.95, ("muon", "error_feedback"): 1.0,
@@ -275,8 +309,9 @@ def step_worth(schedule: Schedule, optimizer) -> float | None:
     return DELAYED_STEP_WORTH.get((optimizer.name, optimizer.delay_correction))
 
 
-PLANNED_SCHEDULES = ("2bw", "1f1b", "zbh1", "gpipe")
-"""The schedules the plan compares, each simulated on the same stage costs."""
+PLANNED_SCHEDULES = ("2bw", "1f1b", "zbh1", "gpipe", "interleaved1f1b", "zbv", "dualpipev")
+"""The schedules the plan compares, each simulated on the same model's costs (the virtual-stage ones, several stages
+per rank, on a finer split of it: ``virtual_costs``) where it fits (``why_not_planned``)."""
 PLANNED_STEPS = 8
 """Steps of the window each planned schedule is simulated over (a flushed schedule pays its fill and drain each)."""
 
@@ -290,20 +325,67 @@ def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
     return Costs(forward=fwd, backward=[2 * f for f in fwd])
 
 
+def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1) -> list[StageMemory]:
+    """``plan_memory`` of ``recipe`` run with ``schedule`` instead of its own (per rank for a virtual-stage one)."""
+    r = dataclasses.replace(recipe, pipeline=dataclasses.replace(recipe.pipeline, schedule=schedule))
+    return plan_memory(r, num_stages, model, dp=dp)[1]
+
+
+def planned_microbatches(recipe: Recipe, num_stages: int) -> int:
+    """The microbatches per step every planned schedule is compared at: the recipe's, at least one per rank."""
+    return max(recipe.pipeline.num_microbatches, num_stages)
+
+
+def why_not_planned(sched: Schedule, num_layers: int, num_stages: int, num_microbatches: int) -> str | None:
+    """Why ``sched`` cannot run a model of ``num_layers`` layers on ``num_stages`` ranks at ``num_microbatches``
+    per step (None: it can): each of its ranks x stages_per_rank stages needs a layer, and the schedule's own
+    constraints (interleaved: m a multiple of its rounds; DualPipeV: m >= 2p)."""
+    stages = num_stages * sched.stages_per_rank
+    if stages > num_layers:
+        return f"needs {stages} stages of at least one layer; the model has {num_layers} layers"
+    try:
+        sched.check(num_stages, num_microbatches)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def virtual_costs(sched: Schedule, recipe: Recipe, num_stages: int, model=None, flops_per_s: float | None = None,
+                  measured=None) -> Costs:
+    """The simulator's costs for a schedule whose ranks hold several stages: the model split into num_stages x
+    stages_per_rank stages, each costed by its own layers -- ``measured`` per-layer seconds (``MeasuredCosts``,
+    the split balanced by them), else the FLOPs of the balanced ``partition_plan`` of ``model`` at
+    ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``)."""
+    stages = num_stages * sched.stages_per_rank
+    if measured is not None:
+        costs = measured.stage_costs(measured.balance(stages, planned_microbatches(recipe, num_stages)))
+    elif model is not None and flops_per_s is not None:
+        costs = flops_costs(partition_plan(model, stages, seq_len=recipe.data.seq_len), recipe, flops_per_s)
+    else:
+        raise ValueError("virtual_costs needs measured per-layer costs, or a model and flops_per_s")
+    return costs.per_rank(sched.stage_ranks(num_stages))
+
+
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float | None = None,
-                       costs: Costs | None = None) -> dict[str, object]:
-    """``PLANNED_SCHEDULES`` over ``PLANNED_STEPS`` steps on the same stage costs: ``costs`` (e.g. measured per
-    stage, ``MeasuredCosts.stage_costs``) or the plan's FLOPs at ``flops_per_s`` (``flops_costs``). Each result's
-    bubble comes split into fill/drain and imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``)."""
+                       costs: Costs | None = None, model=None, measured=None) -> dict[str, object]:
+    """``PLANNED_SCHEDULES`` over ``PLANNED_STEPS`` steps on the same model's costs: ``costs`` (e.g. measured per
+    stage, ``MeasuredCosts.stage_costs``) or the plan's FLOPs at ``flops_per_s`` (``flops_costs``). The virtual-stage
+    schedules run where they fit (``why_not_planned``) and their costs can be had (``virtual_costs``: ``measured``, or
+    ``model`` with ``flops_per_s``); the others are left out. Each result's bubble comes split into fill/drain and
+    imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank."""
     if costs is None:
         if flops_per_s is None:
             raise ValueError("simulate_schedules needs costs or flops_per_s")
         costs = flops_costs(plan, recipe, flops_per_s)
-    m = max(recipe.pipeline.num_microbatches, num_stages)
+    m = planned_microbatches(recipe, num_stages)
     res = {}
     for name in PLANNED_SCHEDULES:
-        sched = SCHEDULES[name]
-        res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
+        sched = get_schedule(name)
+        if sched.stages_per_rank == 1:
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
+        elif (measured is not None or model is not None) and why_not_planned(sched, plan.num_layers, num_stages, m) is None:
+            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured)
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), finer, sched)
     return res
 
 

@@ -54,6 +54,7 @@ version against the schedule record's ``version`` rule.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict, deque
@@ -111,6 +112,17 @@ class Costs:
         if v is None:  # a split backward's half, where only the whole was given
             return 0.5 * self.of(Action(T.B, action.step, action.microbatch, action.version), stage)
         return float(v[stage] if isinstance(v, (list, tuple)) else v)
+
+    def per_rank(self, stage_ranks: list[int]) -> "Costs":
+        """These per-stage costs for lists whose ranks hold several stages (``stage_ranks[g]``: the rank of stage g):
+        F, B, I, W and comm stay per stage; STEP and REDUCE, one per rank for all its stages, become the sums of its
+        stages' (a single number counts once per stage)."""
+        num_ranks = max(stage_ranks) + 1
+
+        def summed(x: Number) -> list[float]:
+            per_stage = x if isinstance(x, (list, tuple)) else [x] * len(stage_ranks)
+            return [float(sum(c for c, r in zip(per_stage, stage_ranks) if r == rank)) for rank in range(num_ranks)]
+        return dataclasses.replace(self, step=summed(self.step), reduce=summed(self.reduce))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Number]) -> "Costs":
