@@ -333,3 +333,19 @@ def test_plan_simulates_the_virtual_stage_schedules_where_they_fit():
     assert set(simulate_schedules(plan, few, 4, 1e12, model=meta_model(few))) == {"2bw", "1f1b", "zbh1", "gpipe"}
     assert why_not_planned(ZBV, 6, 4, 4) == "needs 8 stages of at least one layer; the model has 6 layers"
     assert "dualpipev needs num_microbatches >= 2 x num_stages" in why_not_planned(DUALPIPEV, 16, 4, 4)
+
+
+def test_timeline_draws_a_row_per_rank(tmp_path, capsys):
+    """``hf-asyncpp timeline --schedule zbv``: ranks of 2 stages each, every stage at half the given costs, so a rank
+    works as long as a 1F1B stage, m (F + B); 1F1B's flushed step adds (p-1)(F + B), ZBV's only the last rank's
+    warm-up, (p-1) F / 2."""
+    from hf_asyncpp.cli.timeline import main
+
+    spans = {}
+    for name in ("zbv", "1f1b"):
+        out = tmp_path / f"{name}.png"
+        assert main(["--schedule", name, "--stages", "2", "--microbatches", "4", "--steps", "1", "--step-cost", "0",
+                     "--out", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        spans[name] = float(capsys.readouterr().out.split("makespan ")[1].split(",")[0])
+    assert spans == {"1f1b": 4 * 3 + 3, "zbv": 4 * 3 + 0.5}

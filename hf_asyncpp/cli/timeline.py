@@ -3,13 +3,15 @@
     hf-asyncpp timeline --schedule 2bw --stages 4 --microbatches 8 --steps 3 --out 2bw.png
 
 ``pipedream`` updates after every microbatch: it runs steps x microbatches steps of one microbatch (the
-same data). ``--print-actions`` also prints each stage's action list.
+same data). ``--print-actions`` also prints each stage's action list. The virtual-stage schedules (``interleaved1f1b``,
+``zbv``, ``dualpipev``: planner only) draw a row per rank (``--stages`` ranks of 2 stages each), each stage costing
+``--forward`` / ``--backward`` over its stages per rank, so a rank does the work a one-stage schedule's stage does.
 """
 import argparse
 import os
 import sys
 
-from ..schedules.records import SCHEDULES, format_actions, schedule_actions
+from ..schedules.records import SCHEDULES, VIRTUAL_SCHEDULES, format_actions, get_schedule, schedule_actions
 from ..schedules.simulator import Costs, simulate
 from ..schedules.timeline import plot_timeline
 
@@ -17,7 +19,7 @@ from ..schedules.timeline import plot_timeline
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp timeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schedule", default="2bw", choices=list(SCHEDULES))
+    ap.add_argument("--schedule", default="2bw", choices=[*SCHEDULES, *VIRTUAL_SCHEDULES])
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8, help="per step")
     ap.add_argument("--steps", type=int, default=3)
@@ -32,12 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="PNG path (default: <schedule>.png in the current directory)")
     args = ap.parse_args(argv)
 
-    pd = SCHEDULES[args.schedule].one_update_per_microbatch
+    sched = get_schedule(args.schedule)
+    pd = sched.one_update_per_microbatch
     m, steps = (1, args.steps * args.microbatches) if pd else (args.microbatches, args.steps)
     acts = schedule_actions(args.schedule, args.stages, m, steps)
     if args.print_actions:
         print(format_actions(acts))
-    costs = Costs(args.forward, args.backward, args.step_cost, args.reduce, args.comm)
+    v = sched.stages_per_rank
+    costs = Costs(args.forward / v, args.backward / v, args.step_cost, args.reduce, args.comm)
     res = simulate(acts, costs, args.schedule, m, reduce_scope=args.reduce_scope)
     out = args.out or f"{args.schedule}.png"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

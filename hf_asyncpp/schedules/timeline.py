@@ -16,7 +16,8 @@ _IDLE, _REDUCE = "#D9D9D9", "#8E44AD"
 
 
 def plot_timeline(timeline, path: str, title: str = "") -> str:
-    """Draw a ``SimResult`` (or its per-stage ``timeline``) as a PNG: a row per stage, forward / backward
+    """Draw a ``SimResult`` (or its per-stage ``timeline``) as a PNG: a row per stage (per rank where ranks hold several
+    stages), forward / backward
     (two shades alternating by step, labelled ``step.microbatch``), optimizer step, reduction posts, idle."""
     import matplotlib
 
@@ -56,13 +57,16 @@ def plot_timeline(timeline, path: str, title: str = "") -> str:
     if reduces:
         ax.vlines([b for b, _ in reduces], [s - 0.42 for _, s in reduces], [s + 0.42 for _, s in reduces],
                   color=_REDUCE, lw=1.5)
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    row = "rank" if any(iv.action.stage is not None for tl in tls for iv in tl) else "stage"  # several stages each
+    ax.set_yticks(range(p), [f"{row} {s}" for s in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel("time")
     split = any(iv.action.type == T.W for tl in tls for iv in tl)
+    whole = any(iv.action.type == T.B for tl in tls for iv in tl)  # DualPipeV runs both
+    backward = ("backward (B) or to the input (I)" if whole else "backward to the input (I)") if split else "backward"
     handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"),
-               Patch(color=_COLORS[T.B][0], label="backward to the input (I)" if split else "backward"),
+               Patch(color=_COLORS[T.B][0], label=backward),
                *([Patch(color=_COLORS[T.W][0], label="weight gradient (W)")] if split else []),
                Patch(color=_COLORS[T.STEP][0], label="optimizer step (S k)"),
                Line2D([], [], color=_REDUCE, lw=1.5, label="reduction posted"), Patch(color=_IDLE, label="idle")]
