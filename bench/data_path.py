@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hf_asyncpp.config.recipe import DataConfig, ModelConfig, load_recipe
+from hf_asyncpp.config.recipe import DataConfig, load_recipe
 from hf_asyncpp.data.stream import BlockStream, iter_documents, prepare_default_corpus
 from hf_asyncpp.model.build import build_model
 from hf_asyncpp.data.prefetch import Prefetcher

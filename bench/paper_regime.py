@@ -600,7 +600,6 @@ def report(b: "Bench", results: dict, extras: dict) -> str:
 
 def extra_tables(b: "Bench", results: dict, extras: dict) -> list[str]:
     lines = []
-    sync_of = lambda t: t.replace("-delay+EF", "-sync").replace("-delay", "-sync")  # noqa: E731
     beta = extras.get("beta1", {})
     if beta:
         steps = next(iter(beta.values()))[2]

@@ -118,7 +118,6 @@ def test_delay_1_stashes_one_version_and_applies_every_step():
 def test_pipedream_tied_head_runs_at_lag_0_by_hand():
     """A weight used by stage 0 (embedding, p-1 versions stale) and by the last stage (tied head, current), as the
     executor's two copies: one gradient, the sum of both uses' at their own versions, applied to the one weight."""
-    p = 3
     w, v = torch.nn.Parameter(torch.tensor([0.8], dtype=torch.float64)), torch.nn.Parameter(torch.tensor([-0.5], dtype=torch.float64))
     head = torch.nn.Module()
     head.weight = w  # the tied use on the last stage

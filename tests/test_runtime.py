@@ -7,7 +7,6 @@ synchronous training, 2BW == ``simulate_delay: 1``, PipeDream ==
 """
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

@@ -22,7 +22,6 @@ from hf_asyncpp.run.checkpointer import Checkpointer
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.hub import push_folder
 from hf_asyncpp.storage import files as ckpt
-from hf_asyncpp.storage.names import checkpoint_name
 from hf_asyncpp.topology import Topology
 from support import tiny
 from hf_asyncpp.run.folder import list_checkpoints
