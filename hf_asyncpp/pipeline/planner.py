@@ -2,8 +2,8 @@
 
 Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` measures them (``bench/memory.py``):
   weights      = params x 4 x versions     (fp32; 2 for 2BW, p - s at stage s for PipeDream, else 1). With
-                 training.bf16 the linear weights are held per version in bf16 beside their fp32 master
-                 (``versions.py``): 4 + 2 x versions B each, the rest 4 x versions.
+                 training.bf16 the linear weights and the expert stacks are held per version in bf16 beside their
+                 fp32 master (``versions.py``): 4 + 2 x versions B each, the rest 4 x versions.
   gradients    = params x 4 x (2 for 2BW: one step accumulating while the previous waits for its update)
   optimizer    = AdamW 8 B/param; Muon 4 B/param (momentum) on its matrices, AdamW on the rest
   EF buffer    = params x 4 when optimizer.delay_correction is error_feedback
@@ -11,17 +11,19 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
   casts        = with training.bf16, what autocast still casts per microbatch: only a linear weight also read uncast on
                  its stage (a head tied to the embedding on one stage), 2 B x in-flight microbatches (each keeps its
                  own: the cast cache lives for one autocast region and the linear's backward keeps the copy); the
-                 other linear weights are the versions' bf16 copies (weights). Mixture-of-experts weights (3-D)
-                 stay fp32: not cast.
+                 other linear weights and the mixture-of-experts stacks (3-D) are the versions' bf16 copies
+                 (weights).
   activations  = in-flight microbatches (from the schedule simulator) x microbatch activation bytes. fp32: a decoder
                  layer keeps about (10 h + 2 kv + 4 I) values per token (I: the MLP width), a MoE layer
                  (10 h + 4 kv + 2 k h + 4 k I + E) (k experts per token of width I, E experts: each expert's input
                  and weighted output, k h, and its MLP, 4 k I). bf16 (autocast): the residual stream and the norms
                  stay fp32, the matmuls' inputs are bf16: a dense layer keeps 4 h fp32 + (7 h + 2 kv + 4 I) bf16
-                 values, a MoE layer (5 h + kv + 2 k h + 4 k I + E) fp32 + (7 h + 3 kv) bf16 (its experts run in
-                 fp32: transformers casts the grouped GEMM's input to the experts' dtype). The k h terms were
-                 measured per source line at moe-10b's shapes on CPU and on an H100 (the same there; a 2-expert
-                 model hides them: 2 k h = 4 h). The last
+                 values, a MoE layer (5 h + kv + E + 10 k) fp32 + (7 h + 3 kv + 2 k h + 4 k I) bf16 (its experts
+                 run in bf16: transformers casts the grouped GEMM's input to the stacks' dtype, which the versions
+                 hold in bf16; 10 k: the routing's indices and weights; measured with the grouped GEMM, the default,
+                 within 3%; the eager per-expert loop keeps about 14% more). The k h terms were measured per source
+                 line at moe-10b's shapes on CPU and on an H100 (the same there; a 2-expert model hides them:
+                 2 k h = 4 h). The last
                  stage keeps (vocab + 2 h) fp32 values per token for the loss (the logits are upcast) and h bf16
                  (calibrated against the executor's saved-tensor accounting, transformers 5.23, CPU autocast);
                  a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
@@ -64,6 +66,7 @@ from ..optim import classify_parameters
 from ..partition import partition_plan
 from ..schedules.records import BACKWARDS, ONE_F_ONE_B, ActionType, Schedule, get_schedule, pipelined
 from ..schedules.simulator import BubbleSplit, Costs, simulate, split_bubble
+from .versions import expert_stacks
 
 
 @dataclass
@@ -131,8 +134,10 @@ def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, flo
     for i in range(n):
         if not moe[i]:
             out.append((4 * h, 7 * h + 2 * kv + 4 * dense_i) if bf16 else (10 * h + 2 * kv + 4 * dense_i, 0))
-        elif bf16:  # the experts in fp32: the grouped GEMMs' inputs (k h, k I), their outputs weighted (k h)
-            out.append((5 * h + kv + 2 * k * h + 4 * k * moe_i + experts, 7 * h + 3 * kv + 4 * shared))
+        elif bf16:  # the experts in bf16 (the versions hold the stacks in bf16, so transformers' grouped GEMM casts
+            # its input to them): the GEMMs' inputs (k h, k I) and outputs weighted (k h); the routing's indices and
+            # weights, about 10 fp32 values per chosen expert (measured: tests/test_memory_plan.py)
+            out.append((5 * h + kv + experts + 10 * k, 7 * h + 3 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared))
         else:
             out.append((10 * h + 4 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared + experts, 0))
     return out
@@ -168,8 +173,8 @@ def recompute_bytes_per_token(config, layer_ids: list[int], bf16: bool = False) 
 
 
 def linear_weights(model) -> set[str]:
-    """Names of the weights autocast casts to bf16 for a matmul: every ``nn.Linear``'s (the experts' 3-D tensors
-    of a mixture-of-experts layer run in fp32 under CPU autocast, transformers 5.23: measured, ``bench/memory.py``)."""
+    """Names of the weights autocast casts to bf16 for a matmul: every ``nn.Linear``'s (the experts' 3-D stacks are
+    no autocast op's: the versions hold them in bf16 themselves, ``versions.expert_stacks``)."""
     return {f"{name}.{t}" for name, mod in model.named_modules(remove_duplicate=False)
             if isinstance(mod, torch.nn.Linear) for t in ("weight", "bias") if getattr(mod, t, None) is not None}
 
@@ -221,7 +226,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
     cfg = model.config
     h = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    cast_names = linear_weights(model) if bf16 else set()
+    cast_names = (linear_weights(model) | expert_stacks(model)) if bf16 else set()
     last = len(plan.stages) - 1
     out = []
     for r in range(p):
