@@ -75,15 +75,15 @@ def _recipe_warnings_said_afresh():
 
 TIERS = {
     "unit": ("test_autosplit", "test_bring_your_own", "test_config", "test_data", "test_delay", "test_evaluation",
-             "test_export", "test_failures", "test_layout", "test_model_config", "test_optim", "test_paper_regime",
-             "test_partition", "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points",
+             "test_export", "test_failures", "test_layout", "test_model_config", "test_optim", "test_partition",
+             "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points",
              "test_virtual_stages"),
     "distributed": ("test_bf16_versions", "test_checkpointing", "test_host_overhead", "test_nccl_order",
                     "test_recipes", "test_recv_wait", "test_reducer", "test_runtime", "test_runtime_families",
                     "test_sharding", "test_stage_local", "test_zero_bubble"),
     "e2e": ("test_cli_inputs", "test_cluster_launch", "test_data_path", "test_downstream", "test_gpu_bench",
-            "test_launch", "test_lm_eval_parity", "test_memory_plan", "test_packaging", "test_preflight",
-            "test_reliability", "test_reliability_launch", "test_reliability_rest", "test_resume_changes",
+            "test_launch", "test_lm_eval_parity", "test_memory_plan", "test_packaging", "test_paper_regime",
+            "test_preflight", "test_reliability", "test_reliability_launch", "test_reliability_rest", "test_resume_changes",
             "test_hangs", "test_honest_outputs", "test_no_damage", "test_readme", "test_safety", "test_stop_signals",
             "test_trainer"),
 }
