@@ -7,6 +7,7 @@ The bench's own checks, run by pytest as a command (the test suite runs them so:
 
 No check here judges speed by the clock: a part's time limit is a hang guard only, far above the 10-60 s a part
 takes on a quiet 2-core machine (the bench's old 120 s limit on part 1 failed on a loaded machine)."""
+import argparse
 import math
 
 import pytest
@@ -119,6 +120,23 @@ def test_a_failing_part_is_a_row_and_the_rest_run(monkeypatch):
     assert out["results"][1]["error"] == "RuntimeError: injected"
     assert out["results"][4] == {"skipped": "not here"}
     assert "| 1 | stage vs plain | FAILED: RuntimeError: injected |" in out["text"]
+
+
+def test_part1_keeps_the_rows_measured_before_its_limit(monkeypatch):
+    """A model's process stopped by its time limit (moe-10b's build and compile once took all of its 200 s) keeps
+    the rows it had measured, then says why the rest is missing."""
+    def stopped(fn_name, payload, **kwargs):
+        spec = payload["specs"][0]
+        gpu._note_progress(payload, spec, [{"model": spec["name"], "variant": "eager", "stage_tps": 1.0}], ["built"])
+        raise TimeoutError(f"{fn_name}: no result after 200s (killed)")
+
+    monkeypatch.setattr(gpu, "isolated", stopped)
+    args = argparse.Namespace(models=None, threads=1, rounds=1, compile_backend="aot_eager", timeout=None)
+    res = gpu.run_part1(args, True, {})
+    first = gpu.part1_specs(True, None)[0]["name"]
+    assert res["rows"][0] == {"model": first, "variant": "eager", "stage_tps": 1.0}
+    assert all("no result after 200s" in r["error"] for r in res["rows"][1:]) and len(res["rows"]) == 4
+    assert "the rows above were measured before it" in res["rows"][1]["error"] and res["notes"] == [f"{first}: built"]
 
 
 def test_write_refuses_a_cpu_run():

@@ -466,6 +466,7 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
 
 
 def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, notes: list) -> dict:
+    t_start = time.perf_counter()
     from torch.func import functional_call
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -518,6 +519,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     versions.use_bf16(casts)
     leaves, compute = versions.leaves_for(0), versions.compute_for(0)
     stacks = len(casts & expert_stacks(stage))
+    notes.append(f"built and set up in {time.perf_counter() - t_start:.0f} s (two models, the stage's casts)")
     notes.append(f"the stage holds {len(casts)} of its {len(leaves)} weights as the version's bf16 "
                  f"copies (training.bf16's weight versions{f', {stacks} of them MoE expert stacks' if stacks else ''}), "
                  "the rest read under autocast")
@@ -608,6 +610,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
             rows.append(_contrast(model, label, experts, spec, mbs, n_total, n_active, measure, plain_round, plain_forward,
                                   host_syncs))
             rows[-1]["seconds"] = time.perf_counter() - t0
+            _note_progress(payload, spec, rows, notes)
             _free(device)
             continue
         row = {"model": spec["name"], "variant": label, "mbs": mbs, "seq": seq, "k": k, "k_from": spec["k_from"],
@@ -663,6 +666,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
+        _note_progress(payload, spec, rows, notes)
         _free(device)
     return {"rows": rows, "notes": notes, "default_experts": default_experts if is_moe else None}
 
@@ -706,16 +710,44 @@ def run_part1(args, cpu: bool, info: dict) -> dict:
         raise ValueError(f"--models {args.models}: no such model (smollm2-360m-stage0, smollm2-360m, moe-2b, moe-10b)")
     rows, notes = [], []
     for group in ([specs] if cpu else [[s] for s in specs]):  # on a GPU each model in a fresh process
-        payload = {"cpu": cpu, "threads": args.threads, "specs": group, "rounds": args.rounds,
-                   "compile_backend": args.compile_backend}
-        try:
-            res = isolated("part1_models", payload, timeout_s=_timeout(args, 1, cpu))[0]
-            rows += res["rows"]
-            notes += res["notes"] + [f"{name}: transformers' default experts implementation here is {impl!r}"
-                                     for name, impl in res["default_experts"].items()]
-        except Exception as e:  # noqa: BLE001
-            rows += [{"model": s["name"], "variant": "-", "error": _short(e)} for s in group]
+        with tempfile.TemporaryDirectory() as d:
+            payload = {"cpu": cpu, "threads": args.threads, "specs": group, "rounds": args.rounds,
+                       "compile_backend": args.compile_backend, "progress": os.path.join(d, "rows.pkl")}
+            try:
+                res = isolated("part1_models", payload, timeout_s=_timeout(args, 1, cpu))[0]
+                rows += res["rows"]
+                notes += res["notes"] + [f"{name}: transformers' default experts implementation here is {impl!r}"
+                                         for name, impl in res["default_experts"].items()]
+            except Exception as e:  # noqa: BLE001 (a limit or a crash: the rows measured before it are kept)
+                done = _progress(payload["progress"])
+                rows += done["rows"] + [{"model": s["name"], "variant": "-", "error": _short(e)
+                                         + (" (the rows above were measured before it)" if done["rows"] else "")}
+                                        for s in group]
+                notes += done["notes"]
     return {"rows": rows, "notes": notes}
+
+
+def _note_progress(payload: dict, spec: dict, rows: list, notes: list) -> None:
+    """The rows measured so far, where the parent reads them if the process is stopped (its time limit: a model
+    whose build and compile take long keeps its eager rows)."""
+    if not payload.get("progress"):
+        return
+    done = _progress(payload["progress"])
+    done["rows"] = [r for r in done["rows"] if r["model"] != spec["name"]] + list(rows)
+    done["notes"] = [n for n in done["notes"] if not n.startswith(f"{spec['name']}: ")] + \
+        [f"{spec['name']}: {n}" for n in notes]
+    tmp = payload["progress"] + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(done, f)
+    os.replace(tmp, payload["progress"])
+
+
+def _progress(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return {"rows": [], "notes": []}
 
 
 def render_part1(res: dict, info: dict) -> list[str]:
