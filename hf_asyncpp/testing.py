@@ -231,6 +231,7 @@ def plain_ops_per_microbatch(rank: int, world: int, recipe: dict, bf16_weights: 
     ``bf16_weights`` False: fp32 weights under bf16 autocast, the stage's numerics under ``training.bf16`` (its
     bf16 weight versions give autocast's casts bit for bit); True: bf16 weights without autocast, the eager ideal
     (other numerics: norms, softmax and gradient sums in bf16). {"F": {"ops", "launching"}, "B": {...}}."""
+    # imported here, as in _stage_engine: every spawned worker imports this module, most of them for other functions
     from .config.recipe import recipe_from_dict
     from .model.build import build_model
 
