@@ -23,6 +23,7 @@ from test_stop_signals import ENV, _last_step, _ranks, _recipe
 
 from hf_asyncpp.errors import PeerFailure
 from hf_asyncpp.pipeline.reports import StepReports
+from hf_asyncpp.run.folder import list_checkpoints
 
 
 def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
@@ -35,10 +36,16 @@ def _stall_rank_1(cmd: list[str], until) -> tuple[float, str]:
     text, ranks = [], []
     try:
         deadline = time.time() + 300
+        rank_1 = None  # found before the condition is polled, so the stall follows it within milliseconds
+        while rank_1 is None and proc.poll() is None and time.time() < deadline:
+            with contextlib.suppress(psutil.Error):
+                rank_1 = next((p for p in _ranks(proc.pid) if p.environ().get("RANK") == "1"), None)
+            time.sleep(0.05)
         while not until() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
-        ranks = _ranks(proc.pid)
-        next(p for p in ranks if p.environ()["RANK"] == "1").suspend()
+        assert rank_1 is not None, "rank 1 never started: " + "".join(text)[-3000:]
+        rank_1.suspend()
+        ranks = _ranks(proc.pid)  # all of them, for the kill below
         t0 = time.time()
         while time.time() < t0 + 120:
             try:
@@ -77,8 +84,12 @@ def test_a_rank_hung_during_a_checkpoint_is_named(tmp_path):
                                lambda: any(out.glob(".tmp-checkpoint-*")))
     assert re.search(r"error: PeerFailure: rank 0: writing checkpoint-0000004: rank 1 stopped answering \(nothing "
                      r"within pipeline.init_timeout_s=8s", text), text[-3000:]
-    assert "no checkpoint was completed yet" in text and "Traceback" not in text and took < 40, (took, text[-3000:])
-    assert not (out / "checkpoint-0000004").exists()
+    # Mostly rank 1 stops before its part is gathered, and nothing is committed. On a loaded machine it can stop
+    # after the commit, in the save's last barrier: then the line must say that checkpoint is the latest, and it is.
+    committed = (out / "checkpoint-0000004").exists()
+    latest = "checkpoint-0000004 stays the latest checkpoint" if committed else "no checkpoint was completed yet"
+    assert latest in text and "Traceback" not in text and took < 40, (took, text[-3000:])
+    assert [step for step, _ in list_checkpoints(out)] == ([4] if committed else [])  # committed means complete
 
 
 def _report_with_a_stalled_rank(rank: int, world: int) -> str:
