@@ -11,7 +11,7 @@ setup(
     package_dir={"hf_asyncpp.model_cards": "model_cards", "hf_asyncpp.accelerate_configs": "recipes/accelerate"},
     package_data={"hf_asyncpp.eval": ["metrics/*/*.py"], "hf_asyncpp.model_cards": ["*.md"],
                   "hf_asyncpp.accelerate_configs": ["*.yaml"]},
-    entry_points={"console_scripts": ["hf-asyncpp=hf_asyncpp.cli:main"]},
+    entry_points={"console_scripts": ["hf-asyncpp=hf_asyncpp.cli:run"]},
     install_requires=[
         "torch>=2.9",  # install the CPU or CUDA build you want first (the package index decides, not this range)
         "transformers>=5,<6",

@@ -1,6 +1,6 @@
 """``python -m hf_asyncpp COMMAND ...``: the ``hf-asyncpp`` command."""
 import sys
 
-from .cli import main
+from .cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -5,7 +5,10 @@
 """
 import sys
 
+from hf_asyncpp.cli import freeze_for_exit
 from hf_asyncpp.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    freeze_for_exit()
+    sys.exit(code)

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..config.recipe import CHECKED, Recipe, load_recipe
 from ..config.reference import help_text
 from ..errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_STOPPED, RecipeError
+from . import freeze_for_exit
 
 USAGE = "usage: hf-asyncpp train RECIPE.yaml [--section.field=value | --section.field value ...] [--debug]"
 DEBUG_FLAG, DEBUG_ENV = "--debug", "HF_ASYNCPP_DEBUG"
@@ -181,5 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     return stopped_exit_code() if stopped else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # each rank of a spawned run
+    code = main()
+    freeze_for_exit()
+    sys.exit(code)
