@@ -458,13 +458,16 @@ def _pm(xs, fmt: str = ".4f", signed: bool = True) -> str:
 
 def effective_fraction(loss: float, ladder: list[tuple[int, float]], steps: int) -> float | None:
     """The length of a complete synchronous run reaching ``loss`` (log-linear between ladder points), over ``steps``;
-    None when ``loss`` lies outside the ladder."""
+    1.0 when ``loss`` is at or below the ladder's last point (the ladder ends at T: a run as good as the synchronous
+    one, or better, reads 1); None above its first point or without two points."""
     pts = sorted(ladder)
+    if len(pts) < 2:
+        return None
+    if loss <= pts[-1][1]:
+        return 1.0
     for (s0, l0), (s1, l1) in zip(pts, pts[1:]):
         if l1 <= loss <= l0 and l0 > l1:
             return math.exp(math.log(s0) + (l0 - loss) / (l0 - l1) * (math.log(s1) - math.log(s0))) / steps
-    if pts and loss <= pts[-1][1]:
-        return 1.0 if loss == pts[-1][1] else None
     return None
 
 
@@ -480,8 +483,9 @@ def exponent(points: list[tuple[int, float]]) -> float | None:
 def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
     """The sync / delay / delay + EF table at T (final eval loss, mean ± sd over seeds; gaps paired by seed) and each
     arm's ratios: its mean gap, relative gap (R3), the share of the delay gap EF closes (R2, on the seeds both arms
-    have) and the effective-step fraction (R4: the length of a complete sync run reaching the arm's loss, from the
-    seed-0 ladder T/8 .. T). An arm with no finished seed reads "not run", an optimizer whose lr is not tuned yet
+    have) and the effective-step fraction (R4: the length of a complete sync run reaching the arm's loss, read per
+    seed from that seed's own sync ladder (T/8 .. T, the lengths it has), then averaged: a seed's loss against
+    another seed's ladder would mix the seeds' spread into it). An arm with no finished seed reads "not run", an optimizer whose lr is not tuned yet
     "not tuned yet"."""
     T, L = b.T, b.lengths()
     get = lambda tag, steps, seed=0: results.get((tag, steps, seed))  # noqa: E731
@@ -494,7 +498,8 @@ def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
             lines += [f"| {opt} | {v} | 0 | not tuned yet |  |  |  |  |" for v in VARIANTS]
             continue
         sync = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, "sync", T), T, sd))}
-        ladder = [(L[k], r["final"]) for k in ("T/8", "T/4", "T/2", "T") if (r := get(tag(opt, "sync", L[k]), L[k]))]
+        ladders = {sd: [(L[k], r["final"]) for k in ("T/8", "T/4", "T/2", "T")
+                        if (r := get(tag(opt, "sync", L[k]), L[k], sd))] for sd in (0, 1, 2)}
         gaps = {}
         for v in VARIANTS:  # sync, delay, then delay+EF: EF's share needs the delay arm's gaps
             finals = {sd: r["final"] for sd in (0, 1, 2) if (r := get(tag(opt, v, T), T, sd))}
@@ -506,14 +511,16 @@ def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
             common = sorted(set(g) & set(gaps.get("delay", {})))
             closed = (1 - _mean([g[k] for k in common]) / _mean([gaps["delay"][k] for k in common])
                       if v == "delay+EF" and common else None)
-            eff = effective_fraction(_mean(vals), ladder, T) if v != "sync" else None
+            effs = [e for sd, loss in finals.items() if (e := effective_fraction(loss, ladders[sd], T)) is not None]
+            eff = _mean(effs) if v != "sync" and effs else None
             ratios[(opt, v)] = {"gap": _mean(list(g.values())) if g else None, "closed": closed, "eff": eff,
                                 "rel": _mean(list(g.values())) / _mean([sync[sd] for sd in g]) if g else None}
             lines.append(f"| {opt} | {v} | {len(vals)} | {_pm(vals, signed=False)} | "
                          + (_pm(list(g.values())) if v != "sync" and g else "") + " | "
                          + (f"{ratios[(opt, v)]['rel']:+.2%}" if v != "sync" and g else "") + " | "
                          + (f"{closed:.0%}" if closed is not None else "") + " | "
-                         + (f"{eff:.2f}" if eff is not None else ("" if v == "sync" else "outside the ladder")) + " |")
+                         + (f"{eff:.2f}" + (f" ({len(effs)} of {len(vals)} seeds)" if len(effs) != len(vals) else "") if eff is not None
+                            else ("" if v == "sync" else "no ladder")) + " |")
     return lines, ratios
 
 

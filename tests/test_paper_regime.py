@@ -80,6 +80,29 @@ def summary(b, opt, v, seed, final, drift):
                               "curve": [(0, 7.0), (b.T, final)], "router": pr.router_balance(rows)}
 
 
+def test_effective_steps_are_read_per_seed_from_its_own_ladder(tmp_path):
+    """R4: a delayed seed's loss is placed on that seed's sync ladder (log-linear in steps), then the seeds averaged.
+    Seed 0's sync run at T is the worst here, so the delayed mean lies below seed 0's ladder: read against it, as
+    before, the arm fell off the ladder."""
+    moe = pr.Bench(tmp_path, 1, True, pr.MOE)
+    moe.lrs = {"adamw": 0.016, "muon": 0.01}
+    T, L = moe.T, moe.lengths()
+    ladder = {0: {"T/8": 3.40, "T/4": 3.20, "T/2": 3.05, "T": 2.95}, 1: {"T/4": 3.15, "T/2": 3.00, "T": 2.92}}
+    results = {}
+    for sd, points in ladder.items():
+        for k, loss in points.items():
+            tag = moe.arm("muon", "sync", L[k])[0]
+            results[(tag, L[k], sd)] = {"tag": tag, "steps": L[k], "seed": sd, "final": loss}
+    results.update([summary(moe, "muon", "delay", 0, 3.00, 2), summary(moe, "muon", "delay", 1, 2.90, 2)])
+    _, ratios = pr.arm_table(moe, results)
+    # seed 0 halfway (in loss) between T/2 and T: 2^(-1/2) of T; seed 1 below its sync run at T: 1
+    assert pr.effective_fraction(3.00, list(zip([L["T/2"], T], [3.05, 2.95])), T) == pytest.approx(
+        math.exp(math.log(L["T/2"]) + 0.5 * (math.log(T) - math.log(L["T/2"]))) / T)
+    want = (pr.effective_fraction(3.00, [(L[k], x) for k, x in ladder[0].items()], T) + 1.0) / 2
+    assert ratios[("muon", "delay")]["eff"] == pytest.approx(want) and 0.7 < want < 0.9
+    assert pr.effective_fraction(3.5, [(L[k], x) for k, x in ladder[0].items()], T) is None  # above the ladder
+
+
 def test_moe_report_renders_partial_results(tmp_path):
     moe = pr.Bench(tmp_path, 1, True, pr.MOE)
     moe.lrs = {"adamw": 0.016, "muon": 0.01}
