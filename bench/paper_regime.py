@@ -485,8 +485,8 @@ def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
     arm's ratios: its mean gap, relative gap (R3), the share of the delay gap EF closes (R2, on the seeds both arms
     have) and the effective-step fraction (R4: the length of a complete sync run reaching the arm's loss, read per
     seed from that seed's own sync ladder (T/8 .. T, the lengths it has), then averaged: a seed's loss against
-    another seed's ladder would mix the seeds' spread into it). An arm with no finished seed reads "not run", an optimizer whose lr is not tuned yet
-    "not tuned yet"."""
+    another seed's ladder would mix the seeds' spread into it). An arm with no finished seed reads "not run", an
+    optimizer whose lr is not tuned yet "not tuned yet"."""
     T, L = b.T, b.lengths()
     get = lambda tag, steps, seed=0: results.get((tag, steps, seed))  # noqa: E731
     tag = lambda opt, v, steps: b.arm(opt, v, steps)[0]  # noqa: E731
@@ -519,8 +519,8 @@ def arm_table(b: "Bench", results: dict) -> tuple[list[str], dict]:
                          + (_pm(list(g.values())) if v != "sync" and g else "") + " | "
                          + (f"{ratios[(opt, v)]['rel']:+.2%}" if v != "sync" and g else "") + " | "
                          + (f"{closed:.0%}" if closed is not None else "") + " | "
-                         + (f"{eff:.2f}" + (f" ({len(effs)} of {len(vals)} seeds)" if len(effs) != len(vals) else "") if eff is not None
-                            else ("" if v == "sync" else "no ladder")) + " |")
+                         + (f"{eff:.2f}" + (f" ({len(effs)} of {len(vals)} seeds)" if len(effs) != len(vals) else "")
+                            if eff is not None else ("" if v == "sync" else "no ladder")) + " |")
     return lines, ratios
 
 

@@ -298,9 +298,9 @@ DELAYED_STEP_WORTH = {("muon", "none"): 0.92, ("muon", "error_feedback"): 1.0,
                       ("adamw", "none"): 0.75, ("adamw", "error_feedback"): 0.88}
 """What a 2BW step (a gradient one step old) is worth in synchronous steps, by (optimizer, delay correction): the
 synchronous steps that reach the delayed arm's final loss over the delayed arm's steps, read off the paper-regime
-study's ladders of synchronous runs, each seed on its own (docs/benchmarks/quality.md, "effective steps (R4)": 20 tokens per parameter,
-3 seeds, ``python -m bench.paper_regime``; Muon + EF reached the synchronous loss itself: 1.0). A measured property
-of small dense runs, not a law: the planner names it wherever it uses it."""
+study's ladders of synchronous runs, each seed on its own (docs/benchmarks/quality.md, "effective steps (R4)": 20
+tokens per parameter, 3 seeds, ``python -m bench.paper_regime``; Muon + EF reached the synchronous loss itself: 1.0).
+A measured property of small dense runs, not a law: the planner names it wherever it uses it."""
 STEP_WORTH_SOURCE = "the paper-regime study, docs/benchmarks/quality.md"
 
 
