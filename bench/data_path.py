@@ -16,8 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hf_asyncpp.config.recipe import DataConfig, load_recipe
-from hf_asyncpp.data.stream import BlockStream, iter_documents, prepare_default_corpus
+from hf_asyncpp.config.recipe import load_recipe
+from hf_asyncpp.config.sections import DataConfig
+from hf_asyncpp.data.corpus import prepare_default_corpus
+from hf_asyncpp.data.sources import iter_documents
+from hf_asyncpp.data.stream import BlockStream
 from hf_asyncpp.model.build import build_model
 from hf_asyncpp.data.prefetch import Prefetcher
 from hf_asyncpp.data.tokenizer import load_or_train_tokenizer

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hf_asyncpp.pipeline.planner import steady_step_time
+from hf_asyncpp.plan.search import steady_step_time
 from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
 from hf_asyncpp.schedules.simulator import Costs
 

@@ -24,7 +24,7 @@ error, a hang) becomes a row of the table and the other parts still run.
    backward adds the bf16 weight gradients into the fp32 ones in place from the second microbatch on
    (``Versions.add_in_place``) -- on a weight version (``Versions.compute_for``: the linear weights and the MoE expert stacks as
    the version's bf16 copies, made once, ``find_casts``, ``Versions.use_bf16``; their gradients reach fp32 leaves)
-   under ``hf_asyncpp.engine.autocast``
+   under ``hf_asyncpp.model.build.autocast``
    (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of stage 0
    of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
    ``model(input_ids, labels).loss.backward()`` one microbatch at a time on the same microbatches; it is a second
@@ -54,7 +54,7 @@ error, a hang) becomes a row of the table and the other parts still run.
    ``num_microbatches=8, extra_warmup=6``: stage 0 holds 8 microbatches in flight, as stage 0 of the real 8-stage
    moe-10b pipeline does (microbatches of 1 x 4096 tokens, the recipe's 2 would not leave room for both stages;
    ``--part2-mbs``). Per stage: ``PipelineEngine.memory_report()`` (with ``track_memory``) and
-   ``torch.cuda.max_memory_allocated`` against ``plan_memory(recipe)`` (``pipeline/planner.py``) term by term
+   ``torch.cuda.max_memory_allocated`` against ``plan_memory(recipe)`` (``plan/memory.py``) term by term
    (weights, gradients, optimizer, EF, activations). Why: the planner decides what fits on GPUs
    (``hf-asyncpp plan``); its activation model was calibrated on CPU only.
 3. **Executor overhead per action and host syncs per step** on a 1-stage run of the smollm2-360m shape (layers
@@ -130,7 +130,8 @@ def recipe_yaml(name: str) -> dict:
 
 def inflight(schedule: str, p: int, m: int, extra: int = 0, stage: int = 0) -> int:
     """The most microbatches stage ``stage`` holds between their forward and backward (from its action list)."""
-    from hf_asyncpp.schedules.records import ActionType, get_schedule
+    from hf_asyncpp.schedules.actions import ActionType
+    from hf_asyncpp.schedules.records import get_schedule
 
     cur = peak = 0
     for a in get_schedule(schedule).actions(p, m, 3, extra_warmup=extra)[stage]:
@@ -441,7 +442,7 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
         return spec["mbs"]
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_asyncpp.pipeline.planner import activation_values_per_token
+    from hf_asyncpp.plan.memory import activation_values_per_token
 
     kw = dict(spec["config"])
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -470,12 +471,13 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     from torch.func import functional_call
     from torch.nn.utils.stateless import _reparametrize_module
 
-    from hf_asyncpp.config.recipe import ModelConfig
-    from hf_asyncpp.engine import autocast
+    from hf_asyncpp.config.sections import ModelConfig
+    from hf_asyncpp.model.build import autocast
     from hf_asyncpp.model.build import build_model, enable_activation_checkpointing
     from hf_asyncpp.partition import partition_model
     from hf_asyncpp.partition.plan import anatomy, get_module
-    from hf_asyncpp.pipeline.versions import Versions, expert_stacks, find_casts
+    from hf_asyncpp.model.build import expert_stacks
+    from hf_asyncpp.pipeline.versions import Versions, find_casts
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one entry per layer wrapper
@@ -830,7 +832,7 @@ def part2_worker(rank: int, world: int, payload: dict) -> dict:
            "rss": _rss(), "losses": [x.loss for x in res if x.loss is not None] if rank == world - 1 else None}
     eng.close()
     if rank == 0:
-        from hf_asyncpp.pipeline.planner import plan_memory
+        from hf_asyncpp.plan.memory import plan_memory
 
         _, plan, _ = plan_memory(r)
         out["plan"] = [{"weights": s.weights, "grads": s.grads, "optimizer": s.optimizer, "ef": s.ef,

@@ -23,7 +23,7 @@ import time
 import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
-from hf_asyncpp.pipeline.planner import plan_memory
+from hf_asyncpp.plan.memory import plan_memory
 from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS as TERMS, agreement
 from hf_asyncpp.testing import run_workers, stage_memory_report
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_asyncpp.pipeline.planner import steady_step_time
+from hf_asyncpp.plan.search import steady_step_time
 from hf_asyncpp.pipeline.reducer import Reducer
 from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
 from hf_asyncpp.schedules.simulator import Costs

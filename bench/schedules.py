@@ -6,7 +6,7 @@ on the model split into twice the stages, balanced by FLOPs; not in the executor
 simulated from the partition's FLOPs at ``--tflops`` (the difference of a 4-step and a 2-step window, so a window's
 fill and drain, paid once per drain point, do not count; I and W half a backward each), the bubble, the fullest
 GPU's planned memory (a stage, or a rank's two stages) and whether it fits ``--gpu-memory``, the speed against 1F1B,
-and the speed at the same loss: a 2BW step is worth ``planner.DELAYED_STEP_WORTH`` of a synchronous one for the
+and the speed at the same loss: a 2BW step is worth ``plan.search.DELAYED_STEP_WORTH`` of a synchronous one for the
 recipe's optimizer and correction (measured in the paper-regime study). Nothing is allocated (meta device).
 
     python -m bench.schedules            # print the table
@@ -19,9 +19,9 @@ import copy
 
 from hf_asyncpp.cli.plan import parse_bytes
 from hf_asyncpp.config.recipe import load_recipe
-from hf_asyncpp.pipeline.planner import (DELAYED_STEP_WORTH, PLANNED_SCHEDULES, STEP_WORTH_SOURCE, _runnable_m,
-                                         flops_costs, meta_model, plan_memory, steady_step_time, step_worth,
-                                         why_not_planned)
+from hf_asyncpp.plan.memory import _runnable_m, meta_model, plan_memory
+from hf_asyncpp.plan.search import (DELAYED_STEP_WORTH, PLANNED_SCHEDULES, STEP_WORTH_SOURCE, flops_costs,
+                                    steady_step_time, step_worth, why_not_planned)
 from hf_asyncpp.schedules.records import get_schedule
 
 CASES = [("smollm2-360m", 4, 1), ("moe-10b", 8, 2), ("moe-10b", 16, 1)]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names, install_error_feedback
-from hf_asyncpp.config.recipe import ModelConfig
+from hf_asyncpp.config.sections import ModelConfig
 from hf_asyncpp.model.build import load_stage_pretrained, materialise_stage, meta_model
 from hf_asyncpp.partition import partition_model
 from hf_asyncpp.pipeline import stage_state

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_asyncpp.pipeline.profile import stage_shares
+from hf_asyncpp.plan.profile import stage_shares
 from hf_asyncpp.testing import run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -303,7 +303,7 @@ def main():
     torch_rows = {(k[1], k[2]): v["tps"] for k, v in best.items() if k[0] == "torch"}
     ours_mp = best[("ours", "2bw", p)]["tps"]
 
-    from hf_asyncpp.pipeline.planner import plan_memory
+    from hf_asyncpp.plan.memory import plan_memory
 
     _, plan, _ = plan_memory(recipe("2bw", p, m))
     limit = 2 * single
@@ -329,7 +329,7 @@ def main():
         f"- our 1f1b / torch Schedule1F1B at m = {m}: {t1 / torch_rows[('1f1b', m)]:.2f} (the executors at the same bubble)",
         "",
         "Per-stage memory of 2bw: measured (the executor's weight versions, gradients, optimizer state, EF buffer and "
-        "saved activations at their peak) against the planner's formula (`hf_asyncpp/pipeline/planner.py`):",
+        "saved activations at their peak) against the planner's formula (`hf_asyncpp/plan/memory.py`):",
         "",
         "| stage | weight versions | in-flight microbatches | measured MB | planned MB | planned / measured | process RSS MB |",
         "|---|---|---|---|---|---|---|",

@@ -7,7 +7,6 @@ Data parallelism here is a plain gradient all-reduce over every process.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,17 +18,17 @@ import torch.distributed as dist
 from . import supervision
 from .config.recipe import Recipe
 from .errors import NonFiniteError
-from .model.build import compile_layers, compile_wanted, enable_activation_checkpointing
+from .model.build import autocast, compile_layers, compile_wanted, enable_activation_checkpointing
 from .model.export import shard_file, write_shard
 from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
-from .optim.ef import LEARNED, learned_lambda
+from .optim.delay import lambda_groups, stage_parameter_lists
+from .optim.ef import learned_lambda
 from .optim.lr import build_scheduler, continue_schedule
-from .partition import anatomy, partition_plan
-from .partition.aux import expert_token_counts
+from .partition import anatomy
+from .partition.moe_aux import expert_token_counts
 from .partition.plan import get_module
-from .schedules.records import get_simulated_delay
-from .storage import files as ckpt
+from .storage import checkpoint_io as ckpt
 from .storage.names import MODEL_FILE, OPTIMIZER_FILE
 from .topology import Topology, local_device
 
@@ -69,34 +68,6 @@ def finite_step(step: int, grad_norm: float, on_nonfinite: str, loss: float | No
             "are left as they are; if this is the first step after a resume, suspect the checkpoint, else lower "
             "optimizer.learning_rate or set training.on_nonfinite: skip")
     return False
-
-
-@dataclass
-class SkipLimit:
-    """``training.on_nonfinite: skip`` gives up: a run whose updates are all skipped has stopped training, and must
-    not save, export and exit 0 as if it had. Fed every step's result in order, the same on every rank (the skip
-    decision is taken on the global norm), so every rank stops at the same step."""
-
-    max_consecutive: int
-    max_total: int  # ``max_skipped_fraction`` of ``max_steps``
-    consecutive: int = 0
-    total: int = 0
-
-    def see(self, r: StepResult) -> None:
-        if not r.skipped_nonfinite:
-            self.consecutive = 0
-            return
-        self.consecutive += 1
-        self.total += 1
-        if self.consecutive >= self.max_consecutive or self.total > self.max_total:
-            why = (f"{self.consecutive} steps in a row (training.max_consecutive_skips: {self.max_consecutive})"
-                   if self.consecutive >= self.max_consecutive else
-                   f"{self.total} steps since the run started, more than training.max_skipped_fraction of max_steps "
-                   f"({self.max_total})")
-            raise NonFiniteError(
-                f"step {r.step + 1}: non-finite gradients skipped in {why}; the model has stopped training, so the run "
-                "stops here (training.on_nonfinite: skip). Resume from a checkpoint before the trouble with a lower "
-                "optimizer.learning_rate (or more warm-up)")
 
 
 class Engine(Protocol):
@@ -146,48 +117,6 @@ class Engine(Protocol):
         """Per-stage action timings (collective), None where there is no pipeline."""
 
     def close(self) -> None: ...
-
-
-def autocast(enabled: bool):
-    return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Parameter]], list[tuple]]:
-    """Parameters grouped by the pipeline stage that would own them (for simulate_delay: pipedream), and the
-    ``(module, attribute)`` uses of a tied parameter on a later stage (the tied output head): the executor holds a
-    copy of it there, at that stage's lag (0 on the last stage), not at the owner's, so the simulation must too."""
-    p = recipe.pipeline.num_stages
-    if p == 1 or not get_simulated_delay(recipe.optimizer.simulate_delay).per_stage:
-        return [list(model.parameters())], []
-    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
-    by_name = dict(model.named_parameters())
-    groups = [[] for _ in range(p)]
-    for name, param in by_name.items():
-        groups[plan.stage_of(name)].append(param)
-    uses = []
-    for _, later in plan.tied_pairs:
-        if plan.stage_of(later) != p - 1:
-            raise NotImplementedError(f"simulate_delay: pipedream: the tied parameter {later!r} is used on stage "
-                                      f"{plan.stage_of(later)}, not the last; only a tied output head is simulated")
-        module, _, attr = later.rpartition(".")
-        uses.append((model.get_submodule(module), attr))
-    return groups, uses
-
-
-def lambda_groups(model, recipe: Recipe) -> list[list[torch.nn.Parameter]] | None:
-    """The parameters sharing one learned EF lambda (``ef_lambda: learned``) as the executor groups them: those of
-    one pipeline stage, and apart, the tensors tied across stages (one group per pair of stages holding them), so
-    this reference equals the pipeline for any number of stages. None (one group) for one stage or another lambda."""
-    p = recipe.pipeline.num_stages
-    if recipe.optimizer.ef_lambda != LEARNED or p == 1:
-        return None
-    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
-    tied = {a: (plan.stage_of(a), plan.stage_of(b)) for a, b in plan.tied_pairs if plan.stage_of(a) != plan.stage_of(b)}
-    groups: dict = {s: [] for s in range(p)}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            groups.setdefault(tied.get(name, plan.stage_of(name)), []).append(param)
-    return [g for g in groups.values() if g]
 
 
 class LocalEngine:

@@ -135,3 +135,7 @@ def request_stop(signum: int = signal.SIGTERM) -> None:
 def clear_stop() -> None:
     """Forget a noted stop (a second run in the same process)."""
     _stop_signal.clear()
+
+
+CHECKED = "HF_ASYNCPP_CHECKED"
+"""Set for the ranks a process started after it checked the recipe (``launch.spawn``): what it said is said."""

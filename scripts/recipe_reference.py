@@ -20,8 +20,8 @@ def main():
 
     fields = recipe_fields()
     lines = ["# Recipe reference", "",
-             "A recipe is YAML with the sections below, loaded into typed dataclasses (`hf_asyncpp/config/recipe.py`; model and data: "
-             "`hf_asyncpp/config/sources.py`; optimizer: `hf_asyncpp/config/optimizer.py`). Unknown keys, "
+             "A recipe is YAML with the sections below, loaded into typed dataclasses (`hf_asyncpp/config/sections.py`; "
+             "optimizer: `hf_asyncpp/config/optimizer.py`; loaded and checked by `hf_asyncpp/config/recipe.py`). Unknown keys, "
              "wrong types and out-of-range values are errors that name the dotted field. The resolved recipe is saved as "
              "`recipe.yaml` in `training.output_dir`. `hf-asyncpp train --help` lists the same fields with their defaults.", "",
              "Of two alternative fields (`model.config` or `model.name_or_path`, `data.dataset` or `data.train_files`), "

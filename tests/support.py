@@ -361,7 +361,7 @@ def truncate(path: Path) -> None:
 def assert_each_damage_is_named(good, kinds, tmp_path) -> None:
     """A byte flip and a truncation of each file kind in a copy of ``good``: verification reports exactly that file
     (and says "truncated" only for the truncation)."""
-    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.storage import checkpoint_io as ckpt
 
     for kind in kinds:
         for damage in (flip, truncate):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
-from hf_asyncpp.partition import MeasuredCosts, measure_costs
-from hf_asyncpp.pipeline.autosplit import auto_split
+from hf_asyncpp.plan.costs import MeasuredCosts, measure_costs
+from hf_asyncpp.plan.autosplit import auto_split
 from support import tiny_llama
 
 MODEL = {"config": tiny_llama(8), "vocab_size": 256}

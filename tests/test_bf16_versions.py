@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from hf_asyncpp.pipeline.versions import Versions, autocast_casts, expert_stacks, find_casts
+from hf_asyncpp.model.build import expert_stacks
+from hf_asyncpp.pipeline.versions import Versions, autocast_casts, find_casts
 from support import LLAMA, MIXTRAL, build, make_recipe, reference, scenario
 
 MIXTRAL_EAGER = {**MIXTRAL, "experts_implementation": "eager"}  # a GEMM per expert on a slice of its stack
@@ -194,7 +195,7 @@ def test_expert_gemms_read_the_versions_bf16_stacks(impl):
     sums an expert's per-token gradients in the stack's dtype."""
     from torch.func import functional_call
 
-    from hf_asyncpp.engine import autocast
+    from hf_asyncpp.model.build import autocast
     from hf_asyncpp.partition import partition_model
 
     stage = partition_model(build(make_recipe({**MIXTRAL, "experts_implementation": impl}, "1f1b", 2, 2, 2)), 2)[0]

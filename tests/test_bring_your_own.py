@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hf_asyncpp.cli import main
 from hf_asyncpp.config.recipe import load_recipe
-from hf_asyncpp.data.stream import prepare_default_corpus
+from hf_asyncpp.data.corpus import prepare_default_corpus
 from hf_asyncpp.data.tokenizer import train_tokenizer
 from hf_asyncpp.storage.names import TOKENIZER_DIR, checkpoint_name
 

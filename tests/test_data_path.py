@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+from hf_asyncpp.config.sections import DataConfig, ModelConfig
 from hf_asyncpp.data.prefetch import Prefetcher
 from hf_asyncpp.data.shuffle import ShuffledDocuments
 from hf_asyncpp.data.stream import BlockStream, next_batch
 from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
 from hf_asyncpp.errors import DataError
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from support import FIXTURE, launch, losses, write_recipe
 from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
 

@@ -123,7 +123,7 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     # ... equal to scoring step 1's checkpointed weights directly
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.storage import checkpoint_io as ckpt
 
     model = AutoModelForCausalLM.from_pretrained(out / "export").eval()
     missing, unexpected = model.load_state_dict(ckpt.load_tensors(out / checkpoint_name(1) / "model.safetensors"),

@@ -196,7 +196,8 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
     from huggingface_hub import ModelCard
     from safetensors.torch import save_file
 
-    from hf_asyncpp.config.recipe import DataConfig, recipe_from_dict, save_recipe
+    from hf_asyncpp.config.recipe import recipe_from_dict, save_recipe
+    from hf_asyncpp.config.sections import DataConfig
     from hf_asyncpp.data.stream import eval_blocks
     from hf_asyncpp.eval.perplexity import evaluate_model_dir
     from hf_asyncpp.partition import partition_model

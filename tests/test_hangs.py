@@ -22,7 +22,7 @@ from support import ROOT
 from test_stop_signals import ENV, _last_step, _ranks, _recipe
 
 from hf_asyncpp.errors import PeerFailure
-from hf_asyncpp.pipeline.reports import StepReports
+from hf_asyncpp.pipeline.step_reports import StepReports
 from hf_asyncpp.run.folder import list_checkpoints
 
 

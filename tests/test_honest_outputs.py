@@ -16,7 +16,7 @@ import yaml
 
 from hf_asyncpp.cli.train import main as train_main
 from hf_asyncpp.run.model_card import add_eval_results, render_model_card
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.storage.names import INDEX_FILE, MANIFEST, checkpoint_name
 from hf_asyncpp.storage.write import umask
 from support import TASK_FILES, make_model, tiny, tiny_llama

@@ -90,7 +90,7 @@ def test_the_tied_two_stage_checkpoint_opens_with_from_pretrained(two_stage_run,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_asyncpp.model.export import tied_names
-    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.storage import checkpoint_io as ckpt
 
     out, _ = two_stage_run
     saved = out / "checkpoint-0000008"
@@ -126,7 +126,8 @@ def test_data_parallel_replicas_read_their_own_shards(tmp_path):
 
     from hf_asyncpp.run.seeds import set_seed
     from hf_asyncpp.config.recipe import load_recipe
-    from hf_asyncpp.data.stream import BlockStream, next_batch, resolve_data_files, train_hold_out
+    from hf_asyncpp.data.sources import resolve_data_files, train_hold_out
+    from hf_asyncpp.data.stream import BlockStream, next_batch
     from hf_asyncpp.model.build import build_model
 
     out = tmp_path / "run"

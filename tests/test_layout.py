@@ -19,8 +19,9 @@ LAYERS = (
     ("storage", "topology", "supervision"),  # the disk; where a process sits; a rank never outlives its launcher
     ("config",),  # the recipe
     ("data", "model", "launch"),  # files -> blocks; the model built, scored, exported; starting processes, one error line
-    ("partition", "optim"),  # stages of any causal LM; Muon, AdamW, EF, the delay references
-    ("engine",),  # the engine protocol and the single-process engine
+    ("partition",),  # stages of any causal LM
+    ("optim",),  # Muon, AdamW, EF, the delay references (their parameter groups ask the partition plan)
+    ("plan", "engine"),  # what a recipe will cost, nothing run; the engine protocol and the single-process engine
     ("pipeline",),  # the runtime: one stage's executor and its helpers
     ("eval",),  # perplexity and zero-shot tasks
     ("run",),  # one training run: the trainer, the components it wires, the checks before it starts

@@ -10,7 +10,7 @@ import pytest
 from hf_asyncpp.cli.plan import main
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS, agreement
-from hf_asyncpp.pipeline.planner import plan_memory
+from hf_asyncpp.plan.memory import plan_memory
 from hf_asyncpp.testing import run_workers, stage_memory_report
 from support import record_errors
 
@@ -104,7 +104,7 @@ def test_plan_compares_zero_bubble_and_puts_2bw_at_the_same_loss(capsys, tmp_pat
     layers on 2 ranks), each with its fullest stage's or rank's memory, and 2BW's speed at the same loss: its steps
     are worth less than synchronous ones by the paper-regime study's measured fraction for the recipe's optimizer and
     correction. On 4 ranks the virtual-stage schedules would need 8 layers: the plan says so."""
-    from hf_asyncpp.pipeline.planner import DELAYED_STEP_WORTH, PLANNED_SCHEDULES
+    from hf_asyncpp.plan.search import DELAYED_STEP_WORTH, PLANNED_SCHEDULES
 
     assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--optimizer.name", "adamw",
                  "--optimizer.delay_correction", "none"]) in (0, None)
@@ -131,7 +131,7 @@ def test_plan_measure_simulates_the_schedules_on_measured_f_i_w(capsys, tmp_path
     split with them (the virtual-stage ones on a finer split by the same per-layer times): the first stage has no I,
     the others do, and the simulated steps are at least what the slowest stage's measured work takes (not the FLOPs
     estimate, which is far smaller for this tiny model)."""
-    from hf_asyncpp.pipeline.planner import PLANNED_SCHEDULES
+    from hf_asyncpp.plan.search import PLANNED_SCHEDULES
 
     import torch
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from hf_asyncpp.config.recipe import DataConfig, ModelConfig, load_recipe, recipe_from_dict
+from hf_asyncpp.config.recipe import load_recipe, recipe_from_dict
+from hf_asyncpp.config.sections import DataConfig, ModelConfig
 from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.run.preflight import check_model_config, check_recipe
 from support import ARCHS, BASE, LLAMA, MIXTRAL, MODEL_TYPE, ROOT, ZAMBA, tiny, tiny_llama

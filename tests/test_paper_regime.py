@@ -154,7 +154,7 @@ def test_moe_jobs_wait_for_the_tuned_lrs_and_reuse_the_tuning_run(tmp_path):
 def test_single_process_engine_records_the_routers_balance():
     """Each step's ``router_aux_loss`` is the model's own aux loss at the weights the step ran (step 0: the initial
     ones) and ``expert_tokens`` the top-k choices of each layer's router, every routed token counted k times."""
-    from hf_asyncpp.partition.aux import expert_token_counts
+    from hf_asyncpp.partition.moe_aux import expert_token_counts
     from support import build
 
     arch = {"model_type": "qwen3_moe", **BASE, **ARCHS["qwen3_moe"]}

@@ -321,7 +321,8 @@ def test_measured_costs_balance_by_time():
     """Timing one-layer stages: a head far heavier than a layer (vocab 32000, hidden 32) gets a stage of its own."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hf_asyncpp.partition import PartitionError, measure_costs
+    from hf_asyncpp.partition import PartitionError
+    from hf_asyncpp.plan.costs import measure_costs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**BASE, "vocab_size": 32000})
@@ -342,8 +343,8 @@ def test_measured_split_backward_feeds_the_simulator():
 
     from transformers import LlamaConfig
 
-    from hf_asyncpp.partition import MeasuredCosts, measure_costs
-    from hf_asyncpp.partition.costs import PASSES
+    from hf_asyncpp.plan.costs import MeasuredCosts, measure_costs
+    from hf_asyncpp.plan.costs import PASSES
     from hf_asyncpp.schedules import schedule_actions, simulate
 
     torch.manual_seed(0)
@@ -374,7 +375,7 @@ def test_measured_split_backward_feeds_the_simulator():
 def test_the_timed_split_backward_computes_the_whole_backwards_weight_gradients():
     """What ``measure_costs`` times as I then W is the whole backward's work: the same weight gradients on a middle
     stage and on the (tied) head's stage (a W that computed nothing would time as free)."""
-    from hf_asyncpp.partition.costs import _roots, _stage_input, _time_split_backward
+    from hf_asyncpp.plan.costs import _roots, _stage_input, _time_split_backward
 
     stages = partition_model(make_model("llama"), 4, [1] * 4, seq_len=IDS.shape[1])
     with torch.no_grad():
@@ -401,7 +402,7 @@ def test_a_non_switch_aux_loss_is_the_models_own_over_all_layers():
     the last stage calls the model's own load_balancing_loss_func on all of them (loss and gradients exact)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_asyncpp.partition.aux import GatheredAux
+    from hf_asyncpp.partition.moe_aux import GatheredAux
 
     cfg = AutoConfig.for_model("doge", **{**BASE, "num_key_value_heads": 4}, is_moe=True, num_experts=16,
                                num_experts_per_tok=2, **MOE_AUX)

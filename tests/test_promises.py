@@ -25,7 +25,7 @@ from hf_asyncpp.pipeline import stage_state
 from hf_asyncpp.pipeline.versions import Versions
 from hf_asyncpp.run import checkpointer
 from hf_asyncpp.schedules.records import NO_PIPELINE, SCHEDULES, SIMULATED_DELAYS, VIRTUAL_SCHEDULES
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.storage.names import (FINAL_EVAL, LOSS_CURVE, MANIFEST, METRICS, MODEL_FILE, OPTIMIZER_FILE, PROFILE,
                                       RECIPE_FILE, RUN_STATE, TIMELINE, TRAINER_STATE)
 
@@ -135,9 +135,9 @@ def test_the_run_reports_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
     from matplotlib.figure import Figure
 
-    from hf_asyncpp.config.recipe import PipelineConfig
+    from hf_asyncpp.config.sections import PipelineConfig
     from hf_asyncpp.errors import WriteError
-    from hf_asyncpp.pipeline.profile import write_report
+    from hf_asyncpp.plan.profile import write_report
     from hf_asyncpp.run.reporting import RunLog
     from hf_asyncpp.storage import write as storage
 
@@ -242,7 +242,7 @@ def test_the_recipe_types_spell_the_records_names():
     """The recipe's ``Literal`` types are what a user may write; the records are what the code knows. They must be one
     vocabulary: a schedule added to ``SCHEDULES`` and not to the recipe (or the reverse) fails here."""
     from hf_asyncpp.config.optimizer import OptimizerConfig
-    from hf_asyncpp.config.recipe import PipelineConfig
+    from hf_asyncpp.config.sections import PipelineConfig
 
     assert set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])) == (
         set(SCHEDULES) | set(VIRTUAL_SCHEDULES) | {NO_PIPELINE})

@@ -9,7 +9,7 @@ import torch
 
 from hf_asyncpp.config.recipe import load_recipe
 from hf_asyncpp.partition import partition_plan
-from hf_asyncpp.pipeline.planner import meta_model, plan_memory
+from hf_asyncpp.plan.memory import meta_model, plan_memory
 from support import GEMMA3N, ZAMBA
 
 RECIPES = sorted(Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"))
@@ -65,7 +65,7 @@ def test_planner_counts_shared_copies_and_received_side_inputs():
     """A block shared by layers on two stages is held (and counted) on both; a stage after the first keeps what it
     receives besides the hidden state (Gemma-3n's per-layer embeddings) for its backward."""
     from hf_asyncpp.config.recipe import recipe_from_dict
-    from hf_asyncpp.pipeline.planner import received_values_per_token
+    from hf_asyncpp.plan.memory import received_values_per_token
 
     zamba = {k: v for k, v in ZAMBA.items() if k != "max_position_embeddings"}  # tied: the block too (untied, transformers unties it)
     r = recipe_from_dict({"model": {"config": zamba}, "data": {"seq_len": 16},

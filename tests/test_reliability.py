@@ -20,7 +20,7 @@ from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.reporting import read_metrics
-from hf_asyncpp.storage import files as ckpt, write as storage
+from hf_asyncpp.storage import checkpoint_io as ckpt, write as storage
 from hf_asyncpp.topology import Topology
 from support import FIXTURE, assert_each_damage_is_named, flip, recipe_file, run_main, tiny, train_steps
 from hf_asyncpp.errors import CheckpointError
@@ -274,7 +274,7 @@ def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, 
     assert state["data"][0]["stats"]["skipped_files"] == len(reasons)
 
     # the same in a text corpus: a binary file among text files
-    from hf_asyncpp.config.recipe import DataConfig
+    from hf_asyncpp.config.sections import DataConfig
     from hf_asyncpp.data.stream import BlockStream
     from transformers import AutoTokenizer
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from support import assert_each_damage_is_named, launch, losses, truncate, write_recipe
 from hf_asyncpp.storage.names import checkpoint_name
 

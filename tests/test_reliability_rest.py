@@ -20,7 +20,7 @@ from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.run.checkpointer import data_fingerprint, sampled_digest
 from hf_asyncpp.run.reporting import read_metrics
 from hf_asyncpp.run.trainer import train
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.storage.names import RUN_STATE, checkpoint_name
 from hf_asyncpp.storage.write import json_text
 from support import FIXTURE, ROOT, recipe_file, run_main, tiny, train_steps

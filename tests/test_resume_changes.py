@@ -91,10 +91,10 @@ def test_a_data_parallel_resize_continues_after_the_blocks_the_replicas_read(tmp
     stream that skips the 10 blocks read (its next block is block 10 of a fresh single stream), and one stream that
     read 10 resumes as 2 replicas that each skip 5 of their own shard. The references are fresh
     ``BlockStream(rank, world_size)``s (tests/test_data.py checks those shard the stream)."""
-    from hf_asyncpp.storage import files as ckpt
+    from hf_asyncpp.storage import checkpoint_io as ckpt
     from hf_asyncpp.run.checkpointer import Checkpointer
     from hf_asyncpp.run.seeds import rng_state
-    from hf_asyncpp.config.recipe import DataConfig, ModelConfig
+    from hf_asyncpp.config.sections import DataConfig, ModelConfig
     from hf_asyncpp.data.stream import BlockStream
     from hf_asyncpp.data.tokenizer import load_or_train_tokenizer
 

@@ -100,7 +100,7 @@ def _skip_nonfinite(recipe):
 def nan_worker(rank, world, recipe, batches):
     """2BW with step NAN_STEP's loss made NaN on the last stage (so its gradient is NaN on every stage)."""
     from hf_asyncpp.pipeline.executor import PipelineEngine
-    from hf_asyncpp.schedules.records import ActionType
+    from hf_asyncpp.schedules.actions import ActionType
     from hf_asyncpp.topology import Topology
 
     eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=2), log=lambda *a: None)

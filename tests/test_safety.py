@@ -21,7 +21,7 @@ from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.run.checkpointer import Checkpointer
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.hub import push_folder
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.topology import Topology
 from support import tiny
 from hf_asyncpp.run.folder import list_checkpoints
@@ -89,7 +89,7 @@ def test_push_at_end_and_every_save(tmp_path, hub, caplog, strategy):
 
 
 def test_failed_push_is_retried_then_reported_and_the_export_kept(tmp_path, hub, caplog):
-    from hf_asyncpp.config.recipe import HubConfig
+    from hf_asyncpp.config.sections import HubConfig
 
     folder = tmp_path / "export"
     folder.mkdir()
@@ -108,7 +108,7 @@ def test_a_refused_push_is_not_retried(tmp_path, hub, monkeypatch):
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
-    from hf_asyncpp.config.recipe import HubConfig
+    from hf_asyncpp.config.sections import HubConfig
 
     def refuse(self, *, repo_id, folder_path, **kw):
         Recorder.calls.append(("upload_folder", repo_id, kw))
@@ -262,8 +262,8 @@ def test_bad_data_files(tmp_path):
     for f in mixed:
         Path(f).write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match=r"data files must all be (one of|of one kind)"):
-        from hf_asyncpp.config.recipe import DataConfig
-        from hf_asyncpp.data.stream import load_stream
+        from hf_asyncpp.config.sections import DataConfig
+        from hf_asyncpp.data.sources import load_stream
 
         load_stream(DataConfig(), mixed)
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from hf_asyncpp.schedules.records import (Action, ActionType as T, SCHEDULES, TWO_BW, format_actions, get_schedule,
-                                          parse_actions, schedule_actions, version_lag)
+from hf_asyncpp.schedules.actions import Action, ActionType as T, format_actions, parse_actions
+from hf_asyncpp.schedules.records import SCHEDULES, TWO_BW, get_schedule, schedule_actions, version_lag
 from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.schedules.timeline import plot_timeline
 
@@ -411,7 +411,7 @@ def _search_recipe(layers: int, **pipeline):
 
 
 def test_search_never_returns_a_plan_over_memory():
-    from hf_asyncpp.pipeline.planner import search_plans
+    from hf_asyncpp.plan.search import search_plans
 
     r = _search_recipe(4, num_stages=2)
     everything = search_plans(r, 4, cap=1e12, flops_per_s=1e9, link_bytes_per_s=1e12)
@@ -432,7 +432,8 @@ def test_search_never_returns_a_plan_over_memory():
 def test_search_prefers_an_even_stage_count_when_the_simulator_says_it_is_faster():
     """12 layers on 8 GPUs: 8 stages cannot split 12 layers evenly (four stages hold 2 layers, 1.33x the mean), so 4
     stages of 3 layers x 2 replicas (or 2 x 6 x 4) are faster; the search finds that by simulation."""
-    from hf_asyncpp.pipeline.planner import evaluate_plan, meta_model, search_plans
+    from hf_asyncpp.plan.memory import meta_model
+    from hf_asyncpp.plan.search import evaluate_plan, search_plans
 
     r = _search_recipe(12, num_stages=4, num_microbatches=8)
     cands = search_plans(r, 8, cap=1e12, flops_per_s=1e9, link_bytes_per_s=1e15)
@@ -453,7 +454,7 @@ def test_2bw_reduction_has_m_minus_p_plus_1_pairs_of_slack(p):
     forward/backward pair of stage 0, the last stage to finish the step's backwards: STEP{k} cannot move later (step
     k+2's first forward needs the version it writes) and REDUCE{k} cannot move earlier (it sums the step's last
     backward). Longer reductions stall every stage by the excess, one more microbatch per step buys one more pair."""
-    from hf_asyncpp.pipeline.planner import steady_step_time
+    from hf_asyncpp.plan.search import steady_step_time
 
     f, b = 1.0, 2.0
     for m in (p, p + 1):
@@ -467,7 +468,8 @@ def test_2bw_reduction_has_m_minus_p_plus_1_pairs_of_slack(p):
 
 def test_search_reports_the_reduction_stall_of_a_slow_link():
     """A data-parallel all-reduce slower than 2BW's slack shows as a stall (and slows the plan); at a fast link none."""
-    from hf_asyncpp.pipeline.planner import meta_model, evaluate_plan, reduction_stall
+    from hf_asyncpp.plan.memory import meta_model
+    from hf_asyncpp.plan.search import evaluate_plan, reduction_stall
 
     r = _search_recipe(4, num_stages=2, num_microbatches=2)
     model = meta_model(r)
@@ -483,7 +485,7 @@ def test_a_reduction_on_the_compute_stream_hands_2bw_s_gain_back():
     off the compute stream (only STEP waits for it), and 30 when the compute stream waits for it at REDUCE (what a
     synchronous NCCL collective does): its STEP cannot start before stage 0 posted the same reduction. At p = 8: 24
     and 38 against 45. A reduction of 2 per step costs 2BW nothing off the stream."""
-    from hf_asyncpp.pipeline.planner import steady_step_time
+    from hf_asyncpp.plan.search import steady_step_time
     from hf_asyncpp.schedules.records import ONE_F_ONE_B, TWO_BW
 
     free, costly = Costs(forward=1, backward=2), Costs(forward=1, backward=2, reduce=2.0)
@@ -570,7 +572,7 @@ def test_bubble_parts_sum_to_the_idle_share_of_the_timeline(name):
 def test_2bw_steady_state_bubble_is_all_imbalance():
     """In steady state 2BW keeps its slowest stage always busy (no flush): what idles is the other stages waiting for
     it, all imbalance; a flushed 1F1B also pays fill/drain every step."""
-    from hf_asyncpp.pipeline.planner import steady_state
+    from hf_asyncpp.plan.search import steady_state
 
     fwd = [1.0, 3.0, 2.0, 1.0]
     costs = Costs(forward=fwd, backward=[2 * f for f in fwd])

@@ -11,14 +11,14 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from dist_utils import run_distributed
 
-from hf_asyncpp.config.recipe import ModelConfig
+from hf_asyncpp.config.sections import ModelConfig
 from hf_asyncpp.model.build import build_model, load_stage_pretrained, meta_model
 from hf_asyncpp.model.seeded_init import init_stage
 from hf_asyncpp.optim.ef import install_error_feedback
 from hf_asyncpp.partition import partition_model
 from hf_asyncpp.pipeline import stage_state
 from hf_asyncpp.pipeline.versions import Versions
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from support import LLAMA, make_batches, make_config, make_model, make_recipe
 from hf_asyncpp.storage.names import stage_file, stage_optimizer_file, stage_versions_file
 

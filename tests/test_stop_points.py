@@ -8,10 +8,12 @@ import signal
 import pytest
 
 from hf_asyncpp import supervision
-from hf_asyncpp.engine import SkipLimit, StepResult
+from hf_asyncpp.engine import StepResult
+from hf_asyncpp.run.trainer import SkipLimit
 from hf_asyncpp.errors import NonFiniteError
 from hf_asyncpp.pipeline.executor import STOP_LAG
-from hf_asyncpp.schedules.records import SCHEDULES, ActionType, with_sync_start
+from hf_asyncpp.schedules.actions import ActionType
+from hf_asyncpp.schedules.records import SCHEDULES, with_sync_start
 from support import ROOT
 
 def _schedule(name: str, sync: int):

@@ -20,7 +20,7 @@ from hf_asyncpp.config.recipe import apply_overrides, load_recipe, recipe_from_d
 from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.optim.lr import build_scheduler, warmup_steps
 from hf_asyncpp.run.folder import choose_resume
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.topology import Topology
 from support import losses, tiny, tiny_llama
 from hf_asyncpp.run.folder import list_checkpoints, prune
@@ -199,7 +199,7 @@ def test_deprecated_and_surprising_scheduler_values_are_said(caplog):
 def test_scheduler_names_are_transformers_own():
     from transformers.trainer_utils import SchedulerType
 
-    from hf_asyncpp.config.recipe import SchedulerName
+    from hf_asyncpp.config.sections import SchedulerName
 
     needs_a_metric = {"reduce_lr_on_plateau", "greedy"}
     assert set(typing.get_args(SchedulerName)) == {s.value for s in SchedulerType} - needs_a_metric
@@ -207,7 +207,7 @@ def test_scheduler_names_are_transformers_own():
 
 def test_too_few_processes_prints_the_command_that_works():
     from hf_asyncpp.errors import RecipeError
-    from hf_asyncpp.run.trainer import check_topology
+    from hf_asyncpp.launch.spawn import check_topology
 
     r = recipe_from_dict(tiny(Path("/tmp/x"), pipeline__schedule="2bw", pipeline__num_stages=2))
     with pytest.raises(RecipeError, match=r"2 stages need a multiple of 2 processes, but 1 was started[\s\S]*recipes/accelerate/cpu-2proc.yaml"):

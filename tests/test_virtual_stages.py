@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_asyncpp.schedules.records import (DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B, VIRTUAL_SCHEDULES, ZB_H1, ZBV, Action,
-                                          ActionType as T, format_actions, get_schedule, interleaved_1f1b,
-                                          parse_actions, stage_ranks)
+from hf_asyncpp.schedules.actions import Action, ActionType as T, format_actions, parse_actions
+from hf_asyncpp.schedules.records import (DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B, VIRTUAL_SCHEDULES, ZBV, ZB_H1,
+                                          get_schedule, interleaved_1f1b, stage_ranks)
 from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
 
 COMPUTE = (T.F, T.B, T.I, T.W)
@@ -257,8 +257,9 @@ def test_virtual_stages_are_costed_by_their_own_layers():
     work as the p-stage plan in all. Measured: the per-layer seconds split into p x v stages balanced by them, each
     pass of each stage the sum of its layers', and the optimizer step per rank the sum of its stages'."""
     from hf_asyncpp.partition import partition_plan
-    from hf_asyncpp.partition.costs import MeasuredCosts, PassSeconds
-    from hf_asyncpp.pipeline.planner import flops_costs, meta_model, virtual_costs
+    from hf_asyncpp.plan.costs import MeasuredCosts, PassSeconds
+    from hf_asyncpp.plan.memory import meta_model
+    from hf_asyncpp.plan.search import flops_costs, virtual_costs
 
     recipe, p = _recipe(8), 2
     model = meta_model(recipe)
@@ -288,7 +289,8 @@ def test_a_rank_holds_its_stages_parameters_once_and_their_activations_as_they_f
     when tied: counted once), and the activations of its in-flight (stage, microbatch) pairs each at its own stage's
     size, walked in the rank's order."""
     from hf_asyncpp.partition import partition_plan
-    from hf_asyncpp.pipeline.planner import meta_model, peak_in_flight, plan_memory, schedule_memory
+    from hf_asyncpp.plan.memory import meta_model, peak_in_flight, plan_memory
+    from hf_asyncpp.plan.search import schedule_memory
 
     for tied in (True, False):
         recipe = _recipe(8, tied)
@@ -318,7 +320,8 @@ def test_costs_per_rank_sum_the_steps_of_a_ranks_stages():
 def test_plan_simulates_the_virtual_stage_schedules_where_they_fit():
     """``simulate_schedules`` adds interleaved 1F1B, ZBV and DualPipeV where the layers allow p x 2 stages and the
     schedule takes m (DualPipeV: m >= 2p); on balanced layers interleaving halves 1F1B's fill and drain."""
-    from hf_asyncpp.pipeline.planner import PLANNED_SCHEDULES, meta_model, plan_memory, simulate_schedules, why_not_planned
+    from hf_asyncpp.plan.memory import meta_model, plan_memory
+    from hf_asyncpp.plan.search import PLANNED_SCHEDULES, simulate_schedules, why_not_planned
 
     recipe = _recipe(16, num_microbatches=8)
     model = meta_model(recipe)

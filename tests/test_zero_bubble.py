@@ -16,7 +16,7 @@ from support import LLAMA, LLAMA_UNTIED, MIXTRAL, build, make_batches, make_reci
 def twins_worker(rank, world, cases):
     """Each case trained as 1F1B, then as ZB-H1, from the same initial weights and batches: (results, weights) each."""
     from hf_asyncpp.pipeline.executor import PipelineEngine
-    from hf_asyncpp.schedules.records import ActionType as T
+    from hf_asyncpp.schedules.actions import ActionType as T
     from hf_asyncpp.topology import Topology
 
     out = []

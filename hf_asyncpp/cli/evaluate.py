@@ -17,8 +17,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from ..config.recipe import DataConfig
-from ..data.stream import eval_blocks, expand_files
+from ..config.sections import DataConfig
+from ..data.files import expand_files
+from ..data.stream import eval_blocks
 from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
 from ..run.model_card import add_eval_results
 from ..storage.write import json_text, replace_file, write_file

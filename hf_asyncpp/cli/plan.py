@@ -31,14 +31,14 @@ import sys
 import torch
 
 from ..config.recipe import load_recipe, split_overrides
-from ..engine import autocast
+from ..model.build import autocast
 from ..errors import RecipeError
 from ..model.build import build_model
 from ..optim import apply_delay_correction, build_optimizer
-from ..partition import measure_costs
-from ..pipeline.planner import (PLANNED_SCHEDULES, PLANNED_STEPS, STEP_WORTH_SOURCE, meta_model, plan_memory,
-                                planned_microbatches, reduction_stall, schedule_memory, search_plans,
-                                simulate_schedules, step_worth, why_not_planned)
+from ..plan.costs import measure_costs
+from ..plan.memory import meta_model, plan_memory
+from ..plan.search import (PLANNED_SCHEDULES, PLANNED_STEPS, STEP_WORTH_SOURCE, planned_microbatches, reduction_stall,
+                           schedule_memory, search_plans, simulate_schedules, step_worth, why_not_planned)
 from ..schedules.records import get_schedule
 from ..schedules.timeline import plot_timeline
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
     print(plan.format() + "\n")
     heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "steady", "EF@STEP", "buckets")
-    print(f"GB per stage and term (pipeline/planner.py explains each; steady = between steps, peak = + EF's clone at "
+    print(f"GB per stage and term (plan/memory.py explains each; steady = between steps, peak = + EF's clone at "
           f"STEP + the reducer's buckets with {dp} data-parallel replica(s)):")
     print(f"{'stage':>5} {'layers':>7} {'in-flight':>9} " + " ".join(f"{x:>7}" for x in heads) + f" {'peak':>7}  fits 90% of {args.gpu_memory}?")
     worst = max(mem, key=lambda m: m.total)

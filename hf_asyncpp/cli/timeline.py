@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-from ..schedules.records import SCHEDULES, VIRTUAL_SCHEDULES, format_actions, get_schedule, schedule_actions
+from ..schedules.actions import format_actions
+from ..schedules.records import SCHEDULES, VIRTUAL_SCHEDULES, get_schedule, schedule_actions
 from ..schedules.simulator import Costs, simulate
 from ..schedules.timeline import plot_timeline
 

@@ -24,7 +24,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config.recipe import CHECKED, Recipe, load_recipe
+from ..config.recipe import Recipe, load_recipe
 from ..config.reference import help_text
 from ..errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_STOPPED, RecipeError
 from . import freeze_for_exit
@@ -43,9 +43,8 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
     """Whether this process starts the stage processes itself; either way, what can be checked before training is
     checked, once per run: by the starting process before it starts them, else by each rank (rank 0 also asks the
     Hub), unless the process that started this one has already checked."""
-    from ..launch.spawn import adopt_slurm, should_spawn, started_by_launcher  # lazy: see main()
+    from ..launch.spawn import adopt_slurm, check_topology, should_spawn, started_by_launcher  # lazy: see main()
     from ..run.preflight import check_recipe
-    from ..run.trainer import check_topology
 
     if should_spawn(recipe):  # a LaunchError (a mangled SLURM variable) is a RecipeError too
         check_recipe(recipe)
@@ -59,7 +58,7 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
     adopt_slurm()  # under srun: the ranks' variables, before the checks ask which rank this is
     if not started_by_launcher():  # one process (HF_ASYNCPP_NO_SPAWN=1): first the command that starts them all
         check_topology(recipe, 1, recipe_path)
-    if not os.environ.get(CHECKED):
+    if not os.environ.get(supervision.CHECKED):
         check_recipe(recipe, hub=is_main_rank())
     return False
 

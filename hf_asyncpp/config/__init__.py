@@ -1,8 +1,8 @@
 """The recipe: one YAML file -> typed, strictly validated dataclasses (docs/recipes.md lists every field).
 
 =============  ==========================================================================================
-``recipe``     ``Recipe`` and its pipeline/training/hub/eval sections; ``load_recipe``, overrides, cross-field checks
-``sources``    the model and data sections (what a run trains, what it reads); ``bounds`` for ranged fields
+``recipe``     ``Recipe``, ``load_recipe``, typed conversion, overrides, cross-field checks, ``save_recipe``
+``sections``   the model, data, pipeline, training, hub and eval sections; ``bounds`` for ranged fields
 ``optimizer``  the optimizer section: optimizer, hyperparameters, the delay correction
 ``names``      field names users bring from elsewhere (the Trainer's, run_clm's, trl's) and the field meant here
 ``reference``  every field with its type, default and meaning: ``train --help`` and docs/recipes.md

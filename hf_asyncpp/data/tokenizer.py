@@ -14,10 +14,10 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config.recipe import ModelConfig
+from ..config.sections import ModelConfig
 from ..errors import DataError, RecipeError
 from ..storage.write import writing
-from .stream import iter_documents
+from .sources import iter_documents
 
 __all__ = ["load_or_train_tokenizer", "checkpoint_tokenizer", "adopt_tokenizer", "train_tokenizer", "EOS", "PAD"]
 

@@ -1,8 +1,8 @@
-"""Starting the processes of a run, checking what can be checked first, and ending them with one line.
+"""Starting the processes of a run and ending them with one line.
 
 =============  ==========================================================================================
-``spawn``      the stage processes started when no launcher did (torchrun's launcher); SLURM's variables
-``preflight``  every check that needs no process group, before the processes start
+``spawn``      the stage processes started when no launcher did (torchrun's launcher); SLURM's variables; the
+               topology check
 ``failures``   one ``error:`` line per run, whichever process meets the error, and its exit code
 =============  ==========================================================================================
 """

@@ -36,10 +36,11 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ..config.recipe import CHECKED, Recipe
-from ..errors import LaunchError
+from ..config.recipe import Recipe
+from ..errors import LaunchError, RecipeError
 from ..schedules.records import processes_per_pipeline
 from ..storage.shipped import shipped_file
+from ..supervision import CHECKED
 from .failures import DEBUG_ENV, ERROR_DIR, finished, first_error, stop_record
 
 log = logging.getLogger("hf_asyncpp")
@@ -385,3 +386,11 @@ def launch_command(recipe: Recipe, recipe_path: str) -> str:
     return (f"  hf-asyncpp train {path}   (starts the {n} processes itself unless {NO_SPAWN}=1)\n  {cpu}\n"
             f"(on {n} GPUs: accelerate launch --multi_gpu --num_processes {n} -m hf_asyncpp.cli.train {path}); "
             "note that on a CPU-only machine `accelerate launch --num_processes N` silently starts ONE process" + slurm)
+
+
+def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
+    p = processes_needed(recipe)
+    if world_size % p != 0:
+        raise RecipeError(
+            f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} started. Run:\n{launch_command(recipe, recipe_path)}")

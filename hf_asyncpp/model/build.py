@@ -5,13 +5,14 @@ piece (partition, export, eval) can trust ``config.vocab_size >= len(tokenizer)`
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
-from ..config.recipe import ModelConfig
+from ..config.sections import ModelConfig
 from ..errors import RecipeError, StageLocalError
-from ..storage import files as ckpt
+from ..storage import checkpoint_io as ckpt
 from .seeded_init import init_stage, seeded_init
 
 log = logging.getLogger("hf_asyncpp.modeling")
@@ -216,3 +217,29 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def autocast(enabled: bool):
+    return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def expert_stacks(stage: torch.nn.Module) -> set[str]:
+    """Names of the stage's mixture-of-experts stacks: each 3-D floating parameter whose first dimension is its own
+    module's ``num_experts``. Read off the model, not a list of classes: transformers' experts modules store expert
+    ``e``'s matrix as slice ``e`` of one ``(experts, out, in)`` (or ``(experts, in, out)``) tensor and say how many
+    experts they hold (every class ``@use_experts_implementation`` wraps: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+    GPT-OSS, ...; Llama-4's experts; JetMoE's parallel experts). Autocast casts none of them whole, so
+    :func:`autocast_casts` misses them: the eager implementation slices ``stack[e]`` and casts the slice per matmul
+    (a cast per expert per microbatch), and the grouped GEMM (``grouped_mm``, transformers' default; ``_grouped_mm``
+    in ``transformers/integrations/moe.py``) is no autocast op: it casts its input to the stack's dtype, so on fp32
+    stacks the experts ran in fp32 (on CUDA torch's per-expert loop after ``offs.cpu()``, a host sync per call).
+    Held in bf16, the eager loop's slices are autocast's casts bit for bit and the grouped GEMM runs in bf16.
+    Per-expert biases (2-D) are not matrices and stay fp32. (:func:`find_casts` leaves out a stack the forward
+    gathers per token, ``batched_mm``.)"""
+    found = set()
+    for name, p in stage.named_parameters():
+        owner = stage.get_submodule(name.rpartition(".")[0])
+        experts = getattr(owner, "num_experts", None)
+        if p.ndim == 3 and p.is_floating_point() and isinstance(experts, int) and p.shape[0] == experts:
+            found.add(name)
+    return found

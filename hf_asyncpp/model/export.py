@@ -29,8 +29,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from ..storage import files as ckpt
-from ..storage.files import replace_dir
+from ..storage import checkpoint_io as ckpt
+from ..storage.checkpoint_io import replace_dir
 from ..storage.names import MANIFEST, MODEL_FILE, TOKENIZER_DIR, stage_weight_files
 from ..storage.write import follow_umask, writing
 
@@ -252,7 +252,7 @@ def _meta_model(config, dtype: torch.dtype = torch.float32):
 def tied_names(config) -> dict[str, str]:
     """The model's ties, {name tied to another: that other name} (transformers' ``all_tied_weights_keys``, e.g.
     ``{"lm_head.weight": "model.embed_tokens.weight"}``; empty when untied): ``from_pretrained`` re-ties them, so a
-    folder's index leaves the tied names out, as ``save_pretrained`` does (``storage.files.weight_index``)."""
+    folder's index leaves the tied names out, as ``save_pretrained`` does (``storage.checkpoint_io.weight_index``)."""
     return dict(getattr(_meta_model(config), "all_tied_weights_keys", None) or {})
 
 

@@ -46,7 +46,10 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from ..config.recipe import Recipe
+from ..partition import partition_plan
 from ..schedules.records import SIMULATED_DELAYS, get_simulated_delay
+from .ef import LEARNED
 
 __all__ = ["MODES", "DelaySimulator"]
 
@@ -193,3 +196,41 @@ class DelaySimulator:
                     raise ValueError(f"checkpoint's stored versions of stage {s} do not match its parameters' shapes")
                 h.append([t.to(device=p.device, dtype=p.dtype, copy=True) for p, t in zip(self.stages[s], version)])
         self.steps = int(sd["steps"])
+
+
+def stage_parameter_lists(model, recipe: Recipe) -> tuple[list[list[torch.nn.Parameter]], list[tuple]]:
+    """Parameters grouped by the pipeline stage that would own them (for simulate_delay: pipedream), and the
+    ``(module, attribute)`` uses of a tied parameter on a later stage (the tied output head): the executor holds a
+    copy of it there, at that stage's lag (0 on the last stage), not at the owner's, so the simulation must too."""
+    p = recipe.pipeline.num_stages
+    if p == 1 or not get_simulated_delay(recipe.optimizer.simulate_delay).per_stage:
+        return [list(model.parameters())], []
+    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
+    by_name = dict(model.named_parameters())
+    groups = [[] for _ in range(p)]
+    for name, param in by_name.items():
+        groups[plan.stage_of(name)].append(param)
+    uses = []
+    for _, later in plan.tied_pairs:
+        if plan.stage_of(later) != p - 1:
+            raise NotImplementedError(f"simulate_delay: pipedream: the tied parameter {later!r} is used on stage "
+                                      f"{plan.stage_of(later)}, not the last; only a tied output head is simulated")
+        module, _, attr = later.rpartition(".")
+        uses.append((model.get_submodule(module), attr))
+    return groups, uses
+
+
+def lambda_groups(model, recipe: Recipe) -> list[list[torch.nn.Parameter]] | None:
+    """The parameters sharing one learned EF lambda (``ef_lambda: learned``) as the executor groups them: those of
+    one pipeline stage, and apart, the tensors tied across stages (one group per pair of stages holding them), so
+    this reference equals the pipeline for any number of stages. None (one group) for one stage or another lambda."""
+    p = recipe.pipeline.num_stages
+    if recipe.optimizer.ef_lambda != LEARNED or p == 1:
+        return None
+    plan = partition_plan(model, p, recipe.pipeline.split, seq_len=recipe.data.seq_len)
+    tied = {a: (plan.stage_of(a), plan.stage_of(b)) for a, b in plan.tied_pairs if plan.stage_of(a) != plan.stage_of(b)}
+    groups: dict = {s: [] for s in range(p)}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault(tied.get(name, plan.stage_of(name)), []).append(param)
+    return [g for g in groups.values() if g]

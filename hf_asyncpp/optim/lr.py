@@ -14,7 +14,7 @@ import math
 import torch
 from transformers import get_scheduler
 
-from ..config.recipe import TrainingConfig
+from ..config.sections import TrainingConfig
 
 
 def warmup_steps(cfg: TrainingConfig) -> int:

@@ -34,11 +34,10 @@ Stage contract (the runtime and the tests rely on it):
 - Model types outside ``VERIFIED_MODEL_TYPES`` are checked numerically against the model at partition time; a
   model the stage builder cannot reproduce raises ``PartitionError`` naming the module and why.
 """
-from .costs import MeasuredCosts, measure_costs
 from .plan import Anatomy, PartitionError, PartitionPlan, StagePlan, anatomy, balanced_sizes, partition_plan
 from .stage import (AuxLoss, Stage, VERIFIED_MODEL_TYPES, check_partition, merge_state_dicts, partition_model,
                     run_stages, shared_tensors, tied_parameters)
 
 __all__ = ["partition_model", "partition_plan", "tied_parameters", "shared_tensors", "merge_state_dicts", "check_partition", "run_stages",
            "PartitionPlan", "StagePlan", "PartitionError", "Stage", "AuxLoss", "Anatomy", "anatomy", "balanced_sizes",
-           "VERIFIED_MODEL_TYPES", "measure_costs", "MeasuredCosts"]
+           "VERIFIED_MODEL_TYPES"]

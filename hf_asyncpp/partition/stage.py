@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..model.seeded_init import initializers
-from .aux import AuxLoss, _aux_loss, _capture, _router_modules
+from .moe_aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
 

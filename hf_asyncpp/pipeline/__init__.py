@@ -1,5 +1,5 @@
 """The pipeline at run time: one stage's process running its schedule's action list (``schedules/`` holds the
-records and the simulator; this is what executes them).
+records and the simulator; this is what executes them; ``plan/`` says what they will cost).
 
 =================  ======================================================================================
 ``executor``       ``PipelineEngine``: one stage running its action list as a stream of steps
@@ -8,14 +8,11 @@ records and the simulator; this is what executes them).
 ``nccl_order``     NCCL's point-to-point ordering rule enforced on gloo: the test transport of CPU runs
 ``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
 ``sharding``       ZeRO-1 across a stage's data-parallel replicas
-``reports``        per-step results delivered to the trainer without blocking a stage
+``step_reports``   per-step results delivered to the trainer without blocking a stage
 ``stage_state``    a stage's checkpoint files, by parameter name
 ``forward_only``   forward passes through the stages: held-out loss, the export read back
 ``memtrack``       the executor's memory accounting, term by term
 ``gpu_timer``      GPU time per action kind (CUDA)
-``planner``        will it fit, how fast: memory and simulated step time without allocating; the layout search
-``autosplit``      ``layers_per_stage: auto``: the split from costs measured at start, cached
-``profile``        a run's measured per-stage times and the timeline they imply
 =================  ======================================================================================
 
 2BW in one place: ``schedules.TWO_BW`` (version rule, late STEP, m >= p) and ``versions.Versions`` (its two

@@ -39,20 +39,22 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import supervision
 from ..config.recipe import Recipe
-from ..engine import StepResult, autocast, finite_step
+from ..engine import StepResult, finite_step
+from ..model.build import autocast
 from ..model.build import compile_layers, compile_wanted, enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
 from ..optim.lr import build_scheduler
 from ..partition import partition_model, shared_tensors
-from ..schedules.records import Action, ActionType, get_schedule, with_sync_start
+from ..schedules.actions import Action, ActionType
+from ..schedules.records import get_schedule, with_sync_start
 from ..topology import Topology, local_device, make_groups
-from . import forward_only, profile, stage_state
+from . import forward_only, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
 from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
-from .reports import StepReports
+from .step_reports import StepReports
 from .sharding import assign_owners, keep_owned, merge_optimizer_states
 from .versions import Hold, Versions, find_casts
 
@@ -599,7 +601,7 @@ class PipelineEngine:
 
     def profile(self) -> list[dict] | None:
         """Seconds and counts per action kind of every stage so far (collective; the main process gets the list)."""
-        return profile.gather(self.topo, self.action_seconds, self.action_counts)
+        return gather_action_times(self.topo, self.action_seconds, self.action_counts)
 
     def close(self) -> None:
         """Finish what is in flight and release this engine's process groups (before destroying the default one)."""
@@ -658,3 +660,13 @@ class PipelineEngine:
         self.nonfinite_skipped = meta["nonfinite_skipped"]
         if self.owner_of is not None:
             keep_owned(self.optimizer, {q for n, q in self.params.items() if self.owner_of[n] == self.topo.dp_rank}, EF_KEY)
+
+
+def gather_action_times(topo, seconds: dict, counts: dict) -> list[dict] | None:
+    """Every stage's seconds and counts per action kind (from data-parallel rank 0), sorted by stage, on the main
+    process; None elsewhere (collective)."""
+    mine = ({"stage": topo.stage, "seconds": {t.value: s for t, s in seconds.items()},
+             "counts": {t.value: c for t, c in counts.items()}} if topo.dp_rank == 0 else None)
+    parts = [None] * topo.world_size if topo.is_main else None
+    dist.gather_object(mine, parts, dst=0)
+    return sorted((x for x in parts if x), key=lambda x: x["stage"]) if topo.is_main else None

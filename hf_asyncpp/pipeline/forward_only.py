@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from ..engine import autocast
+from ..model.build import autocast
 from ..model.build import read_stage_tensors
 from ..model.nll import continuation_logprobs, nll_per_block, request_batches
 

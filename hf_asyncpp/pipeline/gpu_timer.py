@@ -11,7 +11,7 @@ from collections import defaultdict, deque
 
 import torch
 
-from ..schedules.records import ActionType
+from ..schedules.actions import ActionType
 
 DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.STEP})
 

@@ -74,7 +74,7 @@ def transfer_bytes(micros, prefetch) -> int:
 
 
 def stage_memory(params: dict, optimizer, versions, mem: dict) -> dict[str, float]:
-    """A stage's peak bytes per term as the planner plans them (``pipeline/planner.py``): weight versions, gradients,
+    """A stage's peak bytes per term as the planner plans them (``plan/memory.py``): weight versions, gradients,
     optimizer state, EF buffer, autocast's weight casts, activations, transfer buffers (``mem``: the executor's
     counters); ``steady`` their sum, ``total`` with the EF clone at STEP."""
     param_bytes = nbytes(params.values())
@@ -83,6 +83,6 @@ def stage_memory(params: dict, optimizer, versions, mem: dict) -> dict[str, floa
            "optimizer": nbytes(opt_state), "ef": nbytes(ef_buffers(optimizer)),
            "casts": mem["peak_casts"], "activations": mem["peak_activations"], "transfers": mem["peak_transfers"]}
     rep["steady"] = sum(rep.values())
-    rep["ef_copy"] = mem["ef_copy"]  # at STEP only (pipeline/planner.py: steady vs peak)
+    rep["ef_copy"] = mem["ef_copy"]  # at STEP only (plan/memory.py: steady vs peak)
     rep["total"] = rep["steady"] + rep["ef_copy"]
     return rep

@@ -16,7 +16,7 @@ from ..model.export import shard_file, write_shard
 from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
 from ..optim.lr import continue_schedule
 from ..partition import merge_state_dicts
-from ..storage import files as ckpt
+from ..storage import checkpoint_io as ckpt
 from ..storage.names import (optimizer_of, stage_file, stage_optimizer_file, stage_versions_file, stage_weight_files,
                              versions_of)
 from .versions import Versions

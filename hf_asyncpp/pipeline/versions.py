@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from ..engine import autocast
+from ..model.build import autocast, expert_stacks
 
 
 class Switch:
@@ -94,28 +94,6 @@ def autocast_casts(outputs, leaves: dict[str, torch.Tensor]) -> set[str]:
     """Names of the ``leaves`` that the autograd graph of ``outputs`` (one forward under autocast) reads only through a
     dtype cast of the whole tensor: the weights autocast copies to bf16 for each microbatch."""
     return {n for n, r in leaf_readers(outputs, leaves).items() if r == {"ToCopyBackward0"}}
-
-
-def expert_stacks(stage: torch.nn.Module) -> set[str]:
-    """Names of the stage's mixture-of-experts stacks: each 3-D floating parameter whose first dimension is its own
-    module's ``num_experts``. Read off the model, not a list of classes: transformers' experts modules store expert
-    ``e``'s matrix as slice ``e`` of one ``(experts, out, in)`` (or ``(experts, in, out)``) tensor and say how many
-    experts they hold (every class ``@use_experts_implementation`` wraps: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
-    GPT-OSS, ...; Llama-4's experts; JetMoE's parallel experts). Autocast casts none of them whole, so
-    :func:`autocast_casts` misses them: the eager implementation slices ``stack[e]`` and casts the slice per matmul
-    (a cast per expert per microbatch), and the grouped GEMM (``grouped_mm``, transformers' default; ``_grouped_mm``
-    in ``transformers/integrations/moe.py``) is no autocast op: it casts its input to the stack's dtype, so on fp32
-    stacks the experts ran in fp32 (on CUDA torch's per-expert loop after ``offs.cpu()``, a host sync per call).
-    Held in bf16, the eager loop's slices are autocast's casts bit for bit and the grouped GEMM runs in bf16.
-    Per-expert biases (2-D) are not matrices and stay fp32. (:func:`find_casts` leaves out a stack the forward
-    gathers per token, ``batched_mm``.)"""
-    found = set()
-    for name, p in stage.named_parameters():
-        owner = stage.get_submodule(name.rpartition(".")[0])
-        experts = getattr(owner, "num_experts", None)
-        if p.ndim == 3 and p.is_floating_point() and isinstance(experts, int) and p.shape[0] == experts:
-            found.add(name)
-    return found
 
 
 def find_casts(stage: torch.nn.Module, leaves: dict[str, torch.Tensor], arg, kwargs) -> set[str]:

@@ -1,6 +1,6 @@
 """Writing and resuming a run's checkpoints: what goes in one, from which rank, in which order.
 
-``storage/files.py`` holds the atomic primitives, ``storage/names.py`` the file names and ``folder.py`` the run folder; this module is the choreography: the main
+``storage/checkpoint_io.py`` holds the atomic primitives, ``storage/names.py`` the file names and ``folder.py`` the run folder; this module is the choreography: the main
 process first checks there is room (at least the previous checkpoint's size free, else the run stops cleanly
 with the previous checkpoint the latest), every rank writes its engine part and RNG state into a temp dir, the
 data positions and the sizes and hashes of what each rank wrote are gathered, the main process adds config,
@@ -32,7 +32,7 @@ from ..engine import Engine
 from ..errors import CheckpointError, PeerFailure, RecipeError, WriteError
 from ..model.build import build_config
 from ..model.export import export_engine, tied_names
-from ..storage import files as ckpt, write as storage
+from ..storage import checkpoint_io as ckpt, write as storage
 from ..storage.names import (CONFIG_FILE, INDEX_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
                              checkpoint_name, rng_file, stage_weight_files, temp_dir)
 from ..storage.write import human, write_error, writing

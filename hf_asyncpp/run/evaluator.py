@@ -24,7 +24,7 @@ from ..eval.downstream import evaluate_models, results_table, score_tasks
 from ..eval.perplexity import evaluate_model_dir, perplexity_from_sums
 from ..eval.tasks import load_task
 from ..model.export import assemble_model, export_engine
-from ..storage import files as ckpt
+from ..storage import checkpoint_io as ckpt
 from ..storage.names import EXPORT_DIR, FINAL_EVAL, METRICS
 from .hub import Pusher
 from .model_card import add_eval_results, card_from_recipe, card_writer, held_out_prompt

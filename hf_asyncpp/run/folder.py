@@ -8,7 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import CheckpointError, MissingCheckpoint, RecipeError
-from ..storage import files as ckpt
+from ..storage import checkpoint_io as ckpt
 from ..storage.names import CHECKPOINT_DIR, EXPORT_DIR, FINAL_EVAL, MANIFEST, RUN_OUTPUTS, RUN_STATE
 from ..topology import Topology
 

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..config.recipe import HubConfig
+from ..config.sections import HubConfig
 from ..errors import HubError
 from ..storage.names import EXPORT_DIR
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..config.recipe import Recipe, load_recipe
 from ..eval.tasks import SCORER, task_spec
 from ..schedules.records import SCHEDULES, get_simulated_delay
-from ..storage.files import library_versions
+from ..storage.checkpoint_io import library_versions
 from ..storage.names import EXPORT_DIR, METRICS, RECIPE_FILE, RUN_STATE
 from ..storage.shipped import shipped_file
 from ..storage.write import replace_file

@@ -27,9 +27,10 @@ import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from ..config.recipe import DataConfig, ModelConfig, PipelineConfig, Recipe
+from ..config.recipe import Recipe
+from ..config.sections import DataConfig, ModelConfig, PipelineConfig
 from ..data.files import expand_files, screen_files
-from ..data.stream import nothing_usable
+from ..data.sources import nothing_usable
 from ..errors import DataError, RecipeError
 from ..partition import PartitionError, partition_plan
 from ..schedules.records import pipelined

@@ -14,7 +14,8 @@ error) and the training files (a warning of their own: the stream restarts on ne
 """
 from __future__ import annotations
 
-from ..config.recipe import Recipe, TrainingConfig, recipe_to_dict
+from ..config.recipe import Recipe, recipe_to_dict
+from ..config.sections import TrainingConfig
 from ..optim.lr import lr_at
 
 UNCHANGED_NUMBERS = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,15 +24,16 @@ from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from ..config.recipe import Recipe, save_recipe
 from ..data.prefetch import Prefetcher
-from ..data.stream import BlockStream, eval_blocks, resolve_data_files, train_hold_out
+from ..data.sources import resolve_data_files, train_hold_out
+from ..data.stream import BlockStream, eval_blocks
 from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
-from ..engine import Engine, LocalEngine, SkipLimit
-from ..errors import RecipeError, StageLocalError
-from ..launch.spawn import launch_command, processes_needed
+from ..engine import Engine, LocalEngine, StepResult
+from ..errors import NonFiniteError, StageLocalError
+from ..launch.spawn import check_topology, processes_needed
 from ..model.build import build_model, meta_model
-from ..pipeline.autosplit import auto_split
+from ..plan.autosplit import auto_split
 from ..pipeline.executor import PipelineEngine
-from ..pipeline.profile import write_report
+from ..plan.profile import write_report
 from ..schedules.records import pipelined
 from ..storage.names import (FINAL_EVAL, LOGS_DIR, LOSS_CURVE, METRICS, PROFILE, RECIPE_FILE, TIMELINE, TOKENIZER_DIR,
                              checkpoint_name)
@@ -59,14 +61,6 @@ def make_accelerator(recipe: Recipe):
         # the default group carries checkpoint, export and evaluation gathers: pipeline.init_timeout_s
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.pipeline.init_timeout_s))],
     )
-
-
-def check_topology(recipe: Recipe, world_size: int, recipe_path: str = "RECIPE") -> None:
-    p = processes_needed(recipe)
-    if world_size % p != 0:
-        raise RecipeError(
-            f"pipeline.num_stages: {p} stages need a multiple of {p} processes, but {world_size} "
-            f"{'was' if world_size == 1 else 'were'} started. Run:\n{launch_command(recipe, recipe_path)}")
 
 
 # ---------------------------------------------------------------------------- run
@@ -119,6 +113,34 @@ def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
     if checkpoints:
         found["checkpoint"] = checkpoints[-1][1]
     return {k: str(p) for k, p in found.items() if p is not None and p.exists()}
+
+
+@dataclass
+class SkipLimit:
+    """``training.on_nonfinite: skip`` gives up: a run whose updates are all skipped has stopped training, and must
+    not save, export and exit 0 as if it had. Fed every step's result in order, the same on every rank (the skip
+    decision is taken on the global norm), so every rank stops at the same step."""
+
+    max_consecutive: int
+    max_total: int  # ``max_skipped_fraction`` of ``max_steps``
+    consecutive: int = 0
+    total: int = 0
+
+    def see(self, r: StepResult) -> None:
+        if not r.skipped_nonfinite:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.consecutive >= self.max_consecutive or self.total > self.max_total:
+            why = (f"{self.consecutive} steps in a row (training.max_consecutive_skips: {self.max_consecutive})"
+                   if self.consecutive >= self.max_consecutive else
+                   f"{self.total} steps since the run started, more than training.max_skipped_fraction of max_steps "
+                   f"({self.max_total})")
+            raise NonFiniteError(
+                f"step {r.step + 1}: non-finite gradients skipped in {why}; the model has stopped training, so the run "
+                "stops here (training.on_nonfinite: skip). Resume from a checkpoint before the trouble with a lower "
+                "optimizer.learning_rate (or more warm-up)")
 
 
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:

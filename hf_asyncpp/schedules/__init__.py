@@ -1,6 +1,7 @@
 """Pipeline schedules as data, and everything that reasons about them without a process: pure Python, no torch.
 
 =============  ==========================================================================================
+``actions``    the action vocabulary (``ActionType``, ``Action``) and its text form
 ``records``    ``Schedule`` records (``TWO_BW``, ``ONE_F_ONE_B``, ``ZB_H1``, ``GPIPE``, ``PIPEDREAM``; virtual stages,
                planner only: ``INTERLEAVED_1F1B``, ``ZBV``, ``DUALPIPEV``) and their action lists
 ``simulator``  runs action lists without processes: deadlocks, order, versions, timelines, bubbles (fill/drain
@@ -13,8 +14,9 @@
 The recipe's checks, the planner, ``hf-asyncpp timeline`` and the runtime (``pipeline/``) read these; importing
 them stays cheap.
 """
-from .records import (DUALPIPEV, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, VIRTUAL_SCHEDULES,
-                      ZB_H1, ZBV, Action, ActionType, Schedule, get_schedule, interleaved_1f1b, schedule_actions)
+from .actions import Action, ActionType
+from .records import (DUALPIPEV, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, Schedule, TWO_BW,
+                      VIRTUAL_SCHEDULES, ZBV, ZB_H1, get_schedule, interleaved_1f1b, schedule_actions)
 from .simulator import BubbleSplit, Costs, ScheduleError, SimResult, simulate, split_bubble
 
 __all__ = ["Schedule", "SCHEDULES", "TWO_BW", "ONE_F_ONE_B", "ZB_H1", "GPIPE", "PIPEDREAM", "get_schedule", "schedule_actions",

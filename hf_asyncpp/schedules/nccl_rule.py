@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Callable, Hashable
 
-from .records import Action, ActionType
+from .actions import Action, ActionType
 
 T = ActionType
 

@@ -63,7 +63,8 @@ from typing import Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, 
 
 from . import channels
 from .nccl_rule import NcclFifos, NcclRule, SEND_OF, awaited_text, message_text
-from .records import Action, ActionType, get_schedule
+from .actions import Action, ActionType
+from .records import get_schedule
 
 __all__ = ["BubbleSplit", "Costs", "Interval", "SimResult", "ScheduleError", "simulate", "split_bubble"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .records import ActionType
+from .actions import ActionType
 from .simulator import SimResult
 
 __all__ = ["plot_timeline"]

@@ -1,9 +1,9 @@
 """The disk: every file a run writes goes through here.
 
-============  ===========================================================================================
-``write``     the one write path (hashing as it writes) and errors that say what happened; the output folder
-``names``     every file name of a run folder and of a checkpoint, spelled once
-``files``     atomic, verified checkpoints: tensors and state in and out, the manifest, commit, verify
-``shipped``   files shipped with the package (model card templates, accelerate configs)
-============  ===========================================================================================
+=================  ======================================================================================
+``write``          the one write path (hashing as it writes) and errors that say what happened; the output folder
+``names``          every file name of a run folder and of a checkpoint, spelled once
+``checkpoint_io``  atomic, verified checkpoints: tensors and state in and out, the manifest, commit, verify
+``shipped``        files shipped with the package (model card templates, accelerate configs)
+=================  ======================================================================================
 """

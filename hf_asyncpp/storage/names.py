@@ -28,7 +28,7 @@ _VERSIONS = "-versions.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 RECIPE_FILE = "recipe.yaml"
-# the run folder's own outputs beside its checkpoints (run/reporting.py, run/evaluator.py, pipeline/profile.py)
+# the run folder's own outputs beside its checkpoints (run/reporting.py, run/evaluator.py, plan/profile.py)
 METRICS = "metrics.jsonl"
 FINAL_EVAL = "final_eval.json"
 LOSS_CURVE = "loss_curve.png"
@@ -40,7 +40,7 @@ RUN_LOCK = ".run.lock"  # held by a run's main process for its life (run/folder.
 
 
 # what a finished or interrupted run leaves in its output_dir besides checkpoints (run/reporting.py, model/export.py and
-# pipeline/profile.py write them); a fresh run must not mix its own with these
+# plan/profile.py write them); a fresh run must not mix its own with these
 RUN_OUTPUTS = (METRICS, FINAL_EVAL, EXPORT_DIR, LOSS_CURVE, PROFILE, TIMELINE, LOGS_DIR, TOKENIZER_DIR, RECIPE_FILE)
 
 

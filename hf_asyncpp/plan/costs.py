@@ -2,7 +2,7 @@
 ``balance_by_time``). Small hidden sizes are overhead-bound, big vocabularies memory-bound, and an optimizer step
 (Muon's Newton-Schulz, an error-feedback copy) is not proportional to FLOPs at all: timing the stages on the device
 that will run them settles the split. ``pipeline.layers_per_stage: auto`` does this at start
-(``pipeline.autosplit``); ``hf-asyncpp plan --measure`` prints the result to write into the recipe.
+(``plan.autosplit``); ``hf-asyncpp plan --measure`` prints the result to write into the recipe.
 
 With ``split_backward`` the measurement also times each pass on its own: the forward F, the whole backward B, and the
 zero-bubble schedules' split backward, I (input gradient) and W (weight gradient), with torch's own
@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..schedules.simulator import Costs
-from .plan import PartitionError, anatomy, balanced_sizes, get_module
-from .stage import partition_model
+from ..partition.plan import PartitionError, anatomy, balanced_sizes, get_module
+from ..partition.stage import partition_model
 
 PASSES = ("forward", "backward", "backward_input", "backward_weight")
 """The passes ``measure_costs(split_backward=True)`` times, named as the simulator's ``Costs`` fields."""

@@ -3,16 +3,15 @@
 ``pipeline_profile.json`` gives per stage its share of time busy (forward, backward, optimizer step, reduction
 posts) and waiting (receives), and the forward/backward/step means; ``pipeline_timeline.png`` is the simulator's
 timeline of the recipe's schedule fed with the measured per-action means: is a stage the bottleneck, are there
-bubbles. ``PipelineEngine.profile()`` gathers the measurements.
+bubbles. ``PipelineEngine.profile()`` gathers the measurements (``pipeline.executor.gather_action_times``).
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-import torch.distributed as dist
 
-from ..config.recipe import PipelineConfig
+from ..config.sections import PipelineConfig
 from ..schedules.records import get_schedule
 from ..schedules.simulator import Costs, simulate
 from ..schedules.timeline import plot_timeline
@@ -68,11 +67,3 @@ def write_report(out: Path, prof: list[dict], pipeline: PipelineConfig, max_grad
     return {"simulated_steady_bubble": sim.steady_bubble, "busy": [s["busy_share"] for s in stages]}
 
 
-def gather(topo, seconds: dict, counts: dict) -> list[dict] | None:
-    """Every stage's seconds and counts per action kind (from data-parallel rank 0), sorted by stage, on the main
-    process; None elsewhere (collective)."""
-    mine = ({"stage": topo.stage, "seconds": {t.value: s for t, s in seconds.items()},
-             "counts": {t.value: c for t, c in counts.items()}} if topo.dp_rank == 0 else None)
-    parts = [None] * topo.world_size if topo.is_main else None
-    dist.gather_object(mine, parts, dst=0)
-    return sorted((x for x in parts if x), key=lambda x: x["stage"]) if topo.is_main else None

@@ -5,7 +5,7 @@ step (Muon's Newton-Schulz is several matmuls per matrix per step; error feedbac
 overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of issue 14 the
 first stage spent more time in STEP than in forward + backward. So ``auto`` times, on this device and at the recipe's
 microbatch shape, the forward + backward of every layer, the embedding, the head and the loss, and one optimizer step
-of each (``partition.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
+of each (``plan.costs.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
 ``m x (forward + backward) + step``.
 
 The measurement is cached by a hash of what it depends on (model config, microbatch shape, optimizer settings,
@@ -27,9 +27,9 @@ from typing import Callable, Optional
 import torch
 
 from ..config.recipe import Recipe, recipe_to_dict
-from ..engine import autocast
+from ..model.build import autocast
 from ..optim import apply_delay_correction, build_optimizer
-from ..partition import MeasuredCosts, measure_costs
+from .costs import MeasuredCosts, measure_costs
 from ..storage.write import write_file
 
 log = logging.getLogger("hf_asyncpp")
