@@ -28,6 +28,7 @@ from .optim.lr import build_scheduler, continue_schedule
 from .partition import anatomy, partition_plan
 from .partition.aux import expert_token_counts
 from .partition.plan import get_module
+from .partition.trace import model_kwargs
 from .schedules.records import get_simulated_delay
 from .storage import files as ckpt
 from .storage.names import MODEL_FILE, OPTIMIZER_FILE
@@ -201,6 +202,9 @@ class LocalEngine:
         if compile_wanted(recipe.training.torch_compile):
             compile_layers(get_module(model, anatomy(model).layers), recipe.training.torch_compile_backend)
         self.config = model.config
+        # no KV cache in training or evaluation: transformers would build one per forward, and every compiled layer
+        # would guard on its own cache entry (one graph per layer), as the stages' forward does not
+        self.forward_kwargs = model_kwargs(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lambda_groups(model, recipe))
@@ -244,7 +248,7 @@ class LocalEngine:
         for i in range(m):
             ids = batch[i]
             with autocast(cfg.training.bf16):
-                out = self.model(input_ids=ids, labels=ids)
+                out = self.model(input_ids=ids, labels=ids, **self.forward_kwargs)
             (out.loss / m).backward()
             loss_sum += out.loss.detach().float()
             if getattr(out, "router_logits", None) and getattr(out, "aux_loss", None) is not None and top_k:
@@ -307,7 +311,7 @@ class LocalEngine:
         for i in range(0, len(mine), batch_size):
             ids = mine[i : i + batch_size].to(self.device)
             with autocast(self.recipe.training.bf16):
-                logits = self.model(input_ids=ids).logits
+                logits = self.model(input_ids=ids, **self.forward_kwargs).logits
             total[0] += nll_per_block(logits, ids).sum()
             total[1] += ids[:, 1:].numel()
         if self.topo.dp_size > 1:
