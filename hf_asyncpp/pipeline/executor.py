@@ -470,7 +470,10 @@ class PipelineEngine:
         if finite:
             if cfg.max_grad_norm and grads:  # the clip in one kernel, its coefficient where the norm is
                 coef = cfg.max_grad_norm / (norm + 1e-6)
-                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef.clamp(max=1.0))
+                if not isinstance(coef, float):  # float64 (the norm's sum): in the gradients' dtype, or CUDA's
+                    # foreach kernel, which needs one dtype, falls back to one multiply per tensor
+                    coef = coef.clamp(max=1.0).to(next(iter(grads.values())).dtype)
+                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef)
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
                 self.params[n].grad = g
             self.optimizer.step()
