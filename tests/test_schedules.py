@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from hf_asyncpp.schedules.records import (Action, ActionType as T, SCHEDULES, TWO_BW, format_actions, get_schedule,
-                                          parse_actions, schedule_actions, version_lag)
+from hf_asyncpp.schedules.records import (Action, ActionType as T, SCHEDULES, TWO_BW, VIRTUAL_SCHEDULES, format_actions,
+                                          get_schedule, parse_actions, schedule_actions, version_lag)
 from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.schedules.timeline import plot_timeline
 
@@ -608,3 +608,12 @@ def test_a_split_backward_broken_is_caught():
     lists = parse_actions("stage 0: F0.0@v0 I0.0@v0 B0.0@v0 REDUCE0 STEP0")
     with pytest.raises(ScheduleError, match=r"B of \(0, 0\) after its I"):
         simulate(lists)
+
+
+@pytest.mark.parametrize("name", [*SCHEDULES, *VIRTUAL_SCHEDULES])
+def test_a_record_says_whether_its_backward_is_split(name):
+    """``Schedule.split_backward`` (what the recipe check asks) is whether its lists hold I and W actions."""
+    sched = get_schedule(name)
+    m, steps = sched.representative(4, 8)
+    kinds = {a.type for lst in sched.actions(4, m, steps) for a in lst}
+    assert sched.split_backward == (T.I in kinds) == (T.W in kinds), (name, kinds)

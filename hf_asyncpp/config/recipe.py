@@ -126,8 +126,9 @@ class TrainingConfig:
     an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""
     torch_compile: Optional[bool] = None
     """``torch.compile`` each decoder layer (the Trainer's name): unset, on a GPU and off on CPU. Composes with the
-    weight versions (a layer's weights are its compiled graph's inputs), activation checkpointing and every schedule;
-    the losses are the eager ones within rounding."""
+    weight versions (a layer's weights are its compiled graph's inputs), activation checkpointing and every schedule
+    but ``zbh1`` (refused: a compiled layer's backward computes every gradient, so its I and W would each run it
+    whole); the losses are the eager ones within rounding."""
     torch_compile_backend: Optional[str] = None
     """The ``torch.compile`` backend (the Trainer's name); unset: ``inductor``."""
     logging_steps: int = field(default=10, metadata=_range(lo=1))
@@ -380,6 +381,11 @@ def _cross_checks(r: Recipe) -> None:
                           f"executor runs one stage per process: interleaved and V-shaped schedules are planner-only for "
                           f"now (hf-asyncpp plan compares them with these for any recipe); train with one of "
                           f"{', '.join(SCHEDULES)}")
+    if record is not None and record.split_backward and _compiles(r.training.torch_compile):
+        raise RecipeError(f"pipeline.schedule: {p.schedule!r} with training.torch_compile on (unset: on where a GPU "
+                          f"trains) runs each compiled layer's whole backward twice, in I and in W (the compiled "
+                          f"backward computes every gradient); use pipeline.schedule: 1f1b or 2bw, or set "
+                          f"training.torch_compile: false")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
             SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)
@@ -429,6 +435,15 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("data: give data.train_files or data.dataset, not both: remove one (--data.dataset=null "
                           "removes the recipe's)")
     _check_encoding(r.data.encoding)
+
+
+def _compiles(torch_compile: bool | None) -> bool:
+    """``training.torch_compile`` as training applies it (``model.build.compile_wanted``: unset, on where a GPU
+    trains); imported here, for the one check that needs it, so that reading a recipe imports no model code."""
+    if torch_compile is not None:
+        return torch_compile
+    from ..model.build import compile_wanted
+    return compile_wanted(None)
 
 
 _ASCII = bytes(range(128))
