@@ -34,8 +34,7 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+from torch.distributed.pipelining._backward import stage_backward_input
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import supervision
@@ -55,6 +54,7 @@ from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .reports import StepReports
 from .sharding import assign_owners, keep_owned, merge_optimizer_states
+from .split_backward import weight_gradients
 from .versions import Hold, Versions, find_casts
 
 __all__ = ["PipelineEngine"]
@@ -108,44 +108,6 @@ class _Window:
         k, i = key
         nxt = (k, i + 1) if i + 1 < self.m else (k + 1, 0)
         return nxt if nxt[0] < self.end_step else None
-
-
-def weight_gradients(weights: Iterable[torch.Tensor], groups: list[dict]) -> None:
-    """The W of a split backward: every parameter group's weight gradients from the gradients its intermediates
-    received in the I (``stage_backward_input``'s groups), in ONE ``autograd.grad`` call, accumulated into the
-    weights' ``.grad``. torch's ``stage_backward_weight`` makes one call per group, and each call is a graph task of
-    its own: a non-reentrant checkpointed layer replays its forward once per graph task that reaches it, so a layer
-    with 9 parameter groups replayed 9 times in W; here once. Each intermediate gets exactly the gradient it got in
-    the I (a pre-hook returns it, as torch's clamps a group), so nothing flows twice through an intermediate another
-    one descends from, and each weight's gradient is the per-group call's, bit for bit."""
-    acc_to_weight = {_get_grad_fn_or_grad_acc(w): w for w in weights}
-    edges, outs, handles, params = [], [], [], {}
-    try:
-        for g in groups:
-            for saved, node in zip(g.get("grads") or (), g["intermediates"]):
-                if saved is None:  # nothing reached this intermediate in the I: no weight gradient through it
-                    continue
-                for i, grad in enumerate(saved):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, i))
-                        outs.append(grad)
-                handles.append(node.register_prehook(lambda _, saved=saved: saved))
-            params.update(dict.fromkeys(g["params"]))  # a group's params: grad accumulators, in a stable order
-        if edges:
-            accs = list(params)
-            grads = torch.autograd.grad(edges, tuple(GradientEdge(a, 0) for a in accs), grad_outputs=outs)
-            for acc, dw in zip(accs, grads):
-                w = acc_to_weight[acc]
-                if w.grad is None:
-                    w.grad = dw
-                else:
-                    w.grad += dw
-    finally:
-        for h in handles:
-            h.remove()
-        for g in groups:  # the hooks' and the groups' references to the graph: freed with it
-            g.pop("intermediates", None)
-            g.pop("grads", None)
 
 
 class PipelineEngine:
