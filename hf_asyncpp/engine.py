@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import supervision
 from .config.recipe import Recipe
 from .errors import NonFiniteError
-from .model.build import autocast, compile_layers, compile_wanted, enable_activation_checkpointing
+from .model.build import autocast, compile_layers, enable_activation_checkpointing
 from .model.export import shard_file, write_shard
 from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
@@ -28,6 +28,7 @@ from .optim.lr import build_scheduler, continue_schedule
 from .partition import anatomy
 from .partition.moe_aux import expert_token_counts
 from .partition.plan import get_module
+from .partition.trace import model_kwargs
 from .storage import checkpoint_io as ckpt
 from .storage.names import MODEL_FILE, OPTIMIZER_FILE
 from .topology import Topology, local_device
@@ -127,9 +128,12 @@ class LocalEngine:
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = model.to(self.device)
-        if compile_wanted(recipe.training.torch_compile):
+        if recipe.training.compiles():
             compile_layers(get_module(model, anatomy(model).layers), recipe.training.torch_compile_backend)
         self.config = model.config
+        # no KV cache in training or evaluation: transformers would build one per forward, and every compiled layer
+        # would guard on its own cache entry (one graph per layer), as the stages' forward does not
+        self.forward_kwargs = model_kwargs(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lambda_groups(model, recipe))
@@ -173,7 +177,7 @@ class LocalEngine:
         for i in range(m):
             ids = batch[i]
             with autocast(cfg.training.bf16):
-                out = self.model(input_ids=ids, labels=ids)
+                out = self.model(input_ids=ids, labels=ids, **self.forward_kwargs)
             (out.loss / m).backward()
             loss_sum += out.loss.detach().float()
             if getattr(out, "router_logits", None) and getattr(out, "aux_loss", None) is not None and top_k:
@@ -236,7 +240,7 @@ class LocalEngine:
         for i in range(0, len(mine), batch_size):
             ids = mine[i : i + batch_size].to(self.device)
             with autocast(self.recipe.training.bf16):
-                logits = self.model(input_ids=ids).logits
+                logits = self.model(input_ids=ids, **self.forward_kwargs).logits
             total[0] += nll_per_block(logits, ids).sum()
             total[1] += ids[:, 1:].numel()
         if self.topo.dp_size > 1:

@@ -165,3 +165,24 @@ def test_compiled_layers_train_as_the_eager_ones():
     torch.testing.assert_close(torch.tensor([r.loss for r in res]), torch.tensor([r.loss for r in ref_res]), rtol=1e-5, atol=1e-6)
     for k in ref_sd:
         torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-5, atol=1e-5)
+
+
+def test_single_process_compiles_two_graphs_for_all_its_layers():
+    """The one-process engine runs the model without a KV cache (as the stages do): its compiled decoder layers share
+    one graph after the first layer's (2 at the first step, whatever the depth), and nothing compiles after it. With a
+    cache each layer guards on its own cache entry and compiles a graph of its own (4 here)."""
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.topology import Topology
+
+    rec = _compiled(make_recipe(LLAMA, "none", 1, 2, 2))
+    assert rec.model.config["num_hidden_layers"] == 4
+    batches = make_batches(3, 2, 2, seed=11)
+    torch._dynamo.reset()
+    counters.clear()
+    eng = LocalEngine(rec, build_model(rec.model), Topology(), log=lambda *a: None)
+    eng.train_steps(batches[:1], 0)
+    first = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+    eng.train_steps(batches[1:], 1)
+    after = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+    assert 1 <= first[0] <= 2 and first[1] <= 2, first
+    assert after == first, (first, after)

@@ -3,6 +3,7 @@ import logging
 import re
 
 import pytest
+import torch
 import yaml
 
 from hf_asyncpp.config import recipe as config
@@ -71,6 +72,28 @@ def test_bad_recipes_name_the_field(data, message):
 def test_simulate_delay_outside_single_process_is_rejected():
     with pytest.raises(RecipeError, match=r"optimizer\.simulate_delay: '1' is a single-process research mode"):
         recipe_from_dict({**_with("optimizer", simulate_delay=1), "pipeline": {"schedule": "2bw", "num_stages": 2}})
+
+
+def test_zbh1_is_refused_with_compiled_layers_as_training_would_compile_them(monkeypatch):
+    """A compiled layer's backward computes every gradient, so ZB-H1's I and W would each run it whole: refused in
+    one line naming both fields and what to use instead, for the setting training applies (unset: compiled where a
+    GPU trains); an unset setting on a CPU (not compiled) and the other schedules compiled are accepted."""
+    zb = {"schedule": "zbh1", "num_stages": 2, "num_microbatches": 2}
+    msg = (r"pipeline\.schedule: 'zbh1' with training\.torch_compile on \(unset: on where a GPU trains\) runs each "
+           r"compiled layer's whole backward twice, in I and in W .*; use pipeline\.schedule: 1f1b or 2bw, or set "
+           r"training\.torch_compile: false")
+    with pytest.raises(RecipeError, match=msg) as e:
+        recipe_from_dict({**BASE, "pipeline": zb, "training": {"torch_compile": True}})
+    assert "\n" not in str(e.value)
+    recipe_from_dict({**BASE, "pipeline": zb, "training": {"torch_compile": False}})
+    recipe_from_dict({**BASE, "pipeline": {**zb, "schedule": "1f1b"}, "training": {"torch_compile": True}})
+    recipe_from_dict({**BASE, "pipeline": {**zb, "schedule": "2bw"}, "training": {"torch_compile": True}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # unset on a CPU: not compiled
+    recipe_from_dict({**BASE, "pipeline": zb})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # unset where a GPU trains: compiled
+    with pytest.raises(RecipeError, match=msg):
+        recipe_from_dict({**BASE, "pipeline": zb})
+    recipe_from_dict({**BASE, "pipeline": zb, "training": {"torch_compile": False}})
 
 
 def test_overrides_and_roundtrip(tmp_path):

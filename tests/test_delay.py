@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from hf_asyncpp.config.recipe import OptimizerConfig
+from hf_asyncpp.config.optimizer import OptimizerConfig
 from hf_asyncpp.optim import DelaySimulator, apply_delay_correction, build_optimizer
 
 A = [1.5, 0.7, 2.0, 1.1]  # curvature per stage

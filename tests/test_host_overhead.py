@@ -52,3 +52,38 @@ def test_a_step_reads_nothing_back_from_the_device(counts):
     the AdamW side with the fused kernel (its counters on the device), the grad norm's read at STEP with the clip
     coefficient computed on the device, and the report's reads with its host buffers read whole. (Was 73.)"""
     assert counts[32]["reads_per_step"] == {}
+
+
+def clip_coefficients(rank: int, world: int, recipe: dict) -> list[tuple[str, str]]:
+    """(coefficient dtype, gradients' dtypes) of each ``_foreach_mul_`` the STEP makes with a tensor coefficient."""
+    import torch
+
+    from hf_asyncpp.testing import _stage_engine
+
+    eng, batches = _stage_engine(rank, world, recipe)
+    seen, real = [], torch._foreach_mul_
+    step = eng._handlers["STEP"]
+
+    def spy(tensors, other):
+        if isinstance(other, torch.Tensor):
+            seen.append((str(other.dtype), ",".join(sorted({str(t.dtype) for t in tensors}))))
+        return real(tensors, other)
+
+    def spied_step(a, w):
+        torch._foreach_mul_ = spy
+        try:
+            return step(a, w)
+        finally:
+            torch._foreach_mul_ = real
+    eng._handlers["STEP"] = spied_step
+    eng.train_steps(batches(2), 0)
+    eng.close()
+    return seen
+
+
+def test_the_clip_coefficient_has_the_gradients_dtype():
+    """The norm is summed in float64; the clip's coefficient is cast to the gradients' dtype before the foreach
+    multiply, whose CUDA kernel takes one launch only when the scalar tensor has the tensors' dtype (else one
+    multiply per tensor)."""
+    seen = run_workers(clip_coefficients, 1, micro_stage_recipe(SMOLLM2, 2))[0]
+    assert seen and set(seen) == {("torch.float32", "torch.float32")}, seen

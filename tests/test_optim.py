@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from hf_asyncpp.config.recipe import OptimizerConfig
+from hf_asyncpp.config.optimizer import OptimizerConfig
 from hf_asyncpp.optim import (Muon, apply_delay_correction, auto_lambda, build_optimizer, classify_parameters,
                               install_error_feedback, zeropower_via_newtonschulz)
 from hf_asyncpp.optim.ef import learned_lambda

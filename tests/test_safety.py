@@ -179,7 +179,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from hf_asyncpp.run.folder import prune
-from hf_asyncpp.storage import files as ckpt
+from hf_asyncpp.storage import checkpoint_io as ckpt
 from hf_asyncpp.storage.names import checkpoint_name
 from hf_asyncpp.storage.names import checkpoint_name, temp_dir
 out = Path(sys.argv[1])

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hf_asyncpp.schedules.actions import Action, ActionType as T, format_actions, parse_actions
-from hf_asyncpp.schedules.records import SCHEDULES, TWO_BW, get_schedule, schedule_actions, version_lag
+from hf_asyncpp.schedules.records import SCHEDULES, TWO_BW, VIRTUAL_SCHEDULES, get_schedule, schedule_actions, version_lag
 from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
 from hf_asyncpp.schedules.timeline import plot_timeline
 
@@ -610,3 +610,56 @@ def test_a_split_backward_broken_is_caught():
     lists = parse_actions("stage 0: F0.0@v0 I0.0@v0 B0.0@v0 REDUCE0 STEP0")
     with pytest.raises(ScheduleError, match=r"B of \(0, 0\) after its I"):
         simulate(lists)
+
+
+@pytest.mark.parametrize("name", [*SCHEDULES, *VIRTUAL_SCHEDULES])
+def test_a_record_says_whether_its_backward_is_split(name):
+    """``Schedule.split_backward`` (what the recipe check asks) is whether its lists hold I and W actions."""
+    sched = get_schedule(name)
+    m, steps = sched.representative(4, 8)
+    kinds = {a.type for lst in sched.actions(4, m, steps) for a in lst}
+    assert sched.split_backward == (T.I in kinds) == (T.W in kinds), (name, kinds)
+
+
+def test_checkpointed_costs_charge_one_forward_per_backward_pass():
+    """With activation checkpointing each backward pass replays its layers' forward, as the executor runs it (the
+    replays tests/test_zero_bubble.py counts): one per B; in ZB-H1 one in the I and one in the W of every stage
+    after the first, and one in the first stage's W (its whole backward; its I does nothing)."""
+    fwd, p, m, steps = [1.0, 2.0, 3.0], 3, 4, 2
+    plain = Costs(forward=fwd, backward=[2 * f for f in fwd])
+    measured = Costs(forward=fwd, backward=[2 * f for f in fwd], backward_input=[0.0, 1.5, 2.5],
+                     backward_weight=[2.0, 3.0, 4.0])  # MeasuredCosts.stage_costs: the first stage's I is 0
+    for costs in (plain, measured):
+        for name, replays in (("1f1b", [1, 1, 1]), ("zbh1", [1, 2, 2])):
+            acts = schedule_actions(name, p, m, steps)
+            a, b = simulate(acts, costs, name), simulate(acts, costs.checkpointed(), name)
+            for s in range(p):
+                assert b.busy[s] - a.busy[s] == pytest.approx(steps * m * replays[s] * fwd[s]), (name, s)
+    assert Costs(forward=1.0, backward=2.0).checkpointed() == Costs(forward=1.0, backward=3.0, backward_input=2.0,
+                                                                      backward_weight=2.0)
+
+
+def test_the_planner_charges_checkpointings_replays():
+    """``simulate_schedules`` on a recipe with ``training.gradient_checkpointing``: each stage's compute grows by one
+    forward per 1F1B backward and by two per ZB-H1 backward after the first stage (``Costs.checkpointed``)."""
+    import dataclasses
+
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.plan.memory import meta_model, plan_memory
+    from hf_asyncpp.plan.search import PLANNED_STEPS, flops_costs, planned_microbatches, simulate_schedules
+
+    recipe = recipe_from_dict({"model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                    "num_hidden_layers": 6, "num_attention_heads": 4,
+                                                    "num_key_value_heads": 2, "vocab_size": 256}},
+                               "data": {"seq_len": 32},
+                               "pipeline": {"schedule": "1f1b", "num_stages": 3, "num_microbatches": 4,
+                                            "microbatch_size": 2}})
+    ckpt = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, gradient_checkpointing=True))
+    model = meta_model(recipe)
+    plan, _, _ = plan_memory(recipe, 3, model)
+    plain, checkpointed = simulate_schedules(plan, recipe, 3, 1e12), simulate_schedules(plan, ckpt, 3, 1e12)
+    fwd, m = flops_costs(plan, recipe, 1e12).forward, planned_microbatches(recipe, 3)
+    for name, replays in (("1f1b", [1, 1, 1]), ("zbh1", [1, 2, 2]), ("2bw", [1, 1, 1])):
+        for s in range(3):
+            grown = checkpointed[name].busy[s] - plain[name].busy[s]
+            assert grown == pytest.approx(PLANNED_STEPS * m * replays[s] * fwd[s]), (name, s)

@@ -77,3 +77,58 @@ def test_zb_h1_equals_1f1b_bitwise_on_four_stages_and_with_data_parallelism():
         case(LLAMA_UNTIED, 2, 3, 1, "muon", dp=2, seed=6, zero1=True),  # and ZeRO-1
     ]
     assert_bitwise_twins(run_distributed(twins_worker, 4, cases)[0], cases)
+
+
+def replays_worker(rank, world, recipe, batches):
+    """Decoder-layer forwards run per action kind on this rank, the checkpointed replays included: each layer's
+    checkpointed function counts its calls (transformers checkpoints the layer's ``forward``, inside its module
+    hooks, so a hook would not see a replay). {kind: forwards}, and the stage's layers."""
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.schedules.actions import ActionType as T
+    from hf_asyncpp.topology import Topology
+
+    eng = PipelineEngine(recipe, build(recipe), Topology(rank=rank, world_size=world, num_stages=world),
+                         log=lambda *a: None)
+    kind, counts = [None], {}
+
+    def counted(fn):
+        def run(*args, **kwargs):
+            counts[kind[0]] = counts.get(kind[0], 0) + 1
+            return fn(*args, **kwargs)
+        return run
+    for layer in eng.stage.decoder_layers():
+        layer._gradient_checkpointing_func = lambda fn, *a, ckpt=layer._gradient_checkpointing_func, **k: \
+            ckpt(counted(fn), *a, **k)
+    for t in (T.F, T.B, T.I, T.W):
+        def tagged(a, w, run=eng._handlers[t], t=t):
+            kind[0] = t
+            try:
+                return run(a, w)
+            finally:
+                kind[0] = None
+        eng._handlers[t] = tagged
+    eng.train_steps(batches, 0)
+    layers = len(eng.stage.decoder_layers())
+    eng.close()
+    return {k.value: v for k, v in counts.items()}, layers
+
+
+def test_zb_h1_w_replays_each_checkpointed_layer_once():
+    """With activation checkpointing, a W replays each of its stage's layers once per microbatch, as a 1F1B B does:
+    its weight gradients come from one backward (one graph task), not one per parameter group (9 per Llama layer),
+    which replayed the layer's forward once per group. The I replays them too (a graph task of its own)."""
+    rec, batches = case(LLAMA, 2, 2, 1, "adamw", gradient_checkpointing=True)
+    runs = {}
+    for schedule in ("1f1b", "zbh1"):
+        r = copy.deepcopy(rec)
+        r.pipeline.schedule = schedule
+        runs[schedule] = run_distributed(replays_worker, 2, r, batches[0][:1])
+    micro = rec.pipeline.num_microbatches
+    for rank in (0, 1):
+        (one, layers), (zb, _) = runs["1f1b"][rank], runs["zbh1"][rank]
+        assert layers == 2
+        assert one == {"F": micro * layers, "B": micro * layers}, (rank, one)
+        if rank == 0:  # the first stage: no I (nothing to send back), its whole backward in the W
+            assert zb == {"F": micro * layers, "W": micro * layers}, (rank, zb)
+        else:
+            assert zb == {"F": micro * layers, "I": micro * layers, "W": micro * layers}, (rank, zb)

@@ -21,8 +21,8 @@ The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or `
 recipe's microbatch shape; run it on a quiet machine of the kind that will train (the head's memory-bound
 softmax slows down most when other processes share the memory bus). It prints the split to put in the recipe
 (``pipeline.layers_per_stage``), and the four schedules simulated again on that split with the measured seconds per
-stage of F, B, the split backward's I and W (torch's ``stage_backward_input`` / ``stage_backward_weight``, as the
-executor runs ZB-H1) and the optimizer step, instead of FLOPs and I = W = B / 2.
+stage of F, B, the split backward's I and W (torch's ``stage_backward_input`` / ``split_backward.weight_gradients``,
+as the executor runs ZB-H1) and the optimizer step, instead of FLOPs and I = W = B / 2.
 """
 import argparse
 import os

@@ -202,6 +202,11 @@ def _cross_checks(r: Recipe) -> None:
                           f"executor runs one stage per process: interleaved and V-shaped schedules are planner-only for "
                           f"now (hf-asyncpp plan compares them with these for any recipe); train with one of "
                           f"{', '.join(SCHEDULES)}")
+    if record is not None and record.split_backward and r.training.compiles():
+        raise RecipeError(f"pipeline.schedule: {p.schedule!r} with training.torch_compile on (unset: on where a GPU "
+                          f"trains) runs each compiled layer's whole backward twice, in I and in W (the compiled "
+                          f"backward computes every gradient); use pipeline.schedule: 1f1b or 2bw, or set "
+                          f"training.torch_compile: false")
     if p.schedule in SCHEDULES:  # the schedule's own constraints (m >= p for 2bw, ...), named by their knob
         try:
             SCHEDULES[p.schedule].check(p.num_stages, p.num_microbatches, p.extra_warmup)

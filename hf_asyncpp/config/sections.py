@@ -161,8 +161,9 @@ class TrainingConfig:
     an in-flight microbatch keeps only its layers' inputs, for about one more forward of compute."""
     torch_compile: Optional[bool] = None
     """``torch.compile`` each decoder layer (the Trainer's name): unset, on a GPU and off on CPU. Composes with the
-    weight versions (a layer's weights are its compiled graph's inputs), activation checkpointing and every schedule;
-    the losses are the eager ones within rounding."""
+    weight versions (a layer's weights are its compiled graph's inputs), activation checkpointing and every schedule
+    but ``zbh1`` (refused: a compiled layer's backward computes every gradient, so its I and W would each run it
+    whole); the losses are the eager ones within rounding."""
     torch_compile_backend: Optional[str] = None
     """The ``torch.compile`` backend (the Trainer's name); unset: ``inductor``."""
     logging_steps: int = field(default=10, metadata=bounds(lo=1))
@@ -212,6 +213,12 @@ class TrainingConfig:
     ``torchrun --max-restarts``); a restarted run resumes from the newest verified checkpoint."""
     export: bool = True
     """Export an HF folder (``output_dir/export``) and evaluate it at the end."""
+
+    def compiles(self) -> bool:
+        """``torch_compile`` as training applies it: as set, or on where a GPU trains."""
+        import torch  # the recipe stays cheap to read: torch only for the one question that needs it
+
+        return torch.cuda.is_available() if self.torch_compile is None else self.torch_compile
 
 
 @dataclass(kw_only=True)

@@ -188,11 +188,6 @@ def materialise_stage(stage: torch.nn.Module, full_meta: torch.nn.Module, model_
         raise StageLocalError(f"the model's initializer leaves {left[:3]} unset when a stage is built alone")
 
 
-def compile_wanted(torch_compile: bool | None) -> bool:
-    """``training.torch_compile``: as set, or on where a GPU trains."""
-    return torch.cuda.is_available() if torch_compile is None else torch_compile
-
-
 def compile_layers(layers, backend: str | None = None) -> None:
     """``torch.compile`` each decoder layer in place (``nn.Module.compile``): the layer's own module, so activation
     checkpointing still wraps it and a weight version's tensors reach it as inputs. Dynamo keeps one cache entry per

@@ -34,18 +34,19 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import stage_backward_input
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import supervision
 from ..config.recipe import Recipe
 from ..engine import StepResult, finite_step
 from ..model.build import autocast
-from ..model.build import compile_layers, compile_wanted, enable_activation_checkpointing, materialise_stage
+from ..model.build import compile_layers, enable_activation_checkpointing, materialise_stage
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
 from ..optim.lr import build_scheduler
 from ..partition import partition_model, shared_tensors
+from ..partition.split_backward import weight_gradients
 from ..schedules.actions import Action, ActionType
 from ..schedules.records import get_schedule, with_sync_start
 from ..topology import Topology, local_device, make_groups
@@ -125,7 +126,7 @@ class PipelineEngine:
         if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
             materialise_stage(stages[topo.stage], model, recipe.model)
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
-        if compile_wanted(recipe.training.torch_compile):
+        if recipe.training.compiles():
             compile_layers(self.stage.decoder_layers(), recipe.training.torch_compile_backend)
         del stages
         self.first, self.last = topo.first, topo.last
@@ -360,7 +361,7 @@ class PipelineEngine:
         # leaves' accumulation (a W sets .grad itself: reduced at REDUCE)
         hooked = last and a.type == T.B and self.reducer.arm(a.step, self.versions.leaves_for(mb.version))
         self._recompute_from(mb)
-        if a.type == T.W:  # torch's stage_backward_weight takes each gradient from autograd: none added in place
+        if a.type == T.W:  # weight_gradients takes each gradient from autograd: none added in place
             self._backward_weight(mb)
         else:
             self.versions.add_in_place.on = not hooked
@@ -433,7 +434,10 @@ class PipelineEngine:
         if finite:
             if cfg.max_grad_norm and grads:  # the clip in one kernel, its coefficient where the norm is
                 coef = cfg.max_grad_norm / (norm + 1e-6)
-                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef.clamp(max=1.0))
+                if not isinstance(coef, float):  # float64 (the norm's sum): in the gradients' dtype, or CUDA's
+                    # foreach kernel, which needs one dtype, falls back to one multiply per tensor
+                    coef = coef.clamp(max=1.0).to(next(iter(grads.values())).dtype)
+                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef)
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
                 self.params[n].grad = g
             self.optimizer.step()
@@ -566,14 +570,14 @@ class PipelineEngine:
         micro.inputs, micro.outputs = [], [o.detach() for o in micro.outputs]
 
     def _backward_weight(self, micro: _Micro) -> None:
-        """The second half: the weight gradients from what the I kept (``stage_backward_weight``), accumulated into
+        """The second half: the weight gradients from what the I kept (:func:`weight_gradients`), accumulated into
         the version's leaves as a whole backward accumulates them; the graph is freed."""
         roots, grads, groups = micro.weight_pass
         micro.weight_pass = None
         if groups is None:
             torch.autograd.backward(roots, grads)
         else:
-            stage_backward_weight(iter(self.versions.leaves_for(micro.version).values()), groups)
+            weight_gradients(self.versions.leaves_for(micro.version).values(), groups)
 
     def _receive(self, w: _Window, kind: ActionType, key: tuple[int, int], stage: int, like: list | None) -> list[torch.Tensor]:
         """This receive (posted earlier if its shapes were known), then post the next one of its kind."""

@@ -6,10 +6,10 @@ that will run them settles the split. ``pipeline.layers_per_stage: auto`` does t
 
 With ``split_backward`` the measurement also times each pass on its own: the forward F, the whole backward B, and the
 zero-bubble schedules' split backward, I (input gradient) and W (weight gradient), with torch's own
-``stage_backward_input`` / ``stage_backward_weight`` as the executor runs them. ``MeasuredCosts.stage_costs`` turns
-them into the simulator's per-stage ``Costs``, so the planner compares the schedules on what this device makes F, I
-and W cost rather than on the zero-bubble paper's I = W = B / 2, which need not hold (the two halves walk the graph
-twice, and I + W need not equal B).
+``stage_backward_input`` and ``partition.split_backward.weight_gradients``, as the executor runs them.
+``MeasuredCosts.stage_costs`` turns them into the simulator's per-stage ``Costs``, so the planner compares the
+schedules on what this device makes F, I and W cost rather than on the zero-bubble paper's I = W = B / 2, which need
+not hold (the two halves walk the graph twice, and I + W need not equal B).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import stage_backward_input
 
+from ..partition.split_backward import weight_gradients
 from ..schedules.simulator import Costs
 from ..partition.plan import PartitionError, anatomy, balanced_sizes, get_module
 from ..partition.stage import partition_model
@@ -123,8 +124,8 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
     ``optimizer`` (a stage -> optimizer factory, the run's own) one optimizer step of each stage the same way.
     With ``split_backward`` also each pass on its own (``MeasuredCosts.passes``): F and B of the same runs, and a
     second forward whose backward is split into I and W by torch's ``stage_backward_input`` and
-    ``stage_backward_weight`` (``executor._backward_input`` / ``_backward_weight``), which about doubles the time
-    the measurement takes.
+    ``split_backward.weight_gradients`` (``executor._backward_input`` / ``_backward_weight``), which about doubles
+    the time the measurement takes.
 
     The model is cut into one stage per layer; the first stage's extra time over the median layer is the
     embedding's, the last stage's extra is the head's (so layer 0 and the last layer count as median layers).
@@ -214,7 +215,7 @@ def _time_split_backward(run, x, s: int, params: list[nn.Parameter], device: tor
     t1 = _clock(device)
     _, groups = stage_backward_input(*_roots(out), inputs, iter(params))
     t2 = _clock(device)
-    stage_backward_weight(iter(params), groups)
+    weight_gradients(params, groups)
     t3 = _clock(device)
     return t1 - t0, t2 - t1, t3 - t2
 

@@ -67,6 +67,12 @@ def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
     return Costs(forward=fwd, backward=[2 * f for f in fwd])
 
 
+def run_costs(costs: Costs, recipe: Recipe) -> Costs:
+    """``costs`` (of layers that keep their activations: FLOPs, or ``measure_costs``) as the recipe runs them: with
+    activation checkpointing every backward pass replays its layers' forward (``Costs.checkpointed``)."""
+    return costs.checkpointed() if recipe.training.gradient_checkpointing else costs
+
+
 def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1) -> list[StageMemory]:
     """``plan_memory`` of ``recipe`` run with ``schedule`` instead of its own (per rank for a virtual-stage one)."""
     r = dataclasses.replace(recipe, pipeline=dataclasses.replace(recipe.pipeline, schedule=schedule))
@@ -105,7 +111,7 @@ def virtual_costs(sched: Schedule, recipe: Recipe, num_stages: int, model=None, 
         costs = flops_costs(partition_plan(model, stages, seq_len=recipe.data.seq_len), recipe, flops_per_s)
     else:
         raise ValueError("virtual_costs needs measured per-layer costs, or a model and flops_per_s")
-    return costs.per_rank(sched.stage_ranks(num_stages))
+    return run_costs(costs, recipe).per_rank(sched.stage_ranks(num_stages))
 
 
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float | None = None,
@@ -114,11 +120,14 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
     stage, ``MeasuredCosts.stage_costs``) or the plan's FLOPs at ``flops_per_s`` (``flops_costs``). The virtual-stage
     schedules run where they fit (``why_not_planned``) and their costs can be had (``virtual_costs``: ``measured``, or
     ``model`` with ``flops_per_s``); the others are left out. Each result's bubble comes split into fill/drain and
-    imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank."""
+    imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank. The costs are those of
+    layers that keep their activations: with activation checkpointing each backward pass is charged its replay
+    (``run_costs``)."""
     if costs is None:
         if flops_per_s is None:
             raise ValueError("simulate_schedules needs costs or flops_per_s")
         costs = flops_costs(plan, recipe, flops_per_s)
+    costs = run_costs(costs, recipe)
     m = planned_microbatches(recipe, num_stages)
     res = {}
     for name in PLANNED_SCHEDULES:
@@ -204,7 +213,7 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     reduce = [2 * (dp - 1) / dp * 4 * x.params / link_bytes_per_s for x in mem]
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
     comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
-    costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
+    costs = run_costs(Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm), recipe)
     step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
     tokens = m * tokens_mb * dp
     return Candidate(p, dp, m, mbs, sizes, step, bubble.total, worst, worst <= 0.9 * cap, True, tokens / step, costs,

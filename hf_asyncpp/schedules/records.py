@@ -478,6 +478,8 @@ class Schedule:
     actions name the stage (``Action.stage``) and their ``version``/``lag`` take a rank."""
     placement: str = "loop"
     """Which rank holds which stage where there are several per rank (``stage_ranks``): ``loop`` or ``v``."""
+    split_backward: bool = False
+    """Each backward runs as I (input gradient) and W (weight gradient), two passes over the stage's graph."""
 
     @property
     def runs_in_executor(self) -> bool:
@@ -567,7 +569,7 @@ PIPEDREAM = Schedule(
 ZB_H1 = Schedule(
     name="zbh1", title="ZB-H1 zero bubble, synchronous", synchronous=True, version=lambda k, s, p: k,
     lag=lambda s, p: 0, late_step=False, one_update_per_microbatch=False, extra_warmup_ok=False,
-    _build=_flushed(lambda s, p, m, extra: _order_zb_h1(s, p, m)))
+    _build=_flushed(lambda s, p, m, extra: _order_zb_h1(s, p, m)), split_backward=True)
 """ZB-H1: 1F1B with each backward split into I (the input gradient, sent on at once) and W (the weight gradient,
 later); the W's fill the cool-down. It computes 1F1B's gradients, flushed every step (version k)."""
 
@@ -586,14 +588,14 @@ ZBV = Schedule(
     name="zbv", title="ZBV zero bubble (2 stages per rank, V placement), synchronous", synchronous=True,
     version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
     extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_zbv(r, p, m)), stages_per_rank=2,
-    placement="v")
+    placement="v", split_backward=True)
 """ZBV (``_order_zbv``): 2 stages per rank in V placement, F, I and W; flushed every step (version k)."""
 
 DUALPIPEV = Schedule(
     name="dualpipev", title="DualPipeV (2 stages per rank, V placement), synchronous", synchronous=True,
     version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
     extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_dualpipev(r, p, m)),
-    _constraints=_check_dualpipev, stages_per_rank=2, placement="v")
+    _constraints=_check_dualpipev, stages_per_rank=2, placement="v", split_backward=True)
 """DualPipeV (``_order_dualpipev``): 2 stages per rank in V placement, overlapped forward/backward pairs, B and I/W;
 flushed every step (version k)."""
 

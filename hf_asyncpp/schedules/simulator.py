@@ -125,6 +125,26 @@ class Costs:
             return [float(sum(c for c, r in zip(per_stage, stage_ranks) if r == rank)) for rank in range(num_ranks)]
         return dataclasses.replace(self, step=summed(self.step), reduce=summed(self.reduce))
 
+    def checkpointed(self) -> "Costs":
+        """These costs (of layers that keep their activations) under activation checkpointing, as the executor runs
+        it: every backward pass (a graph task) that reaches a checkpointed layer replays its forward first, so a B
+        costs one more F, and a split backward, two passes, one F in its I and one in its W. The first stage sends
+        no input gradient: its I does nothing and its W is its whole backward, one pass, so only its W replays
+        (a single number stands for every stage as one after the first)."""
+        def plus(x: Number, y: Number, first: bool = True) -> Number:
+            if not isinstance(x, (list, tuple)) and not isinstance(y, (list, tuple)):
+                return x + y
+            n = len(x) if isinstance(x, (list, tuple)) else len(y)
+            at = lambda v, i: v[i] if isinstance(v, (list, tuple)) else v
+            return [at(x, i) + (at(y, i) if first or i > 0 else 0.0) for i in range(n)]
+
+        half = [0.5 * b for b in self.backward] if isinstance(self.backward, (list, tuple)) else 0.5 * self.backward
+        i = self.backward_input if self.backward_input is not None else half
+        w = self.backward_weight if self.backward_weight is not None else half
+        return dataclasses.replace(self, backward=plus(self.backward, self.forward),
+                                   backward_input=plus(i, self.forward, first=False),
+                                   backward_weight=plus(w, self.forward))
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Number]) -> "Costs":
         """``{"forward": 1, "backward": 2}`` or by action type: ``{"F": 1, "B": 2, "STEP": 0.1}``."""
