@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from bench.fused_loss import head_and_loss_bytes_per_token
 from hf_asyncpp.errors import RecipeError
 from hf_asyncpp.model.fused_loss import (HeadCapture, chunk_tokens, fused_linear_cross_entropy, fused_loss_blocker,
                                          use_fused_loss)
@@ -199,45 +200,11 @@ def test_a_forward_that_skips_the_loss_function_is_refused():
 # ---------------------------------------------------------------------------- memory
 
 
-def _peak_bytes(fn) -> int:
-    """Peak bytes live during ``fn()``, from the allocator's events (``torch.profiler``'s memory events: every
-    allocation and free, in order), counting only what ``fn`` allocates."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
-
-
-def head_and_loss_bytes_per_token(fused: bool, tokens: tuple[int, int], hidden=960, vocab=49152, chunk=64) -> float:
-    """Peak bytes of the head and loss (forward and backward, bf16 autocast, fp32 weight and hidden states) fitted
-    as a + b * tokens at two token counts: b, bytes per token. smollm2-360m's head: hidden 960, vocab 49,152."""
-    torch.manual_seed(0)
-    w = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
-    peaks = []
-    for n in tokens:
-        h = torch.randn(1, n, hidden, requires_grad=True)
-        y = torch.randint(0, vocab, (1, n))
-
-        def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                if fused:
-                    loss = fused_linear_cross_entropy(h, w, None, y, chunk=chunk)
-                else:
-                    loss = ForCausalLMLoss(F.linear(h, w), y, vocab_size=vocab)
-            loss.backward()
-            w.grad = None
-        peaks.append(_peak_bytes(step))
-    return (peaks[1] - peaks[0]) / (tokens[1] - tokens[0])
-
-
 def test_peak_memory_per_token_of_the_fused_head_and_loss():
-    """At most 4,096 bytes per token (the hidden states' fp32 gradient is 3,840 of them): transformers' path,
-    measured the same way, holds about 12 bytes per logit (590 KB per token; its weight-sized terms dominate below
-    about 600 tokens, hence the larger counts)."""
+    """At most 4,096 bytes per token at smollm2-360m's head (hidden 960, vocab 49,152; the hidden states' fp32
+    gradient is 3,840 of them), read from the allocator (``python -m bench.fused_loss``): transformers' path,
+    measured the same way, holds about 12 bytes per logit (590 KB per token; its weight-sized terms set the peak
+    below about 600 tokens, hence its larger counts)."""
     fused = head_and_loss_bytes_per_token(True, (256, 512))
     assert fused <= 4096, fused
     plain = head_and_loss_bytes_per_token(False, (1024, 2048))

@@ -29,8 +29,8 @@ __all__ = ["fused_linear_cross_entropy", "chunk_tokens", "fused_loss_blocker", "
 CHUNK_BYTES = 256 * 2**20
 """fp32 logits per chunk, at most (unless a chunk would hold fewer than 64 tokens): 1,024 tokens at vocab 49,152,
 256 at 151,936. A chunk's peak is about 10 bytes per logit of it (bf16 logits, their fp32 copy, the fp32 log-softmax,
-then the bf16 gradient): about 2.5 GB here, a constant whatever the microbatch. Smaller chunks add a pass over the
-fp32 weight gradient each (one accumulation per chunk)."""
+then the bf16 gradient): about 640 MB, a constant whatever the microbatch. Smaller chunks add a pass over the fp32
+weight gradient each (one accumulation per chunk)."""
 
 
 def chunk_tokens(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
