@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from bench.fused_loss import head_and_loss_bytes_per_token
@@ -185,9 +185,21 @@ def test_soft_capped_or_scaled_logits_keep_transformers_path():
                                **FP32)
 
 
+class _InlineLoss(LlamaForCausalLM):
+    """A causal LM computing its cross-entropy itself, as some transformers classes do."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            out.loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return out
+
+
 def test_a_forward_that_skips_the_loss_function_is_refused():
-    """A model whose forward computes its cross-entropy without ``loss_function`` would read the stand-in: the
-    capture says so instead of returning a loss."""
+    """A model whose forward computes its cross-entropy without ``loss_function`` would read the stand-in: refused
+    from its source, and the capture says so at run time instead of returning a loss."""
+    inline = _InlineLoss(_tiny("llama").config)
+    assert "self.loss_function" in fused_loss_blocker(inline) and not use_fused_loss("auto", inline)
     model = _tiny("llama")
     capture = HeadCapture(model.get_output_embeddings())
     ids = torch.randint(0, V, (1, 8))

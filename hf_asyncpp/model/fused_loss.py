@@ -15,6 +15,7 @@ losses, masks) stays the model's.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -158,14 +159,21 @@ the cross-entropy of a plain linear head, so such a model keeps transformers' ow
 def fused_loss_blocker(model: nn.Module) -> str | None:
     """Why the fused loss cannot stand for this model's own (None: it can). Conservative on purpose: the output
     head must be exactly ``nn.Linear`` (a subclass or another module may compute something else), the model's loss
-    transformers' ``ForCausalLMLoss`` (no ``loss_type`` of its own, no loss function set on it), and its config must
-    set none of :data:`LOGIT_KNOBS`. At run time :class:`HeadCapture` also checks that the loss receives the head's
+    transformers' ``ForCausalLMLoss`` (no ``loss_type`` of its own, no loss function set on it) and called by its
+    forward as ``self.loss_function(...)`` (read from the forward's source: some classes compute their cross-entropy
+    inline), and its config must set none of :data:`LOGIT_KNOBS`. At run time :class:`HeadCapture` also checks that the loss receives the head's
     output untouched, and raises if not."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or type(head) is not nn.Linear:
         return f"its output head is {type(head).__name__}, not a plain torch.nn.Linear"
     if "_loss_function" in vars(model) or getattr(model, "loss_function", None) is not ForCausalLMLoss:
         return "its loss is not transformers' ForCausalLMLoss"
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "self.loss_function(" not in source:
+        return "its forward does not compute its loss with self.loss_function (it would read the head's stand-in)"
     knobs = [k for k in LOGIT_KNOBS if getattr(model.config, k, None) is not None]
     if knobs:
         return f"its config transforms the logits before the loss ({', '.join(f'{k}={getattr(model.config, k)}' for k in knobs)})"
