@@ -7,6 +7,7 @@ Data parallelism here is a plain gradient all-reduce over every process.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from .config.recipe import Recipe
 from .errors import NonFiniteError
 from .model.build import autocast, compile_layers, enable_activation_checkpointing
 from .model.export import shard_file, write_shard
+from .model.fused_loss import HeadCapture, use_fused_loss
 from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .optim.delay import lambda_groups, stage_parameter_lists
@@ -134,6 +136,9 @@ class LocalEngine:
         # no KV cache in training or evaluation: transformers would build one per forward, and every compiled layer
         # would guard on its own cache entry (one graph per layer), as the stages' forward does not
         self.forward_kwargs = model_kwargs(model)
+        # the loss through the model's own forward, its head and cross-entropy fused (training.fused_loss)
+        fused = use_fused_loss(recipe.training.fused_loss, model)
+        self.capture = HeadCapture(model.get_output_embeddings()) if fused else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lambda_groups(model, recipe))
@@ -176,7 +181,7 @@ class LocalEngine:
         top_k = getattr(self.config, "num_experts_per_tok", None)
         for i in range(m):
             ids = batch[i]
-            with autocast(cfg.training.bf16):
+            with autocast(cfg.training.bf16), self._loss_path():
                 out = self.model(input_ids=ids, labels=ids, **self.forward_kwargs)
             (out.loss / m).backward()
             loss_sum += out.loss.detach().float()
@@ -202,6 +207,16 @@ class LocalEngine:
         self.delay.after_step()
         return StepResult(step, float(loss_mean), grad_norm, lr, not skipped, skipped, learned_lambda(self.optimizer),
                           float(aux) / n_aux if n_aux else None, tokens.tolist() if tokens is not None else None)
+
+    @contextlib.contextmanager
+    def _loss_path(self):
+        """The model's forward with labels computes its loss through the fused head and loss where it is on."""
+        if self.capture is None:
+            yield
+            return
+        with self.capture.installed(self.model):
+            yield
+            self.capture.check_used()
 
     def run(self, batches: Iterable[torch.Tensor], first_step: int, num_steps: int) -> Iterator[StepResult]:
         batches = iter(batches)

@@ -37,7 +37,7 @@ def test_step_cost_moves_the_split():
 def test_auto_split_balances_a_skewed_profile_and_hits_the_cache(tmp_path):
     calls = []
 
-    def fake_measure(model, seq_len, microbatch_size, device, optimizer):
+    def fake_measure(model, seq_len, microbatch_size, device, optimizer, fused_loss):
         calls.append((seq_len, microbatch_size))
         stage = torch.nn.ModuleDict({"embed": torch.nn.Embedding(8, 4)})
         stage["embed"](torch.arange(8)).sum().backward()

@@ -45,6 +45,27 @@ def test_two_stage_schedules_match_single_process_reference(tmp_path):
     check_against_reference(scenarios, results[0], export_dir=tmp_path)
 
 
+FUSED = [
+    (LLAMA, "1f1b", 2, 2, 2, "adamw", False),  # tied: the head's copy on the last stage gets the fused gradient
+    (LLAMA_UNTIED, "zbh1", 2, 2, 2, "muon", False),  # the W pass reruns the weight gradient's node, not the hidden's
+    (MIXTRAL, "2bw", 2, 2, 2, "adamw", True),  # the model adds its router loss to what the fused loss returns
+    (LLAMA_UNTIED, "pipedream", 2, 1, 2, "muon", False),
+]
+
+
+def test_fused_loss_pipeline_matches_transformers_loss_reference(tmp_path):
+    """The pipeline with the fused head and loss (training.fused_loss: true) against the single-process reference
+    with transformers' own (false): the same losses, norms and weights within the reference tolerance (fp32; the
+    loss's sums run in another order)."""
+    scenarios = []
+    for i, s in enumerate(FUSED):
+        rec, replica, ref_rec, ref_batches = scenario(*s, seed=30 + i)
+        rec.training.fused_loss, ref_rec.training.fused_loss = True, False
+        scenarios.append((rec, replica, ref_rec, ref_batches))
+    results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
+    check_against_reference(scenarios, results[0])
+
+
 FOUR = [
     (LLAMA, "1f1b", 4, 4, 1, "adamw", False, 1),
     (LLAMA, "2bw", 4, 4, 1, "muon", True, 1),

@@ -34,6 +34,7 @@ from ..config.recipe import load_recipe, split_overrides
 from ..model.build import autocast
 from ..errors import RecipeError
 from ..model.build import build_model
+from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
 from ..plan.costs import measure_costs
 from ..plan.memory import meta_model, plan_memory
@@ -192,8 +193,9 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     opt = recipe.optimizer
     factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
     with autocast(recipe.training.bf16):  # as the run computes (and as layers_per_stage: auto measures)
-        c = measure_costs(build_model(recipe.model), recipe.data.seq_len, recipe.pipeline.microbatch_size, device,
-                          optimizer=factory, split_backward=True)
+        model = build_model(recipe.model)
+        c = measure_costs(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
+                          split_backward=True, fused_loss=use_fused_loss(recipe.training.fused_loss, model))
     m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
     print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from ..model.fused_loss import HeadCapture, fused_loss_blocker
 from ..model.seeded_init import initializers
 from .moe_aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
@@ -45,6 +46,7 @@ class _Run:
         self.device, self.hidden_in, self.side_in = device, hidden, side or {}
         self.hidden_out, self.side_out = None, {}
         self.carry_in, self.carry_out = [], []
+        self.fused = False  # the loss through the stage's HeadCapture (labels given, fused loss on)
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -86,10 +88,11 @@ class Stage(nn.Module):
 
     ``forward(x, labels=None)``: ``x`` is ``input_ids`` on the first stage, else what the previous stage returned.
     The stage's children are the model's top-level children (copied shallowly), so parameter names are the
-    model's own.
+    model's own. ``fused_loss`` (last stage): the loss from labels without the whole logits
+    (``model.fused_loss.HeadCapture``); the logits (no labels) are the model's head's.
     """
 
-    def __init__(self, model: nn.Module, plan: PartitionPlan, index: int, aux: AuxLoss | None):
+    def __init__(self, model: nn.Module, plan: PartitionPlan, index: int, aux: AuxLoss | None, fused_loss: bool = False):
         super().__init__()
         a, cfg = plan.anatomy, model.config
         self.config, self.index, self.num_stages = cfg, index, len(plan.stages)
@@ -105,9 +108,13 @@ class Stage(nn.Module):
         self._side_in = [g for g, slots in enumerate(a.side) if not self.is_first and max(j for j, _ in slots) >= self._start]
         self._side_out = [g for g, slots in enumerate(a.side) if not self.is_last and max(j for j, _ in slots) >= self._stop]
         self._run: _Run | None = None
+        self._capture: HeadCapture | None = None
+        self._fused = fused_loss and self.is_last and a.head is not None
         held = {n for n in plan.param_names[index]}
         copied = {b for _, b in plan.tied_pairs} & held  # this stage's copies of a tensor an earlier stage holds
         shell = self._build(model, plan, held, copied)
+        if self._capture is not None:
+            shell.__dict__["_loss_function"] = self._capture.loss_function  # transformers reads it first
         self.__dict__["_shell"] = shell
         self.__dict__["_modules"] = shell._modules
         layers = get_module(model, a.layers)
@@ -144,8 +151,23 @@ class Stage(nn.Module):
         if phase == "pre" and not self.is_first or phase == "post" and not self.is_last:
             return absent(module, lambda: self._run.device if self._run is not None else None)
         if any(n in copied for n, _ in module.named_parameters(prefix=path, remove_duplicate=False)):
-            return copy.deepcopy(module)  # e.g. a tied lm_head on the last stage: its own copy of the embedding
+            module = copy.deepcopy(module)  # e.g. a tied lm_head on the last stage: its own copy of the embedding
+        if self._fused and path == self._a.head:
+            return self._fused_head(module)
         return module
+
+    def _fused_head(self, module: nn.Module) -> nn.Module:
+        """The head, as a second instance sharing its parameters (``alias``), that hands its input to the stage's
+        ``HeadCapture`` when the loss is fused, and runs as itself otherwise (the logits, without labels)."""
+        cls = type(module)
+
+        def forward(x):
+            if self._run is not None and self._run.fused:
+                return self._capture.head_forward(x)
+            return cls.forward(head, x)
+        head = alias(module, forward)
+        self._capture = HeadCapture(head)
+        return head
 
     def _layer_list(self, layers: nn.ModuleList, path: str, copied: set[str]) -> nn.ModuleList:
         # a block shared by several layers (Zamba) that an earlier stage holds: this stage's own copy, one per tensor
@@ -340,6 +362,7 @@ class Stage(nn.Module):
         kwargs = dict(self._loss_kwargs)
         if labels is not None:
             kwargs["labels"] = labels
+            run.fused = self._capture is not None
         self._run = run
         out = None
         try:
@@ -360,6 +383,8 @@ class Stage(nn.Module):
             return sent[0] if len(sent) == 1 else tuple(sent)
         if labels is None:
             return out.logits if hasattr(out, "logits") else out[0]
+        if run.fused:
+            self._capture.check_used()
         loss = out.loss if hasattr(out, "loss") else out[0]
         if aux:
             loss = loss + aux.coef * aux.loss(*stats).to(loss.device)
@@ -370,15 +395,20 @@ class Stage(nn.Module):
 
 
 def partition_model(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None, seq_len: int = 2048,
-                    check: bool | None = None) -> list[Stage]:
+                    check: bool | None = None, fused_loss: bool = False) -> list[Stage]:
     """``num_stages`` stage modules sharing the model's parameters (a tied lm_head is copied for the last stage).
+
+    ``fused_loss``: the last stage computes its loss with ``model.fused_loss`` (no whole logits); a PartitionError
+    names why where the model's head or loss is not one it stands for (``fused_loss_blocker``).
 
     ``check``: compare the chained stages' logits with the model's on a short input before returning; None checks
     model types outside ``VERIFIED_MODEL_TYPES`` when the weights are real (a meta model cannot be checked).
     """
+    if fused_loss and (why := fused_loss_blocker(model)):
+        raise PartitionError(f"{type(model).__name__}: the fused loss cannot stand for the model's own: {why}")
     plan = partition_plan(model, num_stages, layers_per_stage, seq_len)
     aux = _aux_loss(model)
-    stages = [Stage(model, plan, s, aux) for s in range(num_stages)]
+    stages = [Stage(model, plan, s, aux, fused_loss) for s in range(num_stages)]
     if check is None:
         check = model.config.model_type not in VERIFIED_MODEL_TYPES
         if check and _has_meta(model):

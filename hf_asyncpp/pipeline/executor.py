@@ -40,8 +40,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from .. import supervision
 from ..config.recipe import Recipe
 from ..engine import StepResult, finite_step
-from ..model.build import autocast
-from ..model.build import compile_layers, enable_activation_checkpointing, materialise_stage
+from ..model.build import autocast, compile_layers, enable_activation_checkpointing, materialise_stage
+from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY
 from ..optim.lr import build_scheduler
@@ -121,7 +121,8 @@ class PipelineEngine:
         self.schedule = with_sync_start(get_schedule(rc.schedule), recipe.optimizer.delay_start_step)
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
-        stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len)
+        stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len,
+                                 fused_loss=use_fused_loss(recipe.training.fused_loss, model))
         shared = shared_tensors(stages)  # tensors held on several stages: gradients summed across them
         if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
             materialise_stage(stages[topo.stage], model, recipe.model)

@@ -28,6 +28,7 @@ import torch
 
 from ..config.recipe import Recipe, recipe_to_dict
 from ..model.build import autocast
+from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
 from .costs import MeasuredCosts, measure_costs
 from ..storage.write import write_file
@@ -56,7 +57,8 @@ def cache_key(recipe: Recipe, device: torch.device) -> dict:
     d = recipe_to_dict(recipe)
     opt = {k: d["optimizer"][k] for k in _TIMED_OPTIMIZER_FIELDS}  # not the learning rates: they change no timing
     return {"model": d["model"], "seq_len": recipe.data.seq_len, "microbatch_size": recipe.pipeline.microbatch_size,
-            "optimizer": opt, "bf16": recipe.training.bf16, "device": device_name(device), "torch": torch.__version__}
+            "optimizer": opt, "bf16": recipe.training.bf16, "device": device_name(device), "torch": torch.__version__,
+            "fused_loss": recipe.training.fused_loss}
 
 
 def _digest(key: dict) -> str:
@@ -78,7 +80,9 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
     factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(recipe.training.bf16):
         torch.manual_seed(0)
-        costs = measure(build(), recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory)
+        model = build()
+        costs = measure(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
+                        fused_loss=use_fused_loss(recipe.training.fused_loss, model))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)

@@ -119,13 +119,13 @@ def _sync(device: torch.device) -> None:
 
 def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: str | torch.device = "cpu",
                   repeats: int = 3, optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
-                  split_backward: bool = False) -> MeasuredCosts:
+                  split_backward: bool = False, fused_loss: bool = False) -> MeasuredCosts:
     """Time forward + backward of every one-layer stage (the fastest of ``repeats`` after a warm-up), and with
     ``optimizer`` (a stage -> optimizer factory, the run's own) one optimizer step of each stage the same way.
     With ``split_backward`` also each pass on its own (``MeasuredCosts.passes``): F and B of the same runs, and a
     second forward whose backward is split into I and W by torch's ``stage_backward_input`` and
     ``split_backward.weight_gradients`` (``executor._backward_input`` / ``_backward_weight``), which about doubles
-    the time the measurement takes.
+    the time the measurement takes. ``fused_loss``: the last stage's loss as the run computes it (``training.fused_loss``).
 
     The model is cut into one stage per layer; the first stage's extra time over the median layer is the
     embedding's, the last stage's extra is the head's (so layer 0 and the last layer count as median layers).
@@ -137,7 +137,7 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
     if L < 3:
         raise PartitionError(f"measuring stage costs needs at least 3 decoder layers (the model has {L}): the first and "
                              "last layers are timed together with the embedding and the head")
-    stages = partition_model(model, L, [1] * L, seq_len=seq_len)
+    stages = partition_model(model, L, [1] * L, seq_len=seq_len, fused_loss=fused_loss)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), device=device)
     x, seconds, step_seconds = ids, [], []

@@ -26,6 +26,9 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
                  2 k h = 4 h). The last
                  stage keeps (vocab + 2 h) fp32 values per token for the loss (the logits are upcast) and h bf16
                  (calibrated against the executor's saved-tensor accounting, transformers 5.23, CPU autocast);
+                 with the fused loss (``training.fused_loss``) 3 h fp32 values instead (the 2 h as before, and the
+                 hidden states' gradient, computed in the forward, in place of the logits and the h bf16) and, per
+                 microbatch, the head's fp32 gradient (vocab x h);
                  a stage after the first adds what it receives besides the hidden state (per-layer embeddings,
                  carried layer outputs: ``received_values_per_token``). With ``training.gradient_checkpointing``
                  a layer keeps only its input (h fp32 values per token: the residual stream), the rotary tables once,
@@ -47,6 +50,7 @@ import torch
 
 from ..config.recipe import Recipe
 from ..model.build import build_config, expert_stacks
+from ..model.fused_loss import use_fused_loss
 from ..optim import classify_parameters
 from ..partition import partition_plan
 from ..schedules.actions import ActionType, BACKWARDS
@@ -129,10 +133,11 @@ def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, flo
 
 
 def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False,
-                               bf16: bool = False) -> float:
+                               bf16: bool = False, fused_loss: bool = False) -> float:
     """Bytes per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
     its input (the fp32 hidden state, h values) and the stage the rotary tables once; the head and loss are not
-    checkpointed."""
+    checkpointed. ``fused_loss``: the last stage keeps the hidden states' fp32 gradient in place of the logits (plus
+    :func:`fused_loss_bytes_per_microbatch`)."""
     h = getattr(config, "hidden_size", None) or config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -142,8 +147,15 @@ def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpo
     else:
         total = float(sum(4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids))
     if last:
-        total += 4 * (config.vocab_size + 2 * h) + (2 * h if bf16 else 0)
+        total += 4 * 3 * h if fused_loss else 4 * (config.vocab_size + 2 * h) + (2 * h if bf16 else 0)
     return total
+
+
+def fused_loss_bytes_per_microbatch(model) -> float:
+    """What the fused loss keeps per in-flight microbatch whatever its tokens: the head's weight (and bias)
+    gradient, fp32, computed in the forward and scaled in the backward (``model/fused_loss.py``)."""
+    head = model.get_output_embeddings()
+    return 4.0 * sum(q.numel() for q in head.parameters())
 
 
 def activation_values_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False) -> float:
@@ -213,6 +225,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     h = getattr(cfg, "hidden_size", None) or cfg.n_embd
     cast_names = (linear_weights(model) | expert_stacks(model)) if bf16 else set()
     last = len(plan.stages) - 1
+    fused = use_fused_loss(recipe.training.fused_loss, model)
+    fused_head = fused_loss_bytes_per_microbatch(model) if fused else 0.0
     out = []
     for r in range(p):
         mine = [g for g, q in enumerate(ranks) if q == r]
@@ -228,9 +242,10 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         else:
             opt_bytes = 4 * n_params
         inflight = sim.peak_inflight[r]
-        per_microbatch = {g: tokens_mb * (activation_bytes_per_token(cfg, list(plan.stages[g].layers), g == last, ckpt, bf16)
+        per_microbatch = {g: tokens_mb * (activation_bytes_per_token(cfg, list(plan.stages[g].layers), g == last, ckpt,
+                                                                     bf16, fused and g == last)
                                           + 4 * received_values_per_token(plan.anatomy, plan.stages[g].layers, g))
-                          for g in mine}
+                          + (fused_head if g == last else 0.0) for g in mine}
         act = peak_in_flight([iv.action for iv in sim.timeline[r]], r, per_microbatch)
         layer_ids = [i for g in mine for i in plan.stages[g].layers]
         # bf16: the linear weights are held per version in bf16 (+ their fp32 master), except one also read uncast
@@ -238,7 +253,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         n16 = sum(sizes[n] for n in held if n in cast_names)
         weights = 4.0 * (n_params - n16) * versions + (4.0 + 2.0 * versions) * n16
         head = f"{plan.anatomy.head}.weight"
-        casts = inflight * 2.0 * sizes[head] if bf16 and tied_here(plan, ranks, r) and head in sizes else 0.0
+        # (the fused loss keeps no cast for the backward: the weight's gradient is computed in the forward)
+        casts = inflight * 2.0 * sizes[head] if bf16 and not fused and tied_here(plan, ranks, r) and head in sizes else 0.0
         recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) if ckpt else 0.0
         # fp32 boundary tensors: outputs kept per in-flight microbatch + the received output gradient + one
         # prefetched receive of each kind + the input gradient on its way back (a stage next to one on the same
