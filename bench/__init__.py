@@ -15,6 +15,10 @@ Speed on a 2-core CPU (docs/benchmarks/speed.md)
                                                                                   python -m bench.default_recipe
     time_to_loss      wall time for 2BW to reach synchronous 1F1B's final loss    python -m bench.time_to_loss
     soak              a 2000-step 2BW run: step time and RSS stay flat            python -m bench.soak
+    schedules         which schedule wins for a recipe at its scale: the planner's decision table, simulated
+                                                                                  python -m bench.schedules
+    schedule_anchors  our 2BW, 1F1B and ZB-H1 beside torch.distributed.pipelining's own schedules, measured
+                                                                                  python -m bench.schedule_anchors
 What one part costs (docs/benchmarks/parts.md)
     partition_overhead  a chain of stages against the plain model: work and time  python -m bench.partition_overhead
     optimizer_step    the optimizer step against forward + backward per stage, Muon against AdamW
@@ -24,11 +28,15 @@ What one part costs (docs/benchmarks/parts.md)
     data_path         blocks/s of the data path and the stage-0 stall, packed inline or ahead
                                                                                   python -m bench.data_path
     streaming         logging never drains the pipeline                           python -m bench.streaming
+    host_overhead     what the host dispatches per action: aten ops and scalar reads per F, B, REDUCE, STEP
+                                                                                  python -m bench.host_overhead
 Memory (docs/benchmarks/memory.md)
     memory            the planner's memory term by term against the executor; bytes per parameter with bf16
                       versions and ZeRO-1 (``--per-param``)                       python -m bench.memory
     stage_local       what each rank reads and holds at a stage-local start and resume
                                                                                   python -m bench.stage_local
+    fused_loss        the last stage's head and loss: peak bytes per token, transformers' path against the fused loss
+                                                                                  python -m bench.fused_loss
 Quality: the paper's claims at our scale (docs/benchmarks/quality.md)
     quality           the delay-tolerance table: {AdamW, Muon, NAdam} x {sync, delay, delay + EF}, seeds, the EF
                       lambda sweep, PipeDream at p = 4, 8 (300 steps; ``--long``: 1000)  python -m bench.quality
@@ -40,6 +48,8 @@ Quality: the paper's claims at our scale (docs/benchmarks/quality.md)
 The GPU proof (docs/benchmarks/gpu.md)
     gpu               a stage against the plain model, the planner on a GPU, per-action host overhead, the reducer
                       and the compute stream (``--cpu-tiny``: the same code on CPU)  python -m bench.gpu
+    check_gpu         bench.gpu does not rot between GPU runs: every part produces its numbers at a tiny size on CPU
+                                                                                  python -m pytest -q bench/check_gpu.py
 Plumbing
     report            ``write_section``: which page holds which section, and the rewrite of one section
 

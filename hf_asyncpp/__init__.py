@@ -1,4 +1,27 @@
-"""hf_asyncpp: asynchronous pipeline-parallel LLM pretraining (PipeDream-2BW + Muon + EF) for transformers models."""
+"""hf_asyncpp: asynchronous pipeline-parallel LLM pretraining (PipeDream-2BW + Muon + EF) for transformers models.
+
+===============  =========================================================================================
+``errors``       every error a user can meet and the exit code it ends a run with
+``schedules``    schedules as data and their simulator, pure Python (no torch)
+``storage``      the disk: the one write path, file names, atomic verified checkpoints
+``topology``     where a process sits (stage x data-parallel rank), its device, its process groups
+``supervision``  which process this is, and a rank never outlives its launcher; stop signals
+``config``       the recipe: typed sections, loading, overrides, checks, the generated reference
+``data``         files or Hub datasets -> documents -> tokens -> packed blocks
+``model``        the model a recipe asks for, initialised, scored, exported
+``launch``       starting a run's processes, and ending them with one line
+``partition``    exact pipeline stages of any transformers causal LM
+``optim``        Muon, AdamW, the EF correction, the single-process delay references
+``plan``         what a recipe will cost before anything runs: memory, speed, layouts, the measured split
+``engine``       the engine protocol the trainer drives, and the single-process engine
+``pipeline``     the runtime: one stage's process running its schedule's action list
+``eval``         perplexity and zero-shot tasks
+``run``          one training run: the trainer, the components it wires, the checks before it starts
+``testing``      spawned gloo ranks for the tests and benchmarks; the host-op and memory probes
+``cli``          the ``hf-asyncpp`` command
+``__main__``     ``python -m hf_asyncpp``
+===============  =========================================================================================
+"""
 
 __version__ = "0.1.0"
 

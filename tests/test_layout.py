@@ -9,6 +9,8 @@ optimizers, the engines, the pipeline) never reaches evaluation, a run's compone
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -186,3 +188,51 @@ def test_the_checks_catch_a_cycle_a_climb_and_torch_in_the_schedules(tmp_path):
     assert upward_imports(graph) == ["hf_asyncpp.launch.spawn -> hf_asyncpp.run.trainer"]
     root, _ = _copy_with(tmp_path / "d", "schedules/records.py", "import torch  # noqa")
     assert third_party_imports(root, PURE) - PURE_ALLOWED == {"torch"}
+
+
+# ---------------------------------------------------------------------------- the maps, kept true
+
+def _package_map():
+    """scripts/package_map.py, loaded by path (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("package_map", PACKAGE.parent / "scripts" / "package_map.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_folder_table_names_exactly_its_modules():
+    pm = _package_map()
+    wrong = {}
+    for folder in pm.packages(PACKAGE):
+        named = set(pm.table(pm.docstring(folder / "__init__.py")))
+        if named != pm.modules(folder):
+            wrong[folder.relative_to(PACKAGE.parent).as_posix()] = {
+                "not in the table": sorted(pm.modules(folder) - named), "no such module": sorted(named - pm.modules(folder))}
+    assert not wrong, f"fix the table in each folder's __init__.py docstring: {wrong}"
+    assert set(pm.table(pm.docstring(PACKAGE / "__init__.py"))) == set(FLOOR), "the root table and LAYERS disagree"
+
+
+def test_the_table_reader_sees_a_missing_and_a_stray_row(tmp_path):
+    pm = _package_map()
+    (tmp_path / "a.py").write_text("")
+    (tmp_path / "b.py").write_text("")
+    (tmp_path / "__init__.py").write_text('"""Two modules.\n\n=====  ====\n``a``  one\n``c``  gone\n       more\n=====  ====\n"""')
+    assert pm.table(pm.docstring(tmp_path / "__init__.py")) == {"a": "one", "c": "gone more"}
+    assert pm.modules(tmp_path) == {"a", "b"}
+
+
+def test_the_docs_tree_is_the_generated_one():
+    pm = _package_map()
+    text = pm.DOC.read_text()
+    assert pm.replace_in(text, pm.render()) == text, "regenerate it: python scripts/package_map.py --write"
+
+
+def test_the_bench_index_lists_every_script():
+    bench = PACKAGE.parent / "bench"
+    scripts = {p.stem for p in bench.glob("*.py") if p.name != "__init__.py"}
+    index = ast.get_docstring(ast.parse((bench / "__init__.py").read_text()))
+    listed = {m.group(1) for m in re.finditer(r"^    ([a-z_]+)\s{2,}\S", index, re.M)}
+    assert listed == scripts, (f"bench/__init__.py's index: add {sorted(scripts - listed)}, "
+                               f"remove {sorted(listed - scripts)}")
+    for name in scripts - {"report"}:  # each with the command that runs it
+        assert f"bench.{name}" in index or f"bench/{name}.py" in index, name

@@ -9,6 +9,16 @@
     hf-asyncpp prepare-data                                    the default corpus as local jsonl shards
 
 ``hf-asyncpp --version`` prints the version. ``python -m hf_asyncpp ...`` is the same command; ``scripts/*.py`` in a checkout are thin wrappers.
+
+================  ======================================================================================
+``train``         the one entry point of a training process: arguments, ``--debug``, the recipe, the error line
+``export``        a checkpoint to a Hugging Face folder with a model card
+``evaluate``      zero-shot tasks and perplexity of model folders, side by side
+``plan``          memory, fit and simulated step time of a recipe, nothing allocated
+``compare``       synchronous 1F1B against 2BW + EF: the time each needs to reach a loss
+``timeline``      a schedule's simulated timeline as a PNG
+``prepare_data``  the default corpus as local jsonl shards
+================  ======================================================================================
 """
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""Evaluation, in one home: the task registry (``tasks``), held-out perplexity through the shipped ``evaluate``
-metrics (``perplexity``, ``metrics/``), our zero-shot scorer with its tables (``downstream``) and lm-evaluation-harness
-as the other scorer (``lm_eval``). Nothing here writes a model folder or knows about a training run: ``model/export.py``
-writes folders, ``run/evaluator.py`` decides when a run is evaluated."""
+"""Evaluation, in one home. Nothing here writes a model folder or knows about a training run: ``model/export.py``
+writes folders, ``run/evaluator.py`` decides when a run is evaluated.
+
+==============  =========================================================================================
+``tasks``       the zero-shot task registry, as lm-evaluation-harness defines the tasks, and their data
+``perplexity``  held-out perplexity of a model, a folder or NLL sums, through the shipped ``evaluate`` metric
+``downstream``  our zero-shot scorer with lm-eval's task definitions; several models side by side, tables, plots
+``lm_eval``     lm-evaluation-harness itself as the scorer (``eval.backend: lm_eval``), local task YAMLs
+==============  =========================================================================================
+
+``metrics/`` holds the ``evaluate`` metric scripts (perplexity, accuracy), loaded by path.
+"""

@@ -1,5 +1,15 @@
 """Split a transformers ``*ForCausalLM`` into exact pipeline stages, without changing its class or code.
 
+==================  ======================================================================================
+``plan``            where a model's pieces live and how its layers split into stages (no stage built)
+``trace``           where each piece runs relative to the decoder layers, learnt from one forward
+``stage``           stage modules: each runs the model's own forward, other stages' layers skipped
+``hollow``          stand-ins for the modules a stage does not hold
+``moe_aux``         transformers' router auxiliary loss, pooled across stages
+``split_backward``  the W of a split backward (zero bubble): every group's weight gradients in one backward
+``sweep``           every causal-LM type of the installed transformers, built tiny and split: which split exactly
+==================  ======================================================================================
+
 Stage contract (the runtime and the tests rely on it):
 
 - ``partition_model(model, p)`` returns ``p`` plain ``nn.Module`` stages. ``stages[0](input_ids)`` -> activation;

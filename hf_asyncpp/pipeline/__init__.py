@@ -4,7 +4,7 @@ records and the simulator; this is what executes them; ``plan/`` says what they 
 =================  ======================================================================================
 ``executor``       ``PipelineEngine``: one stage running its action list as a stream of steps
 ``versions``       the weight versions a stage holds (2BW: two buffers)
-``p2p``             transfers between adjacent stages; a dead peer becomes ``PeerFailure``
+``p2p``            transfers between adjacent stages; a dead peer becomes ``PeerFailure``
 ``nccl_order``     NCCL's point-to-point ordering rule enforced on gloo: the test transport of CPU runs
 ``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
 ``sharding``       ZeRO-1 across a stage's data-parallel replicas
