@@ -22,18 +22,25 @@ EF_LEARNED = "learned"
 @dataclass(kw_only=True)
 class OptimizerConfig:
     name: Literal["muon", "adamw", "nadam", "sgd"] = "adamw"
+    """The optimizer: ``muon`` (Muon on the hidden matrices, AdamW on embeddings, head, norms, biases and routers),
+    ``adamw``, ``nadam`` or ``sgd``; each as torch builds it."""
     learning_rate: float = field(default=3e-4, metadata=_range(lo=0.0, lo_open=True))
     """Peak learning rate (Muon's matrices when ``name: muon``)."""
     weight_decay: float = field(default=0.1, metadata=_range(lo=0.0))
+    """Decoupled weight decay (AdamW's; Muon's on its matrices, scaled by the lr as torch.optim.Muon does)."""
     adam_beta1: Optional[float] = field(default=None, metadata=_range(lo=0.0, hi=1.0))
     """The first moment's beta1 (AdamW, NAdam, Muon's AdamW side); unset: 0.99 for nadam (Ajanthan et al.'s
     constant high Nesterov momentum), 0.9 otherwise."""
     adam_beta2: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
+    """The second moment's beta2 (AdamW, NAdam, Muon's AdamW side)."""
     adam_epsilon: float = field(default=1e-8, metadata=_range(lo=0.0, lo_open=True))
+    """Added to the second moment's square root (AdamW, NAdam, Muon's AdamW side)."""
     momentum: float = field(default=0.95, metadata=_range(lo=0.0, hi=1.0))
     """Muon (and SGD) momentum."""
     nesterov: bool = True
+    """Muon (and SGD): Nesterov momentum."""
     ns_steps: int = field(default=5, metadata=_range(lo=1, hi=99))
+    """Muon: Newton-Schulz iterations that orthogonalize each update (5, Keller Jordan's and torch's default)."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Newton-Schulz precision. auto: bfloat16 on a GPU (as torch.optim.Muon: fast there), float32 on a CPU, where
     bfloat16 matmuls are emulated (17x slower than float32 on the CPUs we measured). float32 also for bit-level
@@ -58,6 +65,10 @@ class OptimizerConfig:
     beta1 from the first step (0.96^1000 ~ 2e-18), the constant high momentum of Ajanthan et al.'s Nesterov baseline for
     asynchronous pipelines; torch's default 0.004 ramps it from 0.50 (step 1) to only 0.89 at step 10k."""
     delay_correction: Literal["none", "error_feedback"] = "none"
+    """What corrects a one-step-old gradient's update (2BW, ``simulate_delay: 1``): ``none``, or ``error_feedback``,
+    the update-level Error-Feedback extrapolation ``x[t+1] = x[t] - u[t] - lambda (u[t] - u[t-1])`` (lambda:
+    ``ef_lambda``; 1 gives ``x[t] - 2 u[t] + u[t-1]``), for any optimizer, at the cost of one parameter-sized buffer
+    (``optim/ef.py``). It closes most of AdamW's delay gap; Muon loses little without it."""
     ef_lambda: Union[float, Literal[EF_AUTO, EF_LEARNED]] = field(default=1.0, metadata=_range(lo=0.0))
     """Error-feedback extrapolation weight: a number >= 0 (1.0 is the paper's); ``auto``: per parameter tensor and
     step, ``clip(cos(u[t], u[t-1]), 0, 1)``, the extrapolation trusted as far as consecutive updates agree; or

@@ -95,6 +95,9 @@ class PipelineConfig:
     numbers). ``interleaved1f1b``, ``zbv`` and ``dualpipev`` hold several stages per process: ``hf-asyncpp plan``
     compares them; training refuses them (the executor runs one stage per process)."""
     num_stages: int = field(default=1, metadata=bounds(lo=1))
+    """Pipeline stages: the model's decoder layers split into this many consecutive parts, one process each
+    (times the data-parallel replicas: ``hf-asyncpp train`` starts them; under a launcher the world size must be a
+    multiple). 1 with ``schedule: none`` trains the whole model in each process."""
     num_microbatches: int = field(default=4, metadata=bounds(lo=1))
     """Microbatches per optimizer step (gradients accumulated over them)."""
     microbatch_size: int = field(default=4, metadata=bounds(lo=1))
@@ -137,7 +140,12 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class TrainingConfig:
     output_dir: str = "runs/default"
+    """The run folder: checkpoints, ``metrics.jsonl``, the resolved recipe, the loss curve and ``export/``. One run
+    per folder (a lock); a second run into it resumes (``resume_from_checkpoint``) or must say
+    ``overwrite_output_dir``."""
     max_steps: int = field(default=100, metadata=bounds(lo=1))
+    """Optimizer steps of the run (each ``num_microbatches`` x ``microbatch_size`` sequences per data-parallel
+    replica); the lr schedule spans them."""
     warmup_steps: Union[int, float] = field(default=0, metadata=bounds(lo=0))
     """Linear warm-up from 0 to the peak lr, as transformers 5: an integer is a number of steps, a number in [0, 1)
     a fraction of ``max_steps``."""
@@ -152,6 +160,7 @@ class TrainingConfig:
     max_grad_norm: float = field(default=1.0, metadata=bounds(lo=0.0))
     """Global gradient-norm clip across all stages (0 disables)."""
     seed: int = 42
+    """Seed of the model's initialisation (the same whole and split), the data order and every rank's own stream."""
     bf16: bool = False
     """bf16 autocast for forward and backward; the optimizer's weights and state stay fp32. In a pipeline each weight
     version holds the matrices autocast casts, and the MoE expert stacks, as one bf16 copy made at its step (no
@@ -174,11 +183,15 @@ class TrainingConfig:
     the model's head is a plain linear layer under transformers' ``ForCausalLMLoss`` (not Gemma-2/3's soft-capping,
     Cohere's or Granite's logit scaling); ``true`` requires it; ``false`` keeps transformers' head and loss."""
     logging_steps: int = field(default=10, metadata=bounds(lo=1))
+    """Log every N steps: the mean over the interval, as the HF Trainer logs (``metrics.jsonl`` keeps every step;
+    logging never drains the pipeline)."""
     eval_steps: int = field(default=0, metadata=bounds(lo=0))
     """Evaluate every N steps (0: only at the end)."""
     save_steps: int = field(default=0, metadata=bounds(lo=0))
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: Optional[int] = field(default=2, metadata=bounds(lo=1))
+    """Complete checkpoints kept in ``output_dir`` (the newest, the one just written always among them); null:
+    all."""
     resume_from_checkpoint: Union[str, bool, None] = None
     """``latest`` or a checkpoint directory; ``true`` (the Trainer's value) means ``latest``."""
     overwrite_output_dir: bool = False
@@ -231,12 +244,15 @@ class TrainingConfig:
 @dataclass(kw_only=True)
 class HubConfig:
     push_to_hub: bool = False
+    """Push the exported model (and, by ``hub_strategy``, checkpoints) to the Hugging Face Hub."""
     hub_model_id: Optional[str] = None
+    """The Hub repository (``user/name``) pushes go to; required with ``push_to_hub``, created if missing."""
     hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = "end"
     """As the HF Trainer's: ``end`` pushes the exported model at the end; ``every_save`` also pushes the model (a
     loadable HF folder) at every checkpoint; ``checkpoint`` also pushes the latest checkpoint to ``last-checkpoint/``
     (resumable); ``all_checkpoints`` pushes every checkpoint to its own folder. Pushes run in the background."""
     private: bool = True
+    """Create the Hub repository private (an existing one keeps its visibility)."""
     license: Optional[str] = None
     """Card metadata, e.g. ``apache-2.0``."""
     language: Optional[list[str]] = None
