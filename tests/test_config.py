@@ -215,3 +215,11 @@ def test_every_name_from_elsewhere_points_at_a_field(tmp_path):
     for name, (_, here, _) in FOREIGN_NAMES.items():
         assert name not in names, name
         assert here is None or here in fields or here.startswith("model.config."), (name, here)
+
+
+def test_every_recipe_field_says_what_it_means():
+    """``train --help`` and docs/recipes.md print each field's docstring: a field without one prints a blank meaning."""
+    from hf_asyncpp.config.reference import recipe_fields
+
+    blank = [f"{f.section}.{f.name}" for f in recipe_fields() if not f.doc.strip()]
+    assert not blank, f"give these fields a docstring in hf_asyncpp/config/: {blank}"
