@@ -42,8 +42,8 @@ def chunk_tokens(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
 
 class _HiddenGrad(torch.autograd.Function):
     """The loss (sum over the targets, divided by ``denom``) and, when asked, both gradients, chunk by chunk. Its node
-    holds only the hidden states' gradient, so that zero-bubble schedules, which run the weights' part of a backward
-    again from :class:`_WeightGrad`'s node, never run this one twice (its gradient is scaled in place)."""
+    holds only the hidden states' gradient; the head's weight gradient is :class:`_WeightGrad`'s, so that a
+    zero-bubble W (the weights' part of a backward, run again from the I's intermediates) recomputes nothing here."""
 
     @staticmethod
     def forward(ctx, h, w, b, targets, denom, chunk: int, grads: bool, ignore_index: int):
@@ -86,20 +86,21 @@ class _HiddenGrad(torch.autograd.Function):
         loss = total / denom
         if not grads:
             return loss, None, None
-        ctx.save_for_backward(dh)
-        ctx.shape, ctx.used = h.shape, False
+        ctx.dh = dh  # not saved_tensors: its version moves with the in-place scaling below
+        ctx.shape, ctx.scaled_by = h.shape, None
         out = (dw, db) if db is not None else (dw,)
         ctx.mark_non_differentiable(*out)
         return loss, dw, db
 
     @staticmethod
     def backward(ctx, g, *_):
-        if ctx.used:
-            raise RuntimeError("the fused loss's hidden-state gradient was asked for twice (a second backward through "
-                               "the same graph); it is scaled in place once")
-        ctx.used = True
-        (dh,) = ctx.saved_tensors
-        return dh.mul_(g).view(ctx.shape), None, None, None, None, None, None, None
+        # The hidden states' gradient is scaled in place (a copy would double the last stage's peak). A second
+        # traversal of the graph is the zero-bubble W re-entering it with the gradient the I gave (the split backward
+        # clamps every intermediate to it): rescaling by g / g_before is then a multiplication by exactly 1.
+        dh = ctx.dh
+        dh.mul_(g if ctx.scaled_by is None else g / ctx.scaled_by)
+        ctx.scaled_by = g
+        return dh.view(ctx.shape), None, None, None, None, None, None, None
 
 
 class _WeightGrad(torch.autograd.Function):
