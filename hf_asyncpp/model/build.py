@@ -203,6 +203,23 @@ def compile_layers(layers, backend: str | None = None) -> None:
         layer.compile(backend=backend or "inductor")
 
 
+LIMIT_HIT = "recompile limit"
+"""What Dynamo's message says when a frame has hit ``recompile_limit``: from then on that code runs eagerly."""
+
+
+def compile_counts() -> dict[str, int]:
+    """What this process's ``torch.compile`` has done so far, from Dynamo's own counters (a dict read, no device
+    work): ``graphs`` compiled, ``frames`` converted, ``graph_breaks``, and ``eager_fallbacks``, the times a frame hit
+    the recompile limit and was left to run eagerly (Dynamo only logs it). A decoder stage compiles 2 graphs at its
+    first step (its first layer, then one its other layers share) and 2 more at its first evaluation (no grad); any
+    growth after that is a recompile the run pays again and again."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "frames": int(counters["frames"]["ok"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "eager_fallbacks": int(sum(n for msg, n in counters["unimplemented"].items() if LIMIT_HIT in msg.lower()))}
+
+
 def enable_activation_checkpointing(model) -> None:
     """Turn on the model's own activation checkpointing: each decoder layer (a ``GradientCheckpointingLayer``)
     recomputes its activations in the backward, so a microbatch in flight keeps only the layers' inputs.

@@ -1,0 +1,106 @@
+"""The compiled program (``training.torch_compile``, on by default on a GPU) through the real ``PipelineEngine``.
+
+On CPU the backend is ``aot_eager``: Dynamo's graphs and AOTAutograd's forward/backward split exactly as on a GPU,
+the kernels run eagerly, so the numbers must be the eager run's. What is checked, per stage, with Dynamo's own
+counters (``model.build.compile_counts``):
+
+- the same weights are held per version in bf16 with and without compile (the discovery forward runs eagerly: a
+  compiled layer shows autograd no casts);
+- a stage compiles at most 2 graphs at its first step (its first layer, and one its other layers share) and at most 2
+  more at its first evaluation (no grad), dense and mixture-of-experts alike (the router capture adds no guard per
+  layer), then none: no graph break, no recompile, no frame left to run eagerly at the recompile limit;
+- compiled runs give the eager runs' losses, norms and weights bit for bit (2BW with Muon + EF, an MoE with its
+  router aux loss, activation checkpointing).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dist_utils import run_distributed
+from support import LLAMA, MIXTRAL, SEQ, build, make_batches, make_recipe
+
+RUNS = {"dense 2bw muon+ef": (LLAMA, "2bw", 2, 2, 2, "muon", True),
+        "moe 2bw aux": (MIXTRAL, "2bw", 2, 2, 2, "adamw", False)}
+
+
+def _variant(recipe, compiled: bool, checkpointing: bool = False):
+    recipe = copy.deepcopy(recipe)
+    recipe.training.bf16 = True
+    recipe.training.torch_compile, recipe.training.torch_compile_backend = compiled, "aot_eager"
+    recipe.training.gradient_checkpointing = checkpointing
+    return recipe
+
+
+def worker(rank, world, jobs):
+    """Each job (recipe, 4 batches, eval blocks or None): the step results, evaluations, merged weights, the names
+    held in bf16 and the compile counts after step 1, after the first evaluation, and after 3 more steps and an
+    evaluation (without blocks: the same steps, no evaluation)."""
+    from hf_asyncpp.model.build import compile_counts
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+    from torch._dynamo.utils import counters
+
+    out = []
+    for recipe, batches, blocks in jobs:
+        torch._dynamo.reset()  # each job's layers are new modules: nothing compiled for an earlier job is reused
+        counters.clear()
+        topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
+        eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
+        counts = [compile_counts()]
+        res = eng.train_steps(batches[:1], 0)
+        counts.append(compile_counts())
+        nll = [eng.eval_nll(blocks, 2)] if blocks is not None else []
+        counts.append(compile_counts())
+        res += eng.train_steps(batches[1:], 1)
+        nll += [eng.eval_nll(blocks, 2)] if blocks is not None else []
+        counts.append(compile_counts())
+        cast = sorted(eng.versions.cast or ())
+        out.append((res, nll, eng.full_state_dict(), cast, counts))
+        eng.close()
+    return out
+
+
+def _identical(a, b, name):
+    key = lambda res: [(r.loss, r.grad_norm, r.lr, r.applied) for r in res]
+    assert key(a[0]) == key(b[0]), name
+    assert a[1] == b[1], name  # the evaluations' summed NLL and token counts
+    assert (a[2] is None) == (b[2] is None), name  # the merged weights: on the main process
+    assert a[2] is None or a[2].keys() == b[2].keys(), name
+    for k in a[2] or ():
+        assert torch.equal(a[2][k], b[2][k]), f"{name}: {k}"
+
+
+def test_compiled_stages_compile_few_graphs_and_train_as_eager():
+    names = list(RUNS) + ["dense 2bw checkpointed"]
+    specs = [(RUNS[n], n.endswith("checkpointed")) for n in RUNS] + [(RUNS["dense 2bw muon+ef"], True)]
+    blocks = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(7))
+    jobs = []
+    for i, (spec, ckpt) in enumerate(specs):
+        rec = make_recipe(*spec)
+        batches = make_batches(4, spec[3], spec[4], seed=600 + i)
+        jobs += [(_variant(rec, False, ckpt), batches, blocks), (_variant(rec, True, ckpt), batches, blocks)]
+    # the dense run again without its evaluations: an evaluation reads the newest version's bf16 copies first (under
+    # no grad), and the training steps after it must still send their gradients to the weights
+    jobs.append((jobs[0][0], jobs[0][1], None))
+    per_rank = run_distributed(worker, 2, jobs)
+    for stage, results in enumerate(per_rank):
+        for j, name in enumerate(names):
+            eager, compiled = results[2 * j], results[2 * j + 1]
+            where = f"{name}, stage {stage}"
+            # the same weights held in bf16 per version (the linear weights; the MoE's expert stacks too)
+            assert compiled[3] == eager[3] and eager[3], (where, eager[3], compiled[3])
+            if name.startswith("moe"):
+                assert any(n.endswith("experts.gate_up_proj") for n in eager[3]), where
+            assert eager[4][-1]["graphs"] == 0, where  # the eager run compiled nothing
+            start, step1, eval1, end = compiled[4]
+            assert start["graphs"] == 0, (where, start)  # building the engine compiles nothing
+            assert 1 <= step1["graphs"] <= 2, (where, step1)
+            assert eval1["graphs"] - step1["graphs"] <= 2, (where, eval1)
+            assert end["graphs"] == eval1["graphs"] and end["frames"] == eval1["frames"], (where, end)
+            assert end["graph_breaks"] == 0 and end["eager_fallbacks"] == 0, (where, end)
+            # aot_eager runs the eager kernels: the compiled run is the eager run, bit for bit
+            _identical(compiled, eager, where)
+        unevaluated = results[-1]
+        _identical((unevaluated[0], results[0][1], *unevaluated[2:]), results[0], f"evaluations, stage {stage}")
