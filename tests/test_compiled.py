@@ -15,14 +15,20 @@ counters (``model.build.compile_counts``):
 from __future__ import annotations
 
 import copy
+import json
+import logging
 
 import torch
+from torch._dynamo.utils import counters
 
 from dist_utils import run_distributed
+from hf_asyncpp.model.build import compile_counts
+from hf_asyncpp.run.reporting import RunLog
 from support import LLAMA, MIXTRAL, SEQ, build, make_batches, make_recipe
 
-RUNS = {"dense 2bw muon+ef": (LLAMA, "2bw", 2, 2, 2, "muon", True),
-        "moe 2bw aux": (MIXTRAL, "2bw", 2, 2, 2, "adamw", False)}
+# 3 layers a stage: its first layer, and two that must share one graph (a guard per layer index would split them)
+RUNS = {"dense 2bw muon+ef": ({**LLAMA, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "muon", True),
+        "moe 2bw aux": ({**MIXTRAL, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "adamw", False)}
 
 
 def _variant(recipe, compiled: bool, checkpointing: bool = False):
@@ -104,3 +110,30 @@ def test_compiled_stages_compile_few_graphs_and_train_as_eager():
             _identical(compiled, eager, where)
         unevaluated = results[-1]
         _identical((unevaluated[0], results[0][1], *unevaluated[2:]), results[0], f"evaluations, stage {stage}")
+
+
+def test_a_recompile_limit_hit_is_counted_and_said_once(tmp_path, caplog):
+    """Dynamo only logs that a function hit its recompile limit and now runs eagerly: ``compile_counts`` counts it
+    (a real hit: a guard on a Python string that changes per call), and the run log says it once, with the cause
+    and the fix, however many drain points report it."""
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x, tag: x + len(tag), backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for tag in ("a", "bb", "ccc", "dddd"):  # a guard on the string's value: a new graph per call, until the limit
+            f(torch.ones(2), tag)
+    counts = compile_counts()
+    assert counts["graphs"] == 2 and counts["recompiles"] >= 1 and counts["eager_fallbacks"] >= 1, counts
+    clean = {**counts, "eager_fallbacks": 0}
+    runlog = RunLog.__new__(RunLog)  # what compile_stats uses: the file, the main-process flag, the said-once flag
+    runlog.path, runlog.main, runlog.compile_warned = tmp_path / "metrics.jsonl", True, False
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        runlog.compile_stats(2, [clean, clean])
+        assert "recompile limit" not in caplog.text
+        runlog.compile_stats(4, [clean, counts])
+        runlog.compile_stats(6, [counts, counts])
+    said = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(said) == 1 and "rank 1 " in said[0] and "TORCH_LOGS=recompiles" in said[0], said
+    assert "training.torch_compile: false" in said[0] and "\n" not in said[0]
+    rows = [json.loads(x) for x in runlog.path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6] and rows[1]["compile"]["eager_fallbacks"] == [0, counts["eager_fallbacks"]]

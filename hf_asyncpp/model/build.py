@@ -209,13 +209,17 @@ LIMIT_HIT = "recompile limit"
 
 def compile_counts() -> dict[str, int]:
     """What this process's ``torch.compile`` has done so far, from Dynamo's own counters (a dict read, no device
-    work): ``graphs`` compiled, ``frames`` converted, ``graph_breaks``, and ``eager_fallbacks``, the times a frame hit
-    the recompile limit and was left to run eagerly (Dynamo only logs it). A decoder stage compiles 2 graphs at its
-    first step (its first layer, then one its other layers share) and 2 more at its first evaluation (no grad); any
-    growth after that is a recompile the run pays again and again."""
+    work): ``graphs`` compiled, ``frames`` converted, ``recompiles`` (compilations of a function after its first),
+    ``graph_breaks``, and ``eager_fallbacks``, the times a function hit the recompile limit and was left to run
+    eagerly (Dynamo only logs it). A decoder stage compiles 2 graphs at its first step (its first layer, then one its
+    other layers share: 1 recompile) and 2 more at its first evaluation (no grad); any growth after that is a
+    recompile the run pays again and again."""
+    from torch._dynamo import convert_frame
     from torch._dynamo.utils import counters
 
+    per_function = getattr(convert_frame, "FRAME_COMPILE_COUNTER", {})  # function -> times compiled
     return {"graphs": int(counters["stats"]["unique_graphs"]), "frames": int(counters["frames"]["ok"]),
+            "recompiles": int(sum(n - 1 for n in per_function.values() if n > 1)),
             "graph_breaks": int(sum(counters["graph_break"].values())),
             "eager_fallbacks": int(sum(n for msg, n in counters["unimplemented"].items() if LIMIT_HIT in msg.lower()))}
 

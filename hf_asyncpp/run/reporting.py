@@ -85,6 +85,15 @@ def device_peak_flops(override_tflops: float | None) -> float | None:
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
 
 
+def compile_fallback_line(ranks: list[int]) -> str:
+    """The one line said when ``torch.compile`` gave up on the decoder layers of ``ranks``: its cause and the fix."""
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit")
+    return (f"torch.compile: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} hit Dynamo's recompile "
+            f"limit ({limit}): a guard of the compiled decoder layers failed call after call (a Python value that "
+            "differs per layer or per microbatch), so Dynamo stopped compiling them and those calls now run eagerly; "
+            "run with TORCH_LOGS=recompiles to see the guard and remove its cause, or set training.torch_compile: false")
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl (a missing file reads as none). A line that is not a JSON record (a run
     killed, or a disk filled, in the middle of writing it) is left out with a warning naming it."""
@@ -165,6 +174,7 @@ class RunLog:
         self.interval: list[dict] = []
         self.bar = None
         self.evaluated: set[int] = set()  # steps metrics.jsonl holds an evaluation of (a resume keeps those before it)
+        self.compile_warned = False  # the recompile-limit warning is said once per run
         if self.main:
             self._truncate(state.step)
             t = recipe.training
@@ -248,6 +258,18 @@ class RunLog:
             self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
                                   "eval/tokens": tokens}, step=step)
         return rec
+
+    def compile_stats(self, step: int, per_rank: list[dict] | None) -> None:
+        """What ``torch.compile`` has done on each rank so far (``model.build.compile_counts``, gathered at a drain
+        point): one ``{"step", "compile": {count: [per rank]}}`` record, and one warning line the first time a rank
+        hit the recompile limit, whose layers then run eagerly with nothing but Dynamo's own log line to say so."""
+        if not self.main or not per_rank:
+            return
+        self._write({"step": step, "compile": {k: [c[k] for c in per_rank] for k in per_rank[0]}})
+        hit = [r for r, c in enumerate(per_rank) if c["eager_fallbacks"]]
+        if hit and not self.compile_warned:
+            self.compile_warned = True
+            log.warning(compile_fallback_line(hit))
 
     def record(self, step: int, rec: dict) -> None:
         """Other evaluation results of a step (e.g. ``eval/<task>/acc``): to ``metrics.jsonl`` and the trackers."""

@@ -28,7 +28,7 @@ from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_trai
 from ..engine import Engine, LocalEngine, SkipLimit
 from ..errors import RecipeError, StageLocalError
 from ..launch.spawn import launch_command, processes_needed
-from ..model.build import build_model, meta_model
+from ..model.build import build_model, compile_counts, compile_wanted, meta_model
 from ..pipeline.autosplit import auto_split
 from ..pipeline.executor import PipelineEngine
 from ..pipeline.profile import write_report
@@ -121,6 +121,17 @@ def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
     return {k: str(p) for k, p in found.items() if p is not None and p.exists()}
 
 
+def gathered_compile_counts() -> list[dict]:
+    """Every rank's ``compile_counts`` on the main process (None elsewhere): a collective, made at drain points only,
+    where every rank is between the same two actions and nothing is in flight."""
+    counts = compile_counts()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [counts]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(counts, out, dst=0)
+    return out
+
+
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary: the final eval loss/perplexity, the export's, and under ``files`` where the
     run's outputs are (:func:`run_files`; on the main process)."""
@@ -202,6 +213,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     skips = SkipLimit(t.max_consecutive_skips, math.ceil(t.max_skipped_fraction * t.max_steps))
     saved_at = state.step if resume is not None else None  # the step of the newest checkpoint of this run
     stopping = False
+    compiled = compile_wanted(t.torch_compile)
     runlog.restart_clock()
     try:
         for end in drain_points(state.step, recipe):
@@ -213,6 +225,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             stopping = engine.stopped or engine.agree_stop()
             if not stopping and t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
+            if compiled:  # the graphs each rank compiled so far (its evaluation's too), recompiles, eager fallbacks
+                runlog.compile_stats(state.step, gathered_compile_counts())
             due = (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps)
             if (due or stopping) and saved_at != state.step:
                 checkpointer.save(state, engine, stream)
