@@ -27,8 +27,9 @@ from hf_asyncpp.run.reporting import RunLog
 from support import LLAMA, MIXTRAL, SEQ, build, make_batches, make_recipe
 
 # 3 layers a stage: its first layer, and two that must share one graph (a guard per layer index would split them)
-RUNS = {"dense 2bw muon+ef": ({**LLAMA, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "muon", True),
-        "moe 2bw aux": ({**MIXTRAL, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "adamw", False)}
+RUNS = {"dense 2bw muon+ef": ({**LLAMA, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "muon", True, False),
+        "moe 2bw aux": ({**MIXTRAL, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "adamw", False, False),
+        "moe 1f1b aux checkpointed": ({**MIXTRAL, "num_hidden_layers": 6}, "1f1b", 2, 2, 2, "muon", False, True)}
 
 
 def _variant(recipe, compiled: bool, checkpointing: bool = False):
@@ -39,28 +40,41 @@ def _variant(recipe, compiled: bool, checkpointing: bool = False):
     return recipe
 
 
-def worker(rank, world, jobs):
-    """Each job (recipe, 4 batches, eval blocks or None): the step results, evaluations, merged weights, the names
-    held in bf16 and the compile counts after step 1, after the first evaluation, and after 3 more steps and an
-    evaluation (without blocks: the same steps, no evaluation)."""
-    from hf_asyncpp.model.build import compile_counts
+def worker(rank, world, jobs, tmp):
+    """Each job (recipe, 4 batches, eval blocks or None, resume_at): the step results, evaluations, merged weights,
+    the names held in bf16 and the compile counts after step 1, after the first evaluation, and after 3 more steps
+    and an evaluation (without blocks: the same steps, no evaluation; with ``resume_at``: saved after that step, the
+    rest trained by a new engine that loaded the checkpoint)."""
+    from pathlib import Path
+
     from hf_asyncpp.pipeline.executor import PipelineEngine
     from hf_asyncpp.topology import Topology
-    from torch._dynamo.utils import counters
 
     out = []
-    for recipe, batches, blocks in jobs:
+    for j, (recipe, batches, blocks, resume_at) in enumerate(jobs):
         torch._dynamo.reset()  # each job's layers are new modules: nothing compiled for an earlier job is reused
         counters.clear()
         topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
         eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
-        counts = [compile_counts()]
+        counts, nll = [compile_counts()], []
         res = eng.train_steps(batches[:1], 0)
         counts.append(compile_counts())
-        nll = [eng.eval_nll(blocks, 2)] if blocks is not None else []
+        if blocks is not None:
+            nll.append(eng.eval_nll(blocks, 2))
         counts.append(compile_counts())
-        res += eng.train_steps(batches[1:], 1)
-        nll += [eng.eval_nll(blocks, 2)] if blocks is not None else []
+        if resume_at:
+            res += eng.train_steps(batches[1:resume_at], 1)
+            folder = Path(tmp) / f"job{j}"
+            folder.mkdir(exist_ok=True)
+            eng.save(folder)
+            eng.close()
+            eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
+            eng.load(folder)
+            res += eng.train_steps(batches[resume_at:], resume_at)
+        else:
+            res += eng.train_steps(batches[1:], 1)
+        if blocks is not None:
+            nll.append(eng.eval_nll(blocks, 2))
         counts.append(compile_counts())
         cast = sorted(eng.versions.cast or ())
         out.append((res, nll, eng.full_state_dict(), cast, counts))
@@ -78,21 +92,21 @@ def _identical(a, b, name):
         assert torch.equal(a[2][k], b[2][k]), f"{name}: {k}"
 
 
-def test_compiled_stages_compile_few_graphs_and_train_as_eager():
-    names = list(RUNS) + ["dense 2bw checkpointed"]
-    specs = [(RUNS[n], n.endswith("checkpointed")) for n in RUNS] + [(RUNS["dense 2bw muon+ef"], True)]
+def test_compiled_stages_compile_few_graphs_and_train_as_eager(tmp_path):
     blocks = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(7))
     jobs = []
-    for i, (spec, ckpt) in enumerate(specs):
+    for i, (*spec, ckpt) in enumerate(RUNS.values()):
         rec = make_recipe(*spec)
         batches = make_batches(4, spec[3], spec[4], seed=600 + i)
-        jobs += [(_variant(rec, False, ckpt), batches, blocks), (_variant(rec, True, ckpt), batches, blocks)]
+        jobs += [(_variant(rec, False, ckpt), batches, blocks, 0), (_variant(rec, True, ckpt), batches, blocks, 0)]
     # the dense run again without its evaluations: an evaluation reads the newest version's bf16 copies first (under
-    # no grad), and the training steps after it must still send their gradients to the weights
-    jobs.append((jobs[0][0], jobs[0][1], None))
-    per_rank = run_distributed(worker, 2, jobs)
+    # no grad), and the training steps after it must still send their gradients to the weights; and compiled, saved
+    # after step 2 and resumed by a new engine
+    dense, dense_batches = jobs[0][0], jobs[0][1]
+    jobs += [(dense, dense_batches, None, 0), (jobs[1][0], dense_batches, None, 2)]
+    per_rank = run_distributed(worker, 2, jobs, str(tmp_path))
     for stage, results in enumerate(per_rank):
-        for j, name in enumerate(names):
+        for j, name in enumerate(RUNS):
             eager, compiled = results[2 * j], results[2 * j + 1]
             where = f"{name}, stage {stage}"
             # the same weights held in bf16 per version (the linear weights; the MoE's expert stacks too)
@@ -108,8 +122,15 @@ def test_compiled_stages_compile_few_graphs_and_train_as_eager():
             assert end["graph_breaks"] == 0 and end["eager_fallbacks"] == 0, (where, end)
             # aot_eager runs the eager kernels: the compiled run is the eager run, bit for bit
             _identical(compiled, eager, where)
-        unevaluated = results[-1]
+        unevaluated, resumed = results[-2], results[-1]
         _identical((unevaluated[0], results[0][1], *unevaluated[2:]), results[0], f"evaluations, stage {stage}")
+        # compiled and resumed against eager and straight: as tests/test_bf16_versions.py's resume (a restored norm's
+        # sum may round its last bit)
+        as_tensor = lambda r: torch.tensor([(x.loss, x.grad_norm, x.lr) for x in r[0]], dtype=torch.float64)
+        torch.testing.assert_close(as_tensor(resumed), as_tensor(unevaluated), rtol=1e-9, atol=0)
+        assert resumed[3] == unevaluated[3]
+        for k in unevaluated[2] or ():
+            torch.testing.assert_close(resumed[2][k], unevaluated[2][k], rtol=1e-6, atol=1e-7)
 
 
 def test_a_recompile_limit_hit_is_counted_and_said_once(tmp_path, caplog):

@@ -199,6 +199,12 @@ def compile_layers(layers, backend: str | None = None) -> None:
     layers = list(layers)
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 2 * len(layers) + 8))
+    # an MoE stage's router hooks write the router logits to a list from inside the layer; under activation
+    # checkpointing Dynamo refuses that side effect inside the checkpoint (a graph break per layer) unless told it
+    # need not be replayed by the recomputation: it never is, the hooks are removed when the forward returns
+    # (partition.aux._capture), before any backward recomputes
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile(backend=backend or "inductor")
 
