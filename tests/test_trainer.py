@@ -66,6 +66,7 @@ def test_a_compiled_run_records_its_compiles_and_trains_as_the_eager_one(tmp_pat
                   optimizer__delay_correction="error_feedback", training__bf16=True, training__eval_steps=3)
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     train(recipe_from_dict(tiny(eager, training__torch_compile=False, **common)))
+    torch._dynamo.reset()  # nothing another test compiled in this process is reused (the run counts its own)
     with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
         train(recipe_from_dict(tiny(compiled, training__torch_compile=True, training__torch_compile_backend="aot_eager",
                                     **common)))

@@ -121,10 +121,11 @@ def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
     return {k: str(p) for k, p in found.items() if p is not None and p.exists()}
 
 
-def gathered_compile_counts() -> list[dict]:
-    """Every rank's ``compile_counts`` on the main process (None elsewhere): a collective, made at drain points only,
-    where every rank is between the same two actions and nothing is in flight."""
-    counts = compile_counts()
+def gathered_compile_counts(since: dict[str, int]) -> list[dict] | None:
+    """Every rank's ``compile_counts`` since ``since`` (its counts when the run began: the process may have compiled
+    before) on the main process (None elsewhere): a collective, made at drain points only, where every rank is
+    between the same two actions and nothing is in flight."""
+    counts = {k: n - since.get(k, 0) for k, n in compile_counts().items()}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [counts]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -184,6 +185,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
         rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
     set_seed(t.seed)  # the same initial weights on every rank
+    compiled = compile_counts() if compile_wanted(t.torch_compile) else None  # what compiles from here is the run's
     engine = make_engine(recipe, tokenizer, topo)
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
     stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
@@ -213,7 +215,6 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     skips = SkipLimit(t.max_consecutive_skips, math.ceil(t.max_skipped_fraction * t.max_steps))
     saved_at = state.step if resume is not None else None  # the step of the newest checkpoint of this run
     stopping = False
-    compiled = compile_wanted(t.torch_compile)
     runlog.restart_clock()
     try:
         for end in drain_points(state.step, recipe):
@@ -225,8 +226,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             stopping = engine.stopped or engine.agree_stop()
             if not stopping and t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
-            if compiled:  # the graphs each rank compiled so far (its evaluation's too), recompiles, eager fallbacks
-                runlog.compile_stats(state.step, gathered_compile_counts())
+            if compiled is not None:  # each rank's graphs so far (its evaluation's too), recompiles, eager fallbacks
+                runlog.compile_stats(state.step, gathered_compile_counts(compiled))
             due = (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps)
             if (due or stopping) and saved_at != state.step:
                 checkpointer.save(state, engine, stream)
