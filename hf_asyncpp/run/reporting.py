@@ -5,7 +5,8 @@ num_input_tokens_seen, tokens_per_s, applied, elapsed_s, train_s``: seconds sinc
 the result arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
 time-to-loss comparison; a single-process MoE run whose config sets ``output_router_logits`` adds
 ``router_aux_loss`` and ``expert_tokens``, the tokens each layer's router sent to each expert that step) and one per
-evaluation (``eval_loss, eval_ppl, eval_tokens``). Where a number is one the HF
+evaluation (``eval_loss, eval_ppl, eval_tokens``); a compiled run (``training.torch_compile``) one per drain point
+(``compile``: Dynamo's counts per rank, :meth:`RunLog.compile_stats`). Where a number is one the HF
 Trainer logs, it has the Trainer's name, so a script written for a Trainer's ``log_history`` reads ours. The trackers
 and the log get the mean over each ``training.logging_steps`` interval, as the HF Trainer does (:func:`interval_log`).
 Reporting never waits on the pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing
