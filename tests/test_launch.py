@@ -284,3 +284,30 @@ def test_logging_steps_change_nothing_computed(tmp_path, straight_24):
     assert rows[1] == rows[7]  # bitwise
     for s, tensors in weights[1].items():
         assert all(torch.equal(t, weights[7][s][k]) for k, t in tensors.items()), s
+
+
+def test_the_launcher_gives_cuda_ranks_the_expandable_allocator_unless_the_user_set_one():
+    """The ranks the launcher starts on GPUs inherit ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; on CPU
+    nothing is added, and a value the user set reaches the ranks unchanged."""
+    from hf_asyncpp.launch.spawn import CUDA_ALLOC, _environment, worker_env
+    from support import LLAMA, make_recipe
+
+    recipe, key = make_recipe(LLAMA, "2bw", 2, 2, 2), CUDA_ALLOC[0]
+    assert worker_env(recipe, "errors", False, gpus=2, environ={})[key] == "expandable_segments:True"
+    assert key not in worker_env(recipe, "errors", False, gpus=0, environ={})
+    user = {key: "max_split_size_mb:128"}
+    assert key not in worker_env(recipe, "errors", False, gpus=2, environ=user)
+    read = [sys.executable, "-c", f"import os; print(os.environ.get({key!r}))"]
+    for gpus, outside, seen in ((2, None, "expandable_segments:True"), (2, "max_split_size_mb:128", "max_split_size_mb:128"),
+                                (0, None, "None")):
+        before = os.environ.pop(key, None)
+        try:
+            if outside is not None:
+                os.environ[key] = outside
+            with _environment(worker_env(recipe, "errors", False, gpus=gpus)):  # as spawn() starts torchrun
+                child = subprocess.run(read, capture_output=True, text=True, check=True).stdout.strip()
+        finally:
+            os.environ.pop(key, None)
+            if before is not None:
+                os.environ[key] = before
+        assert child == seen, (gpus, outside, child)

@@ -55,6 +55,31 @@ def test_resume_equals_uninterrupted(tmp_path, opt, delay, ef, dropout):
     assert a[-1] < a[0]
 
 
+def test_a_compiled_run_records_its_compiles_and_trains_as_the_eager_one(tmp_path, caplog):
+    """``training.torch_compile`` (aot_eager: the eager kernels) through the trainer, one pipeline stage with bf16
+    weight versions and an evaluation every 3 steps: the losses of the eager run bit for bit, and metrics.jsonl says
+    per rank what Dynamo compiled at each drain point: the stage's 2 training and 2 evaluation graphs, none after,
+    no graph break, no fallback to eager (and so no warning)."""
+    from hf_asyncpp.run.trainer import train
+
+    common = dict(pipeline__schedule="2bw", pipeline__num_stages=1, optimizer__name="muon",
+                  optimizer__delay_correction="error_feedback", training__bf16=True, training__eval_steps=3)
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    train(recipe_from_dict(tiny(eager, training__torch_compile=False, **common)))
+    torch._dynamo.reset()  # nothing another test compiled in this process is reused (the run counts its own)
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        train(recipe_from_dict(tiny(compiled, training__torch_compile=True, training__torch_compile_backend="aot_eager",
+                                    **common)))
+    assert losses(compiled) == losses(eager) and len(losses(eager)) == 6
+    rows = [json.loads(x) for x in (compiled / "metrics.jsonl").read_text().splitlines()]
+    stats = {r["step"]: r["compile"] for r in rows if "compile" in r}
+    assert sorted(stats) == [3, 6], stats  # each drain point: an evaluation's, the end's
+    assert stats[3]["graphs"] == [4] and stats[6] == stats[3], stats  # 2 + 2, compiled before step 3's record
+    assert stats[3]["graph_breaks"] == stats[3]["eager_fallbacks"] == [0], stats
+    assert "compile" not in "".join((eager / "metrics.jsonl").read_text())  # an eager run has nothing to say
+    assert "recompile limit" not in caplog.text
+
+
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     from hf_asyncpp.run.trainer import train
 

@@ -286,6 +286,26 @@ def _torchrun_quiet(quiet: bool) -> Iterator[None]:
             logging.getLogger(n).setLevel(level)
 
 
+CUDA_ALLOC = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+"""The CUDA caching allocator's setting for the ranks started here: segments that grow in place instead of a new
+block per size, so the last stage's large transient logits and the optimizer's copies beside the in-flight
+microbatches do not fragment the memory into out-of-memory errors (or halved microbatches) on an 80 GB part. A
+value the user set is kept."""
+
+
+def worker_env(recipe: Recipe, errors: str, debug: bool, gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables the started ranks get on top of this process's environment (``environ``): the checked-recipe
+    mark, where they leave their errors, torchrun's restart and signal settings, and on CUDA (``gpus`` > 0) the
+    allocator's :data:`CUDA_ALLOC` unless the user set one."""
+    environ = os.environ if environ is None else environ
+    env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX,
+           # torchrun hands these to the workers (and waits for them to save) instead of dying; SIGUSR1 too
+           "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(dict.fromkeys([*recipe.training.stop_signals, *_TORCHRUN_SIGNALS]))}
+    if gpus and CUDA_ALLOC[0] not in environ:
+        env[CUDA_ALLOC[0]] = CUDA_ALLOC[1]
+    return env
+
+
 def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
     """Run ``hf_asyncpp.cli.train argv`` on ``processes_needed(recipe)`` local processes, whose recipe the caller
     checked (run/preflight.py); their exit code, and a failure's one ``error:`` line."""
@@ -304,10 +324,7 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
         args = torchrun.get_args_parser().parse_args(
             ["--standalone", f"--nproc_per_node={n}", f"--max-restarts={recipe.training.max_restarts}",
              f"--log-dir={Path(errors) / 'torchelastic'}", "--module", "hf_asyncpp.cli.train", *argv])
-        env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX,
-               # torchrun hands these to the workers (and waits for them to save) instead of dying; SIGUSR1 too
-               "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(dict.fromkeys([*recipe.training.stop_signals, *_TORCHRUN_SIGNALS]))}
-        with _environment(env), _torchrun_quiet(not debug):
+        with _environment(worker_env(recipe, errors, debug, gpus)), _torchrun_quiet(not debug):
             try:
                 torchrun.run(args)
             except ChildFailedError as e:  # the workers left their errors in `errors`

@@ -195,8 +195,35 @@ def compile_layers(layers, backend: str | None = None) -> None:
     layers = list(layers)
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 2 * len(layers) + 8))
+    # an MoE stage's router hooks write the router logits to a list from inside the layer; under activation
+    # checkpointing Dynamo refuses that side effect inside the checkpoint (a graph break per layer) unless told it
+    # need not be replayed by the recomputation: it never is, the hooks are removed when the forward returns
+    # (partition.aux._capture), before any backward recomputes
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile(backend=backend or "inductor")
+
+
+LIMIT_HIT = "recompile limit"
+"""What Dynamo's message says when a frame has hit ``recompile_limit``: from then on that code runs eagerly."""
+
+
+def compile_counts() -> dict[str, int]:
+    """What this process's ``torch.compile`` has done so far, from Dynamo's own counters (a dict read, no device
+    work): ``graphs`` compiled, ``frames`` converted, ``recompiles`` (compilations of a function after its first),
+    ``graph_breaks``, and ``eager_fallbacks``, the times a function hit the recompile limit and was left to run
+    eagerly (Dynamo only logs it). A decoder stage compiles 2 graphs at its first step (its first layer, then one its
+    other layers share: 1 recompile) and 2 more at its first evaluation (no grad); any growth after that is a
+    recompile the run pays again and again."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import counters
+
+    per_function = getattr(convert_frame, "FRAME_COMPILE_COUNTER", {})  # function -> times compiled
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "frames": int(counters["frames"]["ok"]),
+            "recompiles": int(sum(n - 1 for n in per_function.values() if n > 1)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "eager_fallbacks": int(sum(n for msg, n in counters["unimplemented"].items() if LIMIT_HIT in msg.lower()))}
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -207,20 +207,27 @@ def _router_modules(layer_path: str, layer: nn.Module, recorders) -> list[tuple[
 
 @contextmanager
 def _capture(routers: list[tuple[nn.Module, int]]):
-    """Collect router logits during the block; the hooks live only as long as the forward."""
-    sink: list[torch.Tensor] = []
+    """Collect router logits during the block, in router order; the hooks live only as long as the forward.
 
-    def hook(index):
+    Each router writes to a list of its own, empty when its layer starts: under ``torch.compile`` the hook runs
+    inside the compiled layer and Dynamo guards on the length of the list it appends to, so one list shared by
+    every router would read a different length in each layer and compile each layer its own graph (and hit the
+    recompile limit on a deep stage)."""
+    slots: list[list[torch.Tensor]] = [[] for _ in routers]
+
+    def hook(slot, index):
         def fn(module, args, output):
             if not isinstance(output, tuple):
-                sink.append(output)
+                slot.append(output)
             elif output[index] is not None:
-                sink.append(output[index])
+                slot.append(output[index])
         return fn
 
-    handles = [m.register_forward_hook(hook(i)) for m, i in routers]
+    sink: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(hook(slot, i)) for slot, (m, i) in zip(slots, routers)]
     try:
         yield sink
     finally:
         for h in handles:
             h.remove()
+        sink.extend(t for slot in slots for t in slot)

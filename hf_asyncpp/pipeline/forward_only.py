@@ -11,6 +11,7 @@ Every function here is collective: every rank of the run calls it, with the same
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,10 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
     stage, p2p, topo = engine.stage, engine.p2p, engine.topo
     stage.eval()
     leaves = weights if weights is not None else engine.versions.compute_for(engine.versions.latest)
+    # before the first training step has chosen the weights held in bf16 (the evaluation of the untrained model), the
+    # weights are fp32 leaves that no later forward reads: compiled layers would compile graphs for them alone, used
+    # once, so these batches run eagerly (the kernels aot_eager and the training's compiled graphs run too)
+    eager = weights is None and engine.bf16_versions and engine.versions.cast is None
     try:
         for i, ids in enumerate(batches):
             ids = ids.to(engine.device)
@@ -39,7 +44,8 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
             if not engine.first:
                 inputs = p2p.recv(topo.stage - 1)
                 arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
-            with autocast(engine.recipe.training.bf16):
+            with autocast(engine.recipe.training.bf16), \
+                    (torch.compiler.set_stance("force_eager") if eager else nullcontext()):
                 out = functional_call(stage, leaves, (arg,), strict=False)
             if engine.last:
                 on_logits(i, out if torch.is_tensor(out) else out.logits, ids)

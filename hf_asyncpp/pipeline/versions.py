@@ -104,8 +104,12 @@ def find_casts(stage: torch.nn.Module, leaves: dict[str, torch.Tensor], arg, kwa
     expert's per-token gradients in the stack's dtype: that sum stays fp32 (autocast casts the gathered copy)."""
     device = next(iter(leaves.values())).device
     # fork_rng: this extra forward's random numbers (dropout) are given back, so the schedule's first forward draws
-    # the same ones as without it
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True):
+    # the same ones as without it. force_eager: compiled layers (``training.torch_compile``) would show autograd one
+    # ``CompiledFunctionBackward`` node per layer and no casts, so nothing would be held in bf16; run eagerly, the
+    # forward shows autocast's casts as without compile (and compiles nothing: its fp32 weights are not the bf16
+    # copies the schedule's forwards will read)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(True), \
+            torch.compiler.set_stance("force_eager"):
         out = functional_call(stage, leaves, (arg,), kwargs, strict=False)
         outs = [out] if torch.is_tensor(out) else [t for t in (out.values() if isinstance(out, dict) else out)]
         readers = leaf_readers(outs, leaves)
@@ -199,14 +203,17 @@ class Versions:
 
     def compute_for(self, v: int) -> dict[str, torch.Tensor]:
         """What version ``v``'s forward reads: its leaves, and for the names held in bf16 their copies, whose
-        gradients reach the leaves (the same autograd node for all of the version's microbatches)."""
+        gradients reach the leaves (the same autograd node for all of the version's microbatches). Made with grad
+        enabled whoever asks first: an evaluation (no grad) may be first to read the newest version, and the copies
+        it cached would otherwise carry no gradient to the leaves in the training steps that read them next."""
         leaves = self.leaves_for(v)
         if not self.cast:
             return leaves
         if v not in self.compute:
             buf = self.buffers[v]
-            self.compute[v] = {n: _Bf16Weight.apply(t, buf[n], self.add_in_place) if n in self.cast else t
-                               for n, t in leaves.items()}
+            with torch.enable_grad():
+                self.compute[v] = {n: _Bf16Weight.apply(t, buf[n], self.add_in_place) if n in self.cast else t
+                                   for n, t in leaves.items()}
         return self.compute[v]
 
     def _needed(self, v: int, latest: int) -> bool:

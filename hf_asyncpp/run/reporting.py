@@ -5,7 +5,8 @@ num_input_tokens_seen, tokens_per_s, applied, elapsed_s, train_s``: seconds sinc
 the result arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
 time-to-loss comparison; a single-process MoE run whose config sets ``output_router_logits`` adds
 ``router_aux_loss`` and ``expert_tokens``, the tokens each layer's router sent to each expert that step) and one per
-evaluation (``eval_loss, eval_ppl, eval_tokens``). Where a number is one the HF
+evaluation (``eval_loss, eval_ppl, eval_tokens``); a compiled run (``training.torch_compile``) one per drain point
+(``compile``: Dynamo's counts per rank, :meth:`RunLog.compile_stats`). Where a number is one the HF
 Trainer logs, it has the Trainer's name, so a script written for a Trainer's ``log_history`` reads ours. The trackers
 and the log get the mean over each ``training.logging_steps`` interval, as the HF Trainer does (:func:`interval_log`).
 Reporting never waits on the pipeline: records arrive as the engine yields them, so ``logging_steps`` changes nothing
@@ -83,6 +84,15 @@ def device_peak_flops(override_tflops: float | None) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def compile_fallback_line(ranks: list[int]) -> str:
+    """The one line said when ``torch.compile`` gave up on the decoder layers of ``ranks``: its cause and the fix."""
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit")
+    return (f"torch.compile: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} hit Dynamo's recompile "
+            f"limit ({limit}): a guard of the compiled decoder layers failed call after call (a Python value that "
+            "differs per layer or per microbatch), so Dynamo stopped compiling them and those calls now run eagerly; "
+            "run with TORCH_LOGS=recompiles to see the guard and remove its cause, or set training.torch_compile: false")
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -165,6 +175,7 @@ class RunLog:
         self.interval: list[dict] = []
         self.bar = None
         self.evaluated: set[int] = set()  # steps metrics.jsonl holds an evaluation of (a resume keeps those before it)
+        self.compile_warned = False  # the recompile-limit warning is said once per run
         if self.main:
             self._truncate(state.step)
             t = recipe.training
@@ -248,6 +259,18 @@ class RunLog:
             self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
                                   "eval/tokens": tokens}, step=step)
         return rec
+
+    def compile_stats(self, step: int, per_rank: list[dict] | None) -> None:
+        """What ``torch.compile`` has done on each rank so far (``model.build.compile_counts``, gathered at a drain
+        point): one ``{"step", "compile": {count: [per rank]}}`` record, and one warning line the first time a rank
+        hit the recompile limit, whose layers then run eagerly with nothing but Dynamo's own log line to say so."""
+        if not self.main or not per_rank:
+            return
+        self._write({"step": step, "compile": {k: [c[k] for c in per_rank] for k in per_rank[0]}})
+        hit = [r for r, c in enumerate(per_rank) if c["eager_fallbacks"]]
+        if hit and not self.compile_warned:
+            self.compile_warned = True
+            log.warning(compile_fallback_line(hit))
 
     def record(self, step: int, rec: dict) -> None:
         """Other evaluation results of a step (e.g. ``eval/<task>/acc``): to ``metrics.jsonl`` and the trackers."""

@@ -30,7 +30,7 @@ from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_trai
 from ..engine import Engine, LocalEngine, StepResult
 from ..errors import NonFiniteError, StageLocalError
 from ..launch.spawn import check_topology, processes_needed
-from ..model.build import build_model, meta_model
+from ..model.build import build_model, compile_counts, meta_model
 from ..plan.autosplit import auto_split
 from ..pipeline.executor import PipelineEngine
 from ..plan.profile import write_report
@@ -143,6 +143,18 @@ class SkipLimit:
                 "optimizer.learning_rate (or more warm-up)")
 
 
+def gathered_compile_counts(since: dict[str, int]) -> list[dict] | None:
+    """Every rank's ``compile_counts`` since ``since`` (its counts when the run began: the process may have compiled
+    before) on the main process (None elsewhere): a collective, made at drain points only, where every rank is
+    between the same two actions and nothing is in flight."""
+    counts = {k: n - since.get(k, 0) for k, n in compile_counts().items()}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [counts]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(counts, out, dst=0)
+    return out
+
+
 def train(recipe: Recipe, recipe_path: str = "RECIPE") -> dict:
     """Run the recipe; returns a summary: the final eval loss/perplexity, the export's, and under ``files`` where the
     run's outputs are (:func:`run_files`; on the main process)."""
@@ -195,6 +207,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
         rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
     set_seed(t.seed)  # the same initial weights on every rank
+    compiled = compile_counts() if t.compiles() else None  # what compiles from here is the run's
     engine = make_engine(recipe, tokenizer, topo)
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
     stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
@@ -235,6 +248,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             stopping = engine.stopped or engine.agree_stop()
             if not stopping and t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
+            if compiled is not None:  # each rank's graphs so far (its evaluation's too), recompiles, eager fallbacks
+                runlog.compile_stats(state.step, gathered_compile_counts(compiled))
             due = (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps)
             if (due or stopping) and saved_at != state.step:
                 checkpointer.save(state, engine, stream)
