@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
-from hf_asyncpp.plan.costs import MeasuredCosts, measure_costs
-from hf_asyncpp.plan.autosplit import auto_split
+from hf_asyncpp.model.build import compile_counts
+from hf_asyncpp.plan.costs import MeasuredCosts, measure_costs, trainer_compile
+from hf_asyncpp.plan.autosplit import auto_split, cache_key
 from support import tiny_llama
 
 MODEL = {"config": tiny_llama(8), "vocab_size": 256}
@@ -37,8 +38,8 @@ def test_step_cost_moves_the_split():
 def test_auto_split_balances_a_skewed_profile_and_hits_the_cache(tmp_path):
     calls = []
 
-    def fake_measure(model, seq_len, microbatch_size, device, optimizer, fused_loss):
-        calls.append((seq_len, microbatch_size))
+    def fake_measure(model, seq_len, microbatch_size, device, optimizer, fused_loss, compile_backend):
+        calls.append((seq_len, microbatch_size, compile_backend))
         stage = torch.nn.ModuleDict({"embed": torch.nn.Embedding(8, 4)})
         stage["embed"](torch.arange(8)).sum().backward()
         optimizer(stage).step()  # the run's optimizer (Muon's AdamW side here) is what gets timed
@@ -47,7 +48,7 @@ def test_auto_split_balances_a_skewed_profile_and_hits_the_cache(tmp_path):
     r = _recipe()
     build = lambda: torch.nn.Module()
     assert auto_split(r, build, torch.device("cpu"), fake_measure, tmp_path) == [5, 3]
-    assert calls == [(16, 2)]
+    assert calls == [(16, 2, None)]  # training on the CPU runs eager layers: so are they timed
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["costs"]["layer_steps"] == SKEWED.layer_steps
     assert auto_split(r, build, torch.device("cpu"), fake_measure, tmp_path) == [5, 3]  # second start: cached
@@ -95,3 +96,65 @@ def test_measure_costs_times_the_optimizer_step():
     assert back == c
     with pytest.raises(TypeError):
         MeasuredCosts.from_dict({"layers": [1.0]})  # first / last are required
+
+
+def test_the_compile_setting_is_measured_and_keys_the_cache(tmp_path):
+    """``auto`` times the program training runs: the layers compiled with the trainer's backend where training compiles
+    them (``torch_compile`` as applied), so a compiled and an eager measurement are two cache entries."""
+    seen = []
+
+    def fake_measure(model, seq_len, microbatch_size, device, optimizer, fused_loss, compile_backend):
+        seen.append(compile_backend)
+        return SKEWED
+
+    eager, aot, inductor = _recipe(), _recipe(), _recipe()
+    eager.training.torch_compile = False
+    aot.training.torch_compile, aot.training.torch_compile_backend = True, "aot_eager"
+    inductor.training.torch_compile = True  # backend unset: inductor, as compile_layers takes it
+    assert [trainer_compile(r.training) for r in (eager, aot, inductor)] == [None, "aot_eager", "inductor"]
+    cpu = torch.device("cpu")
+    keys = [cache_key(r, cpu) for r in (eager, aot, inductor)]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+    for r in (eager, aot, inductor, aot):
+        auto_split(r, lambda: torch.nn.Module(), cpu, fake_measure, tmp_path)
+    assert seen == [None, "aot_eager", "inductor"] and len(list(tmp_path.glob("*.json"))) == 3  # the 4th: cached
+
+
+def test_compiled_measurement_times_compiled_layers_after_their_warm_up():
+    """With ``compile_backend`` every timed forward of a layer runs its compiled graph (counted by the backend), and
+    every graph is compiled at a stage's first, untimed, forward: no compile time is timed, no recompile follows."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch._dynamo.reset()
+    aot_eager, repeats, L = lookup_backend("aot_eager"), 2, 3
+    calls, compiled_at = [0], []  # forwards run by the compiled graphs; the forward count when each graph compiled
+
+    def counting_aot_eager(gm, example_inputs):
+        compiled_at.append(calls[0])
+        fn = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            calls[0] += 1
+            return fn(*args)
+        return run
+
+    cfg = AutoConfig.for_model(**tiny_llama(L, vocab_size=256))
+    torch.manual_seed(0)
+    before = compile_counts()
+    c = measure_costs(AutoModelForCausalLM.from_config(cfg), 16, 2, repeats=repeats, split_backward=True,
+                      compile_backend=counting_aot_eager)  # as ``plan --measure`` measures
+    after = compile_counts()
+    assert calls[0] == L * (repeats + 1)  # every forward of every one-layer stage, warm-up and timed, compiled
+    assert compiled_at and all(n % (repeats + 1) == 0 for n in compiled_at)  # only at a stage's warm-up forward
+    assert after["frames"] - before["frames"] == len(compiled_at) > 0
+    assert after["graph_breaks"] == before["graph_breaks"] and after["eager_fallbacks"] == before["eager_fallbacks"]
+    assert len(c.layers) == L and all(t > 0 for t in c.layers) and c.first >= 0 and c.last >= 0
+    # F and B timed; not I and W (the split-backward schedules are refused with compile): the simulator's halves
+    assert set(c.passes) == {"forward", "backward"} and all(t > 0 for p in c.passes.values() for t in p.layers)
+    costs = c.stage_costs([2, 1])
+    assert costs.backward_input is None and costs.backward_weight is None and all(t > 0 for t in costs.forward)
+    torch.manual_seed(0)
+    mid = compile_counts()
+    eager = measure_costs(AutoModelForCausalLM.from_config(cfg), 16, 2, repeats=1)  # a fresh model: eager layers
+    assert compile_counts()["frames"] == mid["frames"] and len(eager.layers) == L

@@ -18,8 +18,10 @@ memory per GPU and feasibility, and the overrides that select the best.
 The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
 
 ``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
-recipe's microbatch shape; run it on a quiet machine of the kind that will train (the head's memory-bound
-softmax slows down most when other processes share the memory bus). It prints the split to put in the recipe
+recipe's microbatch shape, as training runs them (the layers compiled where training compiles them, with its
+backend; the head and the loss eager and fused or not, as the last stage computes them); run it on a quiet machine
+of the kind that will train (the head's memory-bound softmax slows down most when other processes share the memory
+bus). It prints the split to put in the recipe
 (``pipeline.layers_per_stage``), and the four schedules simulated again on that split with the measured seconds per
 stage of F, B, the split backward's I and W (torch's ``stage_backward_input`` / ``split_backward.weight_gradients``,
 as the executor runs ZB-H1) and the optimizer step, instead of FLOPs and I = W = B / 2.
@@ -36,7 +38,7 @@ from ..errors import RecipeError
 from ..model.build import build_model
 from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
-from ..plan.costs import measure_costs
+from ..plan.costs import measure_costs, trainer_compile
 from ..plan.memory import meta_model, plan_memory
 from ..plan.search import (PLANNED_SCHEDULES, PLANNED_STEPS, STEP_WORTH_SOURCE, planned_microbatches, reduction_stall,
                            schedule_memory, search_plans, simulate_schedules, step_worth, why_not_planned)
@@ -192,14 +194,17 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     torch.manual_seed(0)
     opt = recipe.optimizer
     factory = lambda stage: apply_delay_correction(build_optimizer(stage, opt, log=lambda *_: None), opt)
+    backend = trainer_compile(recipe.training)
     with autocast(recipe.training.bf16):  # as the run computes (and as layers_per_stage: auto measures)
         model = build_model(recipe.model)
         c = measure_costs(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
-                          split_backward=True, fused_loss=use_fused_loss(recipe.training.fused_loss, model))
+                          split_backward=True, fused_loss=use_fused_loss(recipe.training.fused_loss, model),
+                          compile_backend=backend)
     m = recipe.pipeline.num_microbatches
     mid = sorted(c.layers)[len(c.layers) // 2]
-    print(f"\nmeasured on {device} (forward + backward per microbatch of {recipe.pipeline.microbatch_size} x "
-          f"{recipe.data.seq_len}): layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
+    print(f"\nmeasured on {device}, {f'layers compiled ({backend})' if backend else 'eager layers'} "
+          f"(forward + backward per microbatch of {recipe.pipeline.microbatch_size} x {recipe.data.seq_len}): "
+          f"layer {mid * 1e3:.1f} ms (median), embedding +{c.first * 1e3:.1f} ms, "
           f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers); optimizer step per layer "
           f"{sorted(c.layer_steps)[len(c.layer_steps) // 2] * 1e3:.1f} ms (median), counted 1/{m} per microbatch")
     flops_split = [len(s.layers) for s in plan.stages]
@@ -213,11 +218,18 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
               "(or layers_per_stage: auto, which measures at start on the machine that trains)")
     costs = c.stage_costs(time_split)
     ms = lambda v: " ".join(f"{x * 1e3:.2f}" for x in v)
+    split_ms = "" if backend else (f"  I [{ms(costs.backward_input)}]  W [{ms(costs.backward_weight)}]")
     print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "
-          f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]  "
-          f"I [{ms(costs.backward_input)}]  W [{ms(costs.backward_weight)}]  step [{ms(costs.step)}]")
+          f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]"
+          f"{split_ms}  step [{ms(costs.step)}]")
     sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c)
-    print("\n".join(schedule_lines(sims, recipe, skipped=not_planned(sims, plan.num_layers, recipe, p))))
+    refused = {}
+    if backend:  # not simulated on made-up halves: the recipe checks refuse them with compiled layers
+        refused = {name: ("refused with training.torch_compile on (a compiled layer runs its whole backward in I "
+                          "and again in W)")
+                   for name in sims if get_schedule(name).split_backward}
+        sims = {name: sim for name, sim in sims.items() if name not in refused}
+    print("\n".join(schedule_lines(sims, recipe, skipped={**not_planned(sims, plan.num_layers, recipe, p), **refused})))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ microbatch shape, the forward + backward of every layer, the embedding, the head
 of each (``plan.costs.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
 ``m x (forward + backward) + step``.
 
+The measured program is the trainer's: the decoder layers compiled as training compiles them (or eager where it
+runs them eagerly), the head and the loss as the last stage computes them (fused or not).
+
 The measurement is cached by a hash of what it depends on (model config, microbatch shape, optimizer settings,
-precision, device, threads, torch version), so a restart or a resume finds the same split without measuring again
+precision, compile setting and backend, loss path, device, threads, torch version), so a restart or a resume finds the same split without measuring again
 (and a resumed run cannot silently get another partition from timing noise). The main process measures; the split
 is broadcast so every rank builds the same stages. ``hf-asyncpp plan`` keeps the FLOPs model: it plans without the
 hardware.
@@ -30,7 +33,7 @@ from ..config.recipe import Recipe, recipe_to_dict
 from ..model.build import autocast
 from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
-from .costs import MeasuredCosts, measure_costs
+from .costs import MeasuredCosts, measure_costs, trainer_compile
 from ..storage.write import write_file
 
 log = logging.getLogger("hf_asyncpp")
@@ -58,7 +61,7 @@ def cache_key(recipe: Recipe, device: torch.device) -> dict:
     opt = {k: d["optimizer"][k] for k in _TIMED_OPTIMIZER_FIELDS}  # not the learning rates: they change no timing
     return {"model": d["model"], "seq_len": recipe.data.seq_len, "microbatch_size": recipe.pipeline.microbatch_size,
             "optimizer": opt, "bf16": recipe.training.bf16, "device": device_name(device), "torch": torch.__version__,
-            "fused_loss": recipe.training.fused_loss}
+            "fused_loss": recipe.training.fused_loss, "torch_compile": trainer_compile(recipe.training)}
 
 
 def _digest(key: dict) -> str:
@@ -82,7 +85,8 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
         torch.manual_seed(0)
         model = build()
         costs = measure(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
-                        fused_loss=use_fused_loss(recipe.training.fused_loss, model))
+                        fused_loss=use_fused_loss(recipe.training.fused_loss, model),
+                        compile_backend=trainer_compile(recipe.training))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)

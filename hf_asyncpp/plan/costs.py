@@ -10,6 +10,13 @@ zero-bubble schedules' split backward, I (input gradient) and W (weight gradient
 ``MeasuredCosts.stage_costs`` turns them into the simulator's per-stage ``Costs``, so the planner compares the
 schedules on what this device makes F, I and W cost rather than on the zero-bubble paper's I = W = B / 2, which need
 not hold (the two halves walk the graph twice, and I + W need not equal B).
+
+The measured program is the trainer's: with ``compile_backend`` (``trainer_compile``: ``training.torch_compile`` as
+training applies it, and its backend) the decoder layers are compiled exactly as the executor compiles its stage's
+(``model.build.compile_layers``) while the embedding, the head and the loss stay eager as they do in training, and
+the last stage computes the loss the run computes (``fused_loss``). Each stage's untimed warm-up forward + backward
+compiles its graphs, so compile time is never timed. Timing eager layers for a run that compiles them would weigh
+the layers against an eager head and loss at the wrong ratio, and plan the split for another program.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input
 
+from ..model.build import compile_layers
 from ..partition.split_backward import weight_gradients
 from ..schedules.simulator import Costs
 from ..partition.plan import PartitionError, anatomy, balanced_sizes, get_module
@@ -59,7 +67,8 @@ class MeasuredCosts:
     first_step: float = 0.0
     last_step: float = 0.0
     passes: dict[str, PassSeconds] = field(default_factory=dict)
-    """Per pass in ``PASSES`` (``split_backward``; empty otherwise). The first stage computes no input gradient, so
+    """Per pass in ``PASSES`` (``split_backward``; empty otherwise; with compiled layers only F and B, the
+    split-backward schedules being refused with compile). The first stage computes no input gradient, so
     the executor runs its whole backward at its W: its I and W are not timed (``first`` 0, layer 0 the median) and
     ``stage_costs`` gives it I = 0 and W = its B."""
 
@@ -82,13 +91,14 @@ class MeasuredCosts:
         """The simulator's per-stage costs of this split: F, B, I and W per microbatch and one optimizer step per
         step, all measured (needs ``measure_costs(split_backward=True)``). The first stage's I is 0 and its W its
         whole backward B: it has no input gradient to send, so the executor's I there does nothing and its W runs one
-        plain backward."""
+        plain backward. Measured with compiled layers, I and W are None (half of B each, the simulator's default)."""
         if not self.passes:
             raise ValueError("no per-pass seconds: measure with measure_costs(..., split_backward=True)")
         if sum(layers_per_stage) != len(self.layers) or min(layers_per_stage) < 1:
             raise ValueError(f"layers_per_stage {layers_per_stage} does not split {len(self.layers)} layers")
         per = {name: _per_stage(t.layers, t.first, t.last, layers_per_stage) for name, t in self.passes.items()}
-        per["backward_input"][0], per["backward_weight"][0] = 0.0, per["backward"][0]
+        if "backward_input" in per:  # not measured with compiled layers: the simulator's halves of B
+            per["backward_input"][0], per["backward_weight"][0] = 0.0, per["backward"][0]
         steps = _per_stage(self.layer_steps or [0.0] * len(self.layers), self.first_step, self.last_step,
                            layers_per_stage)
         return Costs(**per, step=steps)
@@ -112,6 +122,13 @@ def _per_stage(layers: list[float], first: float, last: float, layers_per_stage:
     return out
 
 
+def trainer_compile(training) -> Optional[str]:
+    """The ``torch.compile`` backend training compiles the decoder layers with (``training.torch_compile`` as
+    applied, ``TrainingConfig.compiles``; the backend unset is ``inductor``, as ``compile_layers`` takes it), or None
+    where training runs them eagerly: what ``measure_costs(compile_backend=...)`` must time."""
+    return (training.torch_compile_backend or "inductor") if training.compiles() else None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -119,13 +136,17 @@ def _sync(device: torch.device) -> None:
 
 def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: str | torch.device = "cpu",
                   repeats: int = 3, optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
-                  split_backward: bool = False, fused_loss: bool = False) -> MeasuredCosts:
+                  split_backward: bool = False, fused_loss: bool = False,
+                  compile_backend: Optional[str] = None) -> MeasuredCosts:
     """Time forward + backward of every one-layer stage (the fastest of ``repeats`` after a warm-up), and with
     ``optimizer`` (a stage -> optimizer factory, the run's own) one optimizer step of each stage the same way.
     With ``split_backward`` also each pass on its own (``MeasuredCosts.passes``): F and B of the same runs, and a
     second forward whose backward is split into I and W by torch's ``stage_backward_input`` and
     ``split_backward.weight_gradients`` (``executor._backward_input`` / ``_backward_weight``), which about doubles
     the time the measurement takes. ``fused_loss``: the last stage's loss as the run computes it (``training.fused_loss``).
+``compile_backend``: the decoder layers compiled with this backend as training compiles them (``trainer_compile``;
+None: eager); the first of the repeats, untimed, compiles them, and the timed ones reuse those graphs. With it,
+``split_backward`` times F and B but not I and W (see ``MeasuredCosts.passes``).
 
     The model is cut into one stage per layer; the first stage's extra time over the median layer is the
     embedding's, the last stage's extra is the head's (so layer 0 and the last layer count as median layers).
@@ -138,10 +159,15 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
         raise PartitionError(f"measuring stage costs needs at least 3 decoder layers (the model has {L}): the first and "
                              "last layers are timed together with the embedding and the head")
     stages = partition_model(model, L, [1] * L, seq_len=seq_len, fused_loss=fused_loss)
+    if compile_backend is not None:  # as the executor compiles a stage's layers; the head and the loss stay eager
+        compile_layers([layer for st in stages for layer in st.decoder_layers()], compile_backend)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), device=device)
     x, seconds, step_seconds = ids, [], []
-    raw = {name: [] for name in (PASSES if split_backward else ())}  # per pass, per one-layer stage
+    # per pass, per one-layer stage; with compiled layers not I and W: torch's split backward cannot run a compiled
+    # layer's backward twice (its buffers are donated), and the split-backward schedules are refused with compile
+    timed = PASSES if compile_backend is None else PASSES[:2]
+    raw = {name: [] for name in (timed if split_backward else ())}
     for s, st in enumerate(stages):
         st = st.to(device)  # one layer on the device at a time: a model larger than the device can be measured
         run = (lambda inp: st(inp, labels=ids)) if s == L - 1 else st
@@ -157,10 +183,12 @@ def measure_costs(model: nn.Module, seq_len: int, microbatch_size: int, device: 
             if r > 0:
                 best = min(best, t2 - t0)
             if raw:  # the first stage has no I: it runs its whole backward at W (stage_costs), not timed here
-                split = _time_split_backward(run, x, s, list(st.parameters()), device) if s > 0 else (t1 - t0, 0.0, 0.0)
+                split = _time_split_backward(run, x, s, list(st.parameters()), device) \
+                    if s > 0 and "backward_input" in raw else (t1 - t0, 0.0, 0.0)
                 if r > 0:
                     for name, t in zip(PASSES, (min(t1 - t0, split[0]), t2 - t1, split[1], split[2])):
-                        best_pass[name] = min(best_pass[name], t)
+                        if name in best_pass:
+                            best_pass[name] = min(best_pass[name], t)
         seconds.append(best)
         for name, t in best_pass.items():
             raw[name].append(t)
