@@ -7,6 +7,7 @@ synchronous training, 2BW == ``simulate_delay: 1``, PipeDream ==
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -64,6 +65,27 @@ def test_fused_loss_pipeline_matches_transformers_loss_reference(tmp_path):
         scenarios.append((rec, replica, ref_rec, ref_batches))
     results = run_distributed(pipeline_worker, 2, [(s[0], s[1]) for s in scenarios])
     check_against_reference(scenarios, results[0])
+
+
+COMPILED = [
+    (LLAMA, "1f1b", 2, 2, 2, "adamw", False),  # against plain synchronous training
+    (LLAMA, "2bw", 2, 2, 2, "muon", True),  # against simulate_delay: 1, Muon + error feedback
+]
+
+
+@pytest.mark.parametrize("s", COMPILED, ids=[s[1] for s in COMPILED])
+def test_compiled_pipeline_matches_single_process_reference(s):
+    """The pipeline with compiled layers (training.torch_compile, backend aot_eager: Dynamo and AOTAutograd as on a
+    GPU, the kernels run eagerly) against the eager single-process reference within the reference tolerance, and
+    against the same pipeline eager bit for bit. ZB-H1 is refused with compile (tests/test_config.py)."""
+    rec, replica, ref_rec, ref_batches = scenario(*s, seed=40 + COMPILED.index(s))
+    eager = copy.deepcopy(rec)
+    rec.training.torch_compile, rec.training.torch_compile_backend = True, "aot_eager"
+    eager.training.torch_compile = ref_rec.training.torch_compile = False
+    (res, sd, peak), (eager_res, eager_sd, _) = run_distributed(pipeline_worker, 2, [(rec, replica), (eager, replica)])[0]
+    check_against_reference([(rec, replica, ref_rec, ref_batches)], [(res, sd, peak)])
+    assert [(r.loss, r.grad_norm) for r in res] == [(r.loss, r.grad_norm) for r in eager_res]
+    assert sd.keys() == eager_sd.keys() and all(torch.equal(sd[k], eager_sd[k]) for k in sd)
 
 
 FOUR = [
