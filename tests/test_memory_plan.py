@@ -159,3 +159,30 @@ def test_plan_measure_simulates_the_schedules_on_measured_f_i_w(capsys, tmp_path
     assert rows["zbh1"]["step"] >= 0.99 * slowest_split
     for r in rows.values():
         assert r["fill_drain"] + r["imbalance"] == pytest.approx(r["bubble"], abs=0.11)
+
+
+def test_plan_measure_times_the_layers_compiled_where_training_compiles_them(capsys, tmp_path):
+    """With ``training.torch_compile`` on, ``plan --measure`` times the layers compiled with the recipe's backend, as
+    training runs them: F, B and the step per stage, not I and W, and the split-backward schedules (refused with
+    compile) listed as refused rather than simulated on halves of B."""
+    import torch
+
+    from hf_asyncpp.schedules.records import get_schedule
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["recipes/cpu-tiny.yaml", "--top", "0", "--measure", "--device", "cpu", "--png",
+                     str(tmp_path / "t.png"), "--data.seq_len", "32", "--pipeline.microbatch_size", "2",
+                     "--training.torch_compile", "true", "--training.torch_compile_backend", "aot_eager"]) in (0, None)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "measured on cpu, layers compiled (aot_eager)" in out
+    flops, measured = out.split("simulated with the measured ms per stage")
+    per_stage = {k: [float(x) / 1e3 for x in v.split()] for k, v in re.findall(r"(\w+) \[([\d. ]+)\]", measured)}
+    assert set(per_stage) == {"F", "B", "step"} and all(x > 0 for x in per_stage["F"] + per_stage["B"])
+    split_backward = {n for n in schedule_rows(flops) if get_schedule(n).split_backward}
+    assert split_backward and not split_backward & set(schedule_rows(measured))
+    for name in split_backward:
+        assert re.search(rf"^ +{name}: does not fit: refused with training\.torch_compile on", measured, re.M), out
+    assert {"2bw", "1f1b", "gpipe"} <= set(schedule_rows(measured))
