@@ -158,3 +158,23 @@ def test_compiled_measurement_times_compiled_layers_after_their_warm_up():
     mid = compile_counts()
     eager = measure_costs(AutoModelForCausalLM.from_config(cfg), 16, 2, repeats=1)  # a fresh model: eager layers
     assert compile_counts()["frames"] == mid["frames"] and len(eager.layers) == L
+
+
+def test_auto_measured_with_compile_leaves_the_run_its_own_graphs(tmp_path):
+    """After ``auto`` measured compiled layers, the run's stage compiles as in a fresh process: 2 graphs (its first
+    layer, and one its other layer shares), 1 recompile; the throw-away layers' graphs are not left to be checked
+    at every call or to count the run's first compile as a recompile."""
+    from hf_asyncpp.model.build import build_model, compile_layers
+    from hf_asyncpp.partition.stage import partition_model
+
+    r = _recipe()
+    r.model.config["num_hidden_layers"] = 4
+    r.training.torch_compile, r.training.torch_compile_backend = True, "aot_eager"
+    assert sum(auto_split(r, lambda: build_model(r.model), torch.device("cpu"), folder=tmp_path)) == 4
+    before = compile_counts()
+    stage = partition_model(build_model(r.model), 2, [2, 2], seq_len=16)[0]
+    compile_layers(stage.decoder_layers(), "aot_eager")
+    out = stage(torch.randint(0, 256, (2, 16)))
+    torch.autograd.backward(out, torch.randn_like(out))
+    after = compile_counts()
+    assert {k: after[k] - before[k] for k in ("frames", "recompiles")} == {"frames": 2, "recompiles": 1}

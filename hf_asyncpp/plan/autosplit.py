@@ -87,6 +87,10 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
         costs = measure(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
                         fused_loss=use_fused_loss(recipe.training.fused_loss, model),
                         compile_backend=trainer_compile(recipe.training))
+    if trainer_compile(recipe.training) is not None:
+        # drop the throw-away layers' graphs: the run's layers compile their own (other guards), and would otherwise
+        # check the stale entries at every call and count their first compile as a recompile
+        torch.compiler.reset()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)
