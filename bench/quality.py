@@ -250,7 +250,7 @@ def report(results, lrs, args, out_root: Path) -> str:
                      f"{ours[0]:.4f} / {ours[1]:.4f} / {ours[2]:.4f} | {s[f'{opt} delay-1']['gap']:+.4f}, "
                      f"{'n/a' if c is None else f'{c:.0%}'} |")
     a_gap, m_gap = (s.get(f"{o} delay-1", {}).get("gap") for o in ("adamw", "muon"))
-    lines += ["", "Targets (the issue's, from the paper's ordering):"]
+    lines += ["", "Targets (from the paper's ordering):"]
     if a_gap is not None and m_gap is not None:
         ratio = f"{m_gap / a_gap:.2f} of AdamW's" if a_gap > 0 else "AdamW shows no gap"
         lines.append(f"- Muon's delay gap <= 1/5 of AdamW's: {m_gap:+.4f} vs {a_gap:+.4f} ({ratio}) -> "

@@ -31,7 +31,7 @@ Choices (documented here, tested in tests/test_optim.py):
   needs a one-step extrapolation at most, and a negative cosine means "do not extrapolate". It is
   computed per tensor (each layer's matrices drift at their own pace) from ``u`` and ``u[t-1]`` alone,
   so the pipeline executor (per stage) and the single-process reference compute the same values.
-- ``lam = "learned"`` (``optimizer.ef_lambda: learned``; the review's E2, after Baydin et al.'s hypergradient
+- ``lam = "learned"`` (``optimizer.ef_lambda: learned``, after Baydin et al.'s hypergradient
   descent): one lambda per pipeline stage, learned from the loss. ``x[t+1]`` depends on ``lam[t]`` through
   ``-lam[t] d[t]`` (``d[t] = u[t] - u[t-1]``), so ``dL(x[t+1])/dlam[t] = -<grad L(x[t+1]), d[t]>``; under 2BW
   step t+2 computes exactly that gradient (at version t+1) for its own update, so the rule costs no extra

@@ -2,7 +2,7 @@
 
 The FLOPs model (``partition.plan``) is right about big matmuls and wrong about what they leave out: the optimizer
 step (Muon's Newton-Schulz is several matmuls per matrix per step; error feedback copies every weight), per-kernel
-overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of issue 14 the
+overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of bench.throughput's h256 model the
 first stage spent more time in STEP than in forward + backward. So ``auto`` times, on this device and at the recipe's
 microbatch shape, the forward + backward of every layer, the embedding, the head and the loss, and one optimizer step
 of each (``plan.costs.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
