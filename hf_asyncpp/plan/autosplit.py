@@ -31,7 +31,7 @@ from ..model.build import autocast
 from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
 from .costs import MeasuredCosts, measure_costs
-from ..storage.write import write_file
+from ..storage.write import replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -84,10 +84,8 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
         costs = measure(model, recipe.data.seq_len, recipe.pipeline.microbatch_size, device, optimizer=factory,
                         fused_loss=use_fused_loss(recipe.training.fused_loss, model))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)
-    write_file(tmp, lambda f: f.write(text.encode("utf-8")))
-    os.replace(tmp, path)
+    data = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str).encode("utf-8")
+    replace_file(path, lambda tmp: write_file(tmp, lambda f: f.write(data)))
     return costs, path, False
 
 

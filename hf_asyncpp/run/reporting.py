@@ -196,9 +196,8 @@ class RunLog:
         keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
         self.evaluated = {r["step"] for r in keep if "eval_loss" in r}
         data = "".join(json_text(r) + "\n" for r in keep).encode()
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        write_file(tmp, lambda f: f.write(data))
-        os.replace(tmp, self.path)  # a kill here leaves the old file or the new one, never half of one
+        # a kill here leaves the old file or the new one, never half of one
+        replace_file(self.path, lambda tmp: write_file(tmp, lambda f: f.write(data)))
 
     def _write(self, rec: dict) -> None:
         data = (json_text(rec) + "\n").encode()
