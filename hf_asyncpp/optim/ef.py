@@ -61,7 +61,7 @@ from torch import Tensor
 from ..config.optimizer import EF_AUTO, EF_LEARNED
 
 __all__ = ["KEY", "AUTO", "LEARNED", "auto_lambda", "learned_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "lr_factor", "ef_buffers", "ef_state_by_name",
-           "ef_state_from_names"]
+           "ef_state_from_names", "learned_values", "has_correction"]
 
 KEY = "error_feedback"
 
@@ -255,6 +255,18 @@ def learned_lambda(optimizer: torch.optim.Optimizer) -> float | None:
     if not ef or ef["lam"] != LEARNED:
         return None
     return float(sum(float(v) for v in ef["values"]) / len(ef["values"]))
+
+
+def learned_values(optimizer: torch.optim.Optimizer) -> list[Tensor] | None:
+    """The learned lambdas as device tensors, one per group, None unless ``ef_lambda: learned``: for a caller that
+    reduces them on the device (a pipeline stage's step report) instead of reading them on the host."""
+    ef = getattr(optimizer, KEY, None)
+    return ef.get("values") if ef else None
+
+
+def has_correction(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the Error-Feedback correction is installed on ``optimizer``."""
+    return getattr(optimizer, KEY, None) is not None
 
 
 def ef_buffers(optimizer: torch.optim.Optimizer) -> list[Tensor]:
