@@ -38,6 +38,11 @@ def _cached_task(task: str, path: str | None, limit: int | None):
     return load_task(task, path, limit)  # read once per run, scored at every evaluation
 
 
+def evaluation_due(training, step: int) -> bool:
+    """Whether the run evaluates after ``step`` (``training.eval_steps``; the end has its own evaluation)."""
+    return bool(training.eval_steps) and step % training.eval_steps == 0 and step < training.max_steps
+
+
 class Evaluator:
     """The evaluation points of a run and its end. Every rank calls every method (the engine's evaluation and
     gathers are collective); only the main process records."""
