@@ -33,6 +33,7 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.checkpoint_io import replace_dir
 from ..storage.names import MANIFEST, MODEL_FILE, TOKENIZER_DIR, stage_weight_files
 from ..storage.write import follow_umask, writing
+from ..supervision import is_main_process
 from .build import ties
 
 __all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
@@ -280,7 +281,7 @@ def export_engine(engine, out_dir, *, tokenizer=None, card: CardWriter | None = 
     it; returns the folder on the main process (None elsewhere). An existing export is replaced only when the new
     one is complete."""
     out = Path(out_dir)
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = is_main_process()
     tmp = out.parent / f".{out.name}.partial"
     if main:
         _check_out_dir(out)
