@@ -54,6 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_asyncpp.figures import pyplot
+
 from .quality import launch, read_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -708,10 +710,7 @@ def _by_opt_len(lam: dict) -> dict:
 
 
 def _plot(b: "Bench", results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):
@@ -874,10 +873,7 @@ def ratios_beside(dense: dict, moe: dict) -> list[str]:
 
 def _plot_moe(b: "Bench", results: dict, path: Path) -> None:
     """Seed 0 of each MoE arm at T: the held-out loss, the router's aux loss and the load's CV over training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):

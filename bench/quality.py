@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from hf_asyncpp.figures import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ("--model.config={model_type: llama, hidden_size: 128, intermediate_size: 384, num_hidden_layers: 8, "
          "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}")
@@ -391,10 +393,7 @@ def _linestyle(name: str) -> str:
 
 
 def _plot(results, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:  # the first seed; the lambda sweep arms are in the table only

@@ -28,6 +28,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from ..storage.names import LOSS_CURVE, METRICS
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
+from ..figures import pyplot
 from ..storage.write import json_text, replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
@@ -291,10 +292,7 @@ class RunLog:
 
     def plot_loss(self) -> Path | None:
         """loss_curve.png from metrics.jsonl: the train loss per step and the evaluations."""
-        import matplotlib  # heavy: only at the end of a run
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         rows = read_metrics(self.path)
         train_rows = [r for r in rows if "loss" in r]
