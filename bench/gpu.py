@@ -1,10 +1,17 @@
 """The GPU proof: what the executor's way of running a stage costs on a real accelerator, whether the planner's
 memory model holds there, what the executor adds per action, and whether the reducer keeps the compute stream free.
 
-    python -m bench.gpu [--write]          # one H100/H200, no network; sized for under 10 minutes
-    python -m bench.gpu --cpu-tiny         # the same code paths at a tiny size on CPU (automatic without CUDA;
-                                           # bench/check_gpu.py runs it, a minute or two)
-    python -m bench.gpu --parts 1,4 --models smollm2-360m-stage0   # a subset
+    python -m bench.gpu --save $OUT/gpu.pkl   # THE ONE CALL (defaults), one H100/H200, no network: part 1 on the
+                                              # recipe's stage 0 and its last stage; limits 200 + 200 = 400 s
+                                              # (run it with timeout_s 540)
+    python -m bench.gpu --parts 2,3,4,5 --save $OUT/rest.pkl                   # a second call: limits 480 s
+    python -m bench.gpu --parts 1 --models moe-2b,moe-10b --save $OUT/moe.pkl  # a third: the MoE rows, 500 s
+    python -m bench.gpu --load a.pkl b.pkl --write   # merge saved calls into docs/benchmarks/gpu.md
+    python -m bench.gpu --cpu-tiny --parts 1,2,3,4,5 --models all   # the same code paths at a tiny size on CPU
+                                              # (automatic without CUDA; bench/check_gpu.py runs it, 2-3 minutes)
+
+A call's processes run under per-part limits (``TIMEOUTS``; part 1 per model, ``PART1_TIMEOUTS``); a call prints
+what its limits sum to and says so if that is over the 540 s (``CALL_BUDGET_S``) a 10-minute command leaves.
 
 Models are built from recipe configs (``AutoConfig.for_model``, random weights) and fed random token ids, so
 nothing is downloaded; ``datasets``/``evaluate`` are never imported (the GPU image lacks them; every part's process
@@ -12,10 +19,20 @@ reports whether it imported them, and the output warns if one did). Every part r
 a time limit (``TIMEOUTS`` on a GPU; on CPU only a hang guard, ``CPU_HANG_GUARD_S``): a failure (an OOM, a compile
 error, a hang) becomes a row of the table and the other parts still run.
 
-1. **A stage as the executor runs it, against the plain model** (the fair shape first: stage 0 of smollm2-360m's
-   4 stages -- its embedding and 9 layers -- at the recipe's 16 x 2048 with the 4 microbatches 2BW keeps in flight
-   there, against transformers' base model with 9 layers run to its hidden states, both backwards from a gradient
-   as the next stage sends it; then moe-2b and moe-10b cut to 4 layers as one stage; the whole smollm2-360m as one
+1. **A stage as the executor runs it, against the plain model** (the fair shape, the one call: stage 0 of
+   smollm2-360m's 4 stages -- its embedding and 9 layers -- at the recipe's 16 x 2048 with the 4 microbatches 2BW
+   keeps in flight there, against transformers' base model with 9 layers run to its hidden states, both backwards
+   from a gradient as the next stage sends it; and its last stage -- 5 layers, final norm, tied head and the loss
+   as training computes it (``training.fused_loss: auto``: the chunked fused linear cross-entropy,
+   ``hf_asyncpp/model/fused_loss.py``) -- fed hidden states already on the device, against transformers' model
+   with 5 layers fed the same hidden states (``inputs_embeds``) through its norm, head and ``ForCausalLMLoss``;
+   host batches pinned once, outside the timing, for both sides; every timed round under
+   ``torch.nn.attention.sdpa_kernel`` with the cuDNN, flash and memory-efficient backends only, so that the math
+   kernel raises instead of running, and the backend that ran read off a profile of one round (aten's SDPA op
+   names, or the CUDA kernels': ``cudnn_generated_fort_native_sdpa*``, ``flash_fwd*``, ``fmha_cutlass*``);
+   compiled layers as training compiles them (``compile_layers``; ``find_casts`` runs eagerly, so the compiled
+   stage holds the same bf16 weight versions as training), the first compiled rounds' extra seconds noted as the
+   compile time. Then, as a separate call: moe-2b and moe-10b cut to 4 layers as one stage; the whole smollm2-360m as one
    stage only with ``--models smollm2-360m``: at a halved microbatch it is host-bound for the plain model too;
    bf16 autocast over fp32 master weights, as ``training.bf16``). A whole model's stage is
    ``partition_model(model, 1)[0]``,
@@ -25,14 +42,14 @@ error, a hang) becomes a row of the table and the other parts still run.
    (``Versions.add_in_place``) -- on a weight version (``Versions.compute_for``: the linear weights and the MoE expert stacks as
    the version's bf16 copies, made once, ``find_casts``, ``Versions.use_bf16``; their gradients reach fp32 leaves)
    under ``hf_asyncpp.model.build.autocast``
-   (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of stage 0
-   of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
+   (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of that
+   stage (stage 0 for a whole model) of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
    ``model(input_ids, labels).loss.backward()`` one microbatch at a time on the same microbatches; it is a second
    model with the same weights, because a plain forward leaves transformers' output-recorder hooks on modules a
    stage shares, which the executor's stage never has (under torch.compile they break its graph). The microbatch
    is the recipe's, halved until k of them fit (the planner's activation model x 2; an OOM halves it again). Each
-   eagerly, with ``torch.compile`` per decoder layer (``layer.compile()``: the stage's own layer wrappers, the
-   plain model's layers), and for MoE with transformers' experts implementations (``config._experts_implementation``:
+   eagerly, with ``torch.compile`` per decoder layer (``compile_layers``, as training: the stage's own layer
+   wrappers, the plain model's layers), and for MoE with transformers' experts implementations (``config._experts_implementation``:
    ``eager`` loops over experts, ``grouped_mm``, transformers' default, one grouped GEMM; ``ExpertsInterface`` in
    ``transformers/integrations/moe.py``), plus a contrast row of the plain model with bf16 weights (no autocast):
    the bar for the stage's MoE (issue 41: the stage, experts grouped_mm, at least 0.9x it; a note gives the ratio).
@@ -44,8 +61,10 @@ error, a hang) becomes a row of the table and the other parts still run.
    with CUDA events, synchronized only at the end of each timed region. Reported: tokens/s, TFLOP/s = 6 x active
    parameters x tokens/s plus attention's 12 L H Q T per token (torchtitan's convention; active: every parameter
    that multiplies, the input embedding of an untied model being a lookup; expert tensors x top-k / experts; before
-   2026-11-27 attention was left out, 0.74x this count at smollm2-360m's shape), MFU against the device's dense
-   bf16 peak (H100 SXM / H200: 989 TFLOP/s; unknown device: n/a), stage / plain, and peak memory (the stage holds
+   2026-11-27 attention was left out, 0.74x this count at smollm2-360m's shape), MFU of the stage's forward and
+   backward only (no optimizer step, reduction, p2p or bubble) against the device's dense bf16 peak
+   (``PEAK_TFLOPS``: H100 SXM / H200 / GH200 989 TFLOP/s, H100 NVL / H200 NVL 835, H100 PCIe 756; unknown device:
+   n/a), stage / plain, and peak memory (the stage holds
    k microbatches, the plain model one), host syncs per microbatch (``torch.cuda.set_sync_debug_mode``; the
    calling thread's), and for compiled variants the graphs, graph breaks and their reasons. Why: the executor adds
    a wrapper around every layer, functional_call and versioned leaves; this shows what that costs at real width,
@@ -521,7 +540,8 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
         return spec["mbs"]
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_asyncpp.plan.memory import activation_values_per_token
+    from hf_asyncpp.model.fused_loss import use_fused_loss
+    from hf_asyncpp.plan.memory import activation_bytes_per_token, activation_values_per_token
 
     kw = dict(spec["config"])
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -533,8 +553,10 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
 
         p, index = spec["stage"]
         layers = list(partition_model(meta, p, seq_len=spec["seq"])[index].layer_ids)
-        per_token = activation_values_per_token(config, layers, last=index == p - 1,
-                                                checkpointed=bool(spec.get("checkpointing"))) * 2
+        last = index == p - 1
+        per_token = activation_bytes_per_token(config, layers, last, bool(spec.get("checkpointing")),
+                                               fused_loss=last and use_fused_loss(spec.get("fused_loss", "auto"),
+                                                                                  meta)) / 4 * 2
         cap = 0.9 * torch.cuda.get_device_properties(device).total_memory
     else:  # a whole model: x 2 for what the planner leaves out (fp32 expert GEMMs, the loss's fp32 logits)
         per_token = activation_values_per_token(config, list(range(config.num_hidden_layers)), last=True) * 2 * 2
