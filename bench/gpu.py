@@ -52,7 +52,7 @@ error, a hang) becomes a row of the table and the other parts still run.
    wrappers, the plain model's layers), and for MoE with transformers' experts implementations (``config._experts_implementation``:
    ``eager`` loops over experts, ``grouped_mm``, transformers' default, one grouped GEMM; ``ExpertsInterface`` in
    ``transformers/integrations/moe.py``), plus a contrast row of the plain model with bf16 weights (no autocast):
-   the bar for the stage's MoE (issue 41: the stage, experts grouped_mm, at least 0.9x it; a note gives the ratio).
+   the bar for the stage's MoE (the target: the stage, experts grouped_mm, at least 0.9x it; a note gives the ratio).
    Under autocast transformers casts the grouped-GEMM input to the weights' dtype, so the plain model's fp32
    masters run the expert GEMMs in fp32, where torch's CUDA grouped GEMM has no kernel (its fast path is bf16;
    other dtypes loop over the groups after ``offs.cpu()``, a host sync), and under torch.compile transformers swaps
@@ -938,7 +938,7 @@ def render_part1(res: dict, info: dict) -> list[str]:
     for r in res["rows"]:
         for side, why in (r.get("breaks") or {}).items():
             out.append(f"- {r['model']}, {r['variant']}, {side}: graph breaks: " + "; ".join(f"`{_cell(x)}`" for x in why))
-    for model in dict.fromkeys(r["model"] for r in res["rows"]):  # issue 41's target: at least 0.9x the contrast
+    for model in dict.fromkeys(r["model"] for r in res["rows"]):  # the MoE target: at least 0.9x the contrast
         stage = next((r.get("stage_tps") for r in res["rows"] if r["model"] == model
                       and r["variant"] == "eager, experts grouped_mm"), None)
         plain16 = next((r.get("plain_tps") for r in res["rows"] if r["model"] == model and r.get("plain_only")), None)
