@@ -46,8 +46,9 @@ Quality: the paper's claims at our scale (docs/benchmarks/quality.md)
     noise_scale       the gradient noise scale of a finished run (used by paper_regime)
                                                                                   python -m bench.noise_scale RUN_DIR
 The GPU proof (docs/benchmarks/gpu.md)
-    gpu               a stage against the plain model, the planner on a GPU, per-action host overhead, the reducer
-                      and the compute stream (``--cpu-tiny``: the same code on CPU)  python -m bench.gpu
+    gpu               the one GPU call (defaults, under 9 minutes): the recipe's first and last stage against plain
+                      transformers, eager and compiled; by flags, the planner on a GPU, per-action host overhead, the
+                      reducer and the compute stream (``--cpu-tiny``: the same code on CPU)  python -m bench.gpu
     check_gpu         bench.gpu does not rot between GPU runs: every part produces its numbers at a tiny size on CPU
                                                                                   python -m pytest -q bench/check_gpu.py
 Plumbing

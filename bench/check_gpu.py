@@ -20,7 +20,7 @@ HANG_GUARD_S = 1800  # per part: only a part that hangs reaches it
 
 @pytest.fixture(scope="module")
 def tiny():
-    return gpu.main(["--cpu-tiny", "--timeout", str(HANG_GUARD_S)])
+    return gpu.main(["--cpu-tiny", "--parts", "1,2,3,4,5", "--models", "all", "--timeout", str(HANG_GUARD_S)])
 
 
 def test_every_part_ran(tiny):
@@ -43,19 +43,30 @@ def test_part1_stage_vs_plain_rows(tiny):
     for r in rows:
         assert "error" not in r, r
         by_model.setdefault(r["model"], []).append(r)
-    assert set(by_model) == {"tiny llama stage 0 of 2", "tiny llama", "tiny qwen3_moe"}
+    assert set(by_model) == {"tiny llama stage 0 of 2", "tiny llama stage 1 of 2", "tiny llama", "tiny qwen3_moe"}
     # the recipe's own stage: a pipeline's first stage, its hidden states go on; what multiplies there is its layer
     # (1 of the 2), not the embedding or the head, and the plain model is the base model with as many layers
     stage0, whole = by_model["tiny llama stage 0 of 2"][0], by_model["tiny llama"][0]
     assert 0.3 * whole["active"] < stage0["active"] < 0.6 * whole["active"], (stage0["active"], whole["active"])
     assert stage0["attention_flops"] == whole["attention_flops"] / 2
+    # the last stage: its layer, the final norm and the (tied) head multiply: the whole model's but stage 0's layer
+    last = by_model["tiny llama stage 1 of 2"]
+    assert last[0]["active"] == whole["active"] - stage0["active"], (last[0]["active"], whole["active"])
+    assert last[0]["attention_flops"] == whole["attention_flops"] / 2
+    assert {r["variant"] for r in last} == {"eager", "compiled layers"}
+    assert last[0]["k"] == gpu.inflight("2bw", 2, 4, stage=1) == 1
     for model, rs in by_model.items():
         measured = [r for r in rs if not r.get("plain_only")]
         assert any("compile" in r for r in measured), f"{model}: no compiled variant"
         for r in measured:
             assert r["stage_tps"] > 0 and r["plain_tps"] > 0
             assert math.isfinite(r["stage_tps"] / r["plain_tps"])
-            assert r["k"] == 2 and r["active"] > 0
+            assert r["k"] == (1 if "stage 1" in model else 2) and r["active"] > 0
+            # every timed round ran under the fused-SDPA restriction; the profiler saw CPU's flash kernel on both sides
+            assert r["sdpa"] == {"stage": "flash (CPU)", "plain": "flash (CPU)"}, r
+            assert r["pinned"] is False  # no CUDA: nothing to pin for (on a GPU: True, host_batches)
+            if "compile" in r:
+                assert set(r["compile_s"]) == {"stage", "plain"} and min(r["compile_s"].values()) >= 0
     moe = {r["variant"]: r for r in by_model["tiny qwen3_moe"]}
     assert {"eager, experts eager", "eager, experts grouped_mm", "compiled layers, experts grouped_mm"} <= set(moe)
     assert moe["eager, experts grouped_mm"]["active"] < moe["eager, experts grouped_mm"]["params"]  # top-2 of 8 experts
@@ -66,6 +77,58 @@ def test_part1_stage_vs_plain_rows(tiny):
     note = moe["eager, experts grouped_mm"]["experts_note"]
     assert "stage: experts GEMMs in bfloat16" in note and "float32: torch grouped_mm" in note.split("plain:")[1], note
     assert "stage: compiled with bfloat16 expert stacks" in moe["compiled layers, experts grouped_mm"]["experts_note"]
+
+
+def test_part1_last_stage_runs_the_training_loss_path(tiny):
+    """The last stage computes its loss as training does (training.fused_loss: auto: the fused loss for Llama), the
+    plain model its own head and ForCausalLMLoss from the same hidden states; the host batches' pinning is noted."""
+    notes = tiny["results"][1]["notes"]
+    assert any(n.startswith("tiny llama stage 1 of 2: the stage's loss: the fused linear cross-entropy") for n in notes)
+    assert "tiny llama stage 1 of 2: host batches pinned: no (no CUDA: nothing to pin for)" in notes
+    assert "SDPA flash (CPU)" in tiny["text"] and "MFU (fwd+bwd only)" in tiny["text"]
+
+
+def test_the_one_gpu_call_fits_its_budget():
+    """``python -m bench.gpu`` with its defaults is the one GPU call: the recipe's first and last stage at its 16 x
+    2048, part 1 only, its processes' limits well under the 540 s that one 10-minute command leaves. The rest of the
+    bench splits into calls that fit too."""
+    args = gpu.parse_args([])
+    parts = [int(p) for p in args.parts.split(",")]
+    specs = gpu.part1_specs(False, None)
+    assert parts == [1] and args.models is None
+    assert [s["key"] for s in specs] == ["smollm2-360m-stage0", "smollm2-360m-last"]
+    assert [s["stage"] for s in specs] == [(4, 0), (4, 3)] and {(s["mbs"], s["seq"]) for s in specs} == {(16, 2048)}
+    assert specs[1]["fused_loss"] == "auto" and specs[1]["k"] < specs[0]["k"]
+    budget = gpu.call_budget(parts, specs)
+    assert budget == 400 and budget <= gpu.CALL_BUDGET_S - 120, budget
+    assert gpu.call_budget([2, 3, 4, 5], []) <= gpu.CALL_BUDGET_S
+    assert gpu.call_budget([1], gpu.part1_specs(False, {"moe-2b", "moe-10b"})) <= gpu.CALL_BUDGET_S
+
+
+def test_peak_table_matches_the_slower_variants_first():
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
+             "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0, "NVIDIA A100-SXM4-80GB": 312.0, "Unknown": None}
+    assert {n: gpu.peak_tflops(n) for n in names} == names
+
+
+def test_the_math_attention_kernel_is_refused():
+    """Inside the bench's timed region a call only the math kernel serves raises; the fused ones run. Backends are
+    read off profiler names (aten ops, or CUDA kernel names)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 2, 8, 16)
+    with gpu.fused_attention_only():
+        assert not torch.backends.cuda.math_sdp_enabled()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)  # CPU's flash kernel
+        with pytest.raises(RuntimeError):  # value head dim != query's: only the math kernel takes it
+            F.scaled_dot_product_attention(q, q, torch.randn(1, 2, 8, 24), is_causal=True)
+    assert torch.backends.cuda.math_sdp_enabled()  # restored after
+    assert gpu.sdpa_backends(["aten::_scaled_dot_product_cudnn_attention",
+                              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == ["cuDNN"]
+    assert gpu.sdpa_backends(["aten::_scaled_dot_product_flash_attention_backward",
+                              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>"]) == ["flash"]
+    assert gpu.sdpa_backends(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]) == ["memory-efficient"]
+    assert gpu.sdpa_backends(["aten::bmm", "aten::_softmax", "aten::mm"]) == []
 
 
 def test_part2_memory_rows_for_both_stages(tiny):
@@ -133,9 +196,10 @@ def test_part1_keeps_the_rows_measured_before_its_limit(monkeypatch):
     monkeypatch.setattr(gpu, "isolated", stopped)
     args = argparse.Namespace(models=None, threads=1, rounds=1, compile_backend="aot_eager", timeout=None)
     res = gpu.run_part1(args, True, {})
-    first = gpu.part1_specs(True, None)[0]["name"]
+    specs = gpu.part1_specs(True, None)
+    first = specs[0]["name"]
     assert res["rows"][0] == {"model": first, "variant": "eager", "stage_tps": 1.0}
-    assert all("no result after 200s" in r["error"] for r in res["rows"][1:]) and len(res["rows"]) == 4
+    assert all("no result after 200s" in r["error"] for r in res["rows"][1:]) and len(res["rows"]) == 1 + len(specs)
     assert "the rows above were measured before it" in res["rows"][1]["error"] and res["notes"] == [f"{first}: built"]
 
 
@@ -205,5 +269,10 @@ def test_gpu_results_render():
     p4 = "\n".join(gpu.render_part4({"t_unit_ms": 2.5, "units": 8, "delay_ms": 10.0, "n": 8192, "grad_mb": 268.0,
                                      "modes": modes}, info))
     assert "| 0.990 |" in p4 and "| 0.667 |" in p4 and "side stream: yes" in p4
+    row16 = dict(row, variant="compiled layers", sdpa={"stage": "cuDNN", "plain": "flash"},
+                 compile_s={"stage": 41.0, "plain": 30.0})
+    p1 = "\n".join(gpu.render_part1({"rows": [row16], "notes": []}, dict(info, peak_tflops=gpu.peak_tflops("NVIDIA H200 NVL"))))
+    assert "SDPA cuDNN (plain flash)" in p1 and "compile 41 s stage, 30 s plain" in p1
+    assert "| 217.2 | 26.0% | 27.3% |" in p1  # 6 x 362M x 1e5 over 835 TFLOP/s, an H200 NVL's, not 989
     text = gpu.render({1: {"rows": [row], "notes": []}}, {1: 5.0}, info, False, ["--write"])
     assert "## GPU proof (NVIDIA H100 80GB HBM3)" in text and "`python -m bench.gpu --write`" in text

@@ -1,6 +1,6 @@
 """2BW through the command a user types (``hf-asyncpp train``, real data: the default corpus, its tokenizer, the
 prefetching data path, metrics, the progress line) against torch.distributed.pipelining's Schedule1F1B and the
-no-bubble limit, on issue 14's shapes (``bench.throughput.H256``): Llama h256 x 8 layers, vocabulary 4,096, untied,
+no-bubble limit, on the h256 shapes (``bench.throughput.H256``): Llama h256 x 8 layers, vocabulary 4,096, untied,
 AdamW, 4 microbatches of 4 x 128 tokens per step, split 5/3, 2 processes x 1 thread (gloo).
 
     python -m bench.cli_throughput [--steps 40] [--rounds 3] [--fused] [--only "cli 2bw,in-process 2bw"] [--write]
@@ -32,7 +32,7 @@ Arms, each once per round with the order rotated every round, best round reporte
   transport cost (2BW can beat it a little: its lighter stage waits part of each step, which leaves the busier one
   a less loaded machine).
 
-The no-bubble limit is twice the faster of the two single-process rates. Then the attribution the issue asks for:
+The no-bubble limit is twice the faster of the two single-process rates. Then the attribution:
 per-action costs (ms per forward, backward, step, receive wait) of 2BW against our 1F1B and against one process,
 all from the same machine in the same run.
 

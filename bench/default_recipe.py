@@ -4,7 +4,7 @@
     python -m bench.default_recipe [--steps 60] [--rounds 3] [--write]
 
 The arms run one at a time, once per round, the order rotated every round so that slow phases of a shared machine
-hit all arms alike; each reports its best round. Targets (issue 14): the main job at least 1.8x one process with
+hit all arms alike; each reports its best round. Targets: the main job at least 1.8x one process with
 one thread, i.e. at least 0.9 of the no-bubble limit (twice that rate). The best 2BW run's own profile
 (pipeline_profile.json) then feeds the simulator's prediction at p = 4, 8, 16 (``predict``). ``--write`` replaces
 the ``default`` section of docs/benchmarks/speed.md. ``run`` (one command, its steady rate and profile) is shared with

@@ -1,10 +1,17 @@
 """The GPU proof: what the executor's way of running a stage costs on a real accelerator, whether the planner's
 memory model holds there, what the executor adds per action, and whether the reducer keeps the compute stream free.
 
-    python -m bench.gpu [--write]          # one H100/H200, no network; sized for under 10 minutes
-    python -m bench.gpu --cpu-tiny         # the same code paths at a tiny size on CPU (automatic without CUDA;
-                                           # bench/check_gpu.py runs it, a minute or two)
-    python -m bench.gpu --parts 1,4 --models smollm2-360m-stage0   # a subset
+    python -m bench.gpu --save $OUT/gpu.pkl   # THE ONE CALL (defaults), one H100/H200, no network: part 1 on the
+                                              # recipe's stage 0 and its last stage; limits 200 + 200 = 400 s
+                                              # (run it with timeout_s 540)
+    python -m bench.gpu --parts 2,3,4,5 --save $OUT/rest.pkl                   # a second call: limits 480 s
+    python -m bench.gpu --parts 1 --models moe-2b,moe-10b --save $OUT/moe.pkl  # a third: the MoE rows, 500 s
+    python -m bench.gpu --load a.pkl b.pkl --write   # merge saved calls into docs/benchmarks/gpu.md
+    python -m bench.gpu --cpu-tiny --parts 1,2,3,4,5 --models all   # the same code paths at a tiny size on CPU
+                                              # (automatic without CUDA; bench/check_gpu.py runs it, 2-3 minutes)
+
+A call's processes run under per-part limits (``TIMEOUTS``; part 1 per model, ``PART1_TIMEOUTS``); a call prints
+what its limits sum to and says so if that is over the 540 s (``CALL_BUDGET_S``) a 10-minute command leaves.
 
 Models are built from recipe configs (``AutoConfig.for_model``, random weights) and fed random token ids, so
 nothing is downloaded; ``datasets``/``evaluate`` are never imported (the GPU image lacks them; every part's process
@@ -12,10 +19,20 @@ reports whether it imported them, and the output warns if one did). Every part r
 a time limit (``TIMEOUTS`` on a GPU; on CPU only a hang guard, ``CPU_HANG_GUARD_S``): a failure (an OOM, a compile
 error, a hang) becomes a row of the table and the other parts still run.
 
-1. **A stage as the executor runs it, against the plain model** (the fair shape first: stage 0 of smollm2-360m's
-   4 stages -- its embedding and 9 layers -- at the recipe's 16 x 2048 with the 4 microbatches 2BW keeps in flight
-   there, against transformers' base model with 9 layers run to its hidden states, both backwards from a gradient
-   as the next stage sends it; then moe-2b and moe-10b cut to 4 layers as one stage; the whole smollm2-360m as one
+1. **A stage as the executor runs it, against the plain model** (the fair shape, the one call: stage 0 of
+   smollm2-360m's 4 stages -- its embedding and 9 layers -- at the recipe's 16 x 2048 with the 4 microbatches 2BW
+   keeps in flight there, against transformers' base model with 9 layers run to its hidden states, both backwards
+   from a gradient as the next stage sends it; and its last stage -- 5 layers, final norm, tied head and the loss
+   as training computes it (``training.fused_loss: auto``: the chunked fused linear cross-entropy,
+   ``hf_asyncpp/model/fused_loss.py``) -- fed hidden states already on the device, against transformers' model
+   with 5 layers fed the same hidden states (``inputs_embeds``) through its norm, head and ``ForCausalLMLoss``;
+   host batches pinned once, outside the timing, for both sides; every timed round under
+   ``torch.nn.attention.sdpa_kernel`` with the cuDNN, flash and memory-efficient backends only, so that the math
+   kernel raises instead of running, and the backend that ran read off a profile of one round (aten's SDPA op
+   names, or the CUDA kernels': ``cudnn_generated_fort_native_sdpa*``, ``flash_fwd*``, ``fmha_cutlass*``);
+   compiled layers as training compiles them (``compile_layers``; ``find_casts`` runs eagerly, so the compiled
+   stage holds the same bf16 weight versions as training), the first compiled rounds' extra seconds noted as the
+   compile time. Then, as a separate call: moe-2b and moe-10b cut to 4 layers as one stage; the whole smollm2-360m as one
    stage only with ``--models smollm2-360m``: at a halved microbatch it is host-bound for the plain model too;
    bf16 autocast over fp32 master weights, as ``training.bf16``). A whole model's stage is
    ``partition_model(model, 1)[0]``,
@@ -25,17 +42,17 @@ error, a hang) becomes a row of the table and the other parts still run.
    (``Versions.add_in_place``) -- on a weight version (``Versions.compute_for``: the linear weights and the MoE expert stacks as
    the version's bf16 copies, made once, ``find_casts``, ``Versions.use_bf16``; their gradients reach fp32 leaves)
    under ``hf_asyncpp.model.build.autocast``
-   (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of stage 0
-   of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
+   (``torch.autocast(device, bfloat16)``), k forwards then k backwards, k = the in-flight microbatches of that
+   stage (stage 0 for a whole model) of the recipe's own pipeline (from its action list: the most activations a stage holds). The plain model runs
    ``model(input_ids, labels).loss.backward()`` one microbatch at a time on the same microbatches; it is a second
    model with the same weights, because a plain forward leaves transformers' output-recorder hooks on modules a
    stage shares, which the executor's stage never has (under torch.compile they break its graph). The microbatch
    is the recipe's, halved until k of them fit (the planner's activation model x 2; an OOM halves it again). Each
-   eagerly, with ``torch.compile`` per decoder layer (``layer.compile()``: the stage's own layer wrappers, the
-   plain model's layers), and for MoE with transformers' experts implementations (``config._experts_implementation``:
+   eagerly, with ``torch.compile`` per decoder layer (``compile_layers``, as training: the stage's own layer
+   wrappers, the plain model's layers), and for MoE with transformers' experts implementations (``config._experts_implementation``:
    ``eager`` loops over experts, ``grouped_mm``, transformers' default, one grouped GEMM; ``ExpertsInterface`` in
    ``transformers/integrations/moe.py``), plus a contrast row of the plain model with bf16 weights (no autocast):
-   the bar for the stage's MoE (issue 41: the stage, experts grouped_mm, at least 0.9x it; a note gives the ratio).
+   the bar for the stage's MoE (the target: the stage, experts grouped_mm, at least 0.9x it; a note gives the ratio).
    Under autocast transformers casts the grouped-GEMM input to the weights' dtype, so the plain model's fp32
    masters run the expert GEMMs in fp32, where torch's CUDA grouped GEMM has no kernel (its fast path is bf16;
    other dtypes loop over the groups after ``offs.cpu()``, a host sync), and under torch.compile transformers swaps
@@ -44,8 +61,10 @@ error, a hang) becomes a row of the table and the other parts still run.
    with CUDA events, synchronized only at the end of each timed region. Reported: tokens/s, TFLOP/s = 6 x active
    parameters x tokens/s plus attention's 12 L H Q T per token (torchtitan's convention; active: every parameter
    that multiplies, the input embedding of an untied model being a lookup; expert tensors x top-k / experts; before
-   2026-11-27 attention was left out, 0.74x this count at smollm2-360m's shape), MFU against the device's dense
-   bf16 peak (H100 SXM / H200: 989 TFLOP/s; unknown device: n/a), stage / plain, and peak memory (the stage holds
+   2026-11-27 attention was left out, 0.74x this count at smollm2-360m's shape), MFU of the stage's forward and
+   backward only (no optimizer step, reduction, p2p or bubble) against the device's dense bf16 peak
+   (``PEAK_TFLOPS``: H100 SXM / H200 / GH200 989 TFLOP/s, H100 NVL / H200 NVL 835, H100 PCIe 756; unknown device:
+   n/a), stage / plain, and peak memory (the stage holds
    k microbatches, the plain model one), host syncs per microbatch (``torch.cuda.set_sync_debug_mode``; the
    calling thread's), and for compiled variants the graphs, graph breaks and their reasons. Why: the executor adds
    a wrapper around every layer, functional_call and versioned leaves; this shows what that costs at real width,
@@ -102,9 +121,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {1: "stage vs plain", 2: "2 stages, memory vs planner", 3: "per-action overhead and host syncs",
          4: "reducer vs compute stream", 5: "F, I and W per layer: the planner's schedules on measured costs"}
-# dense bf16 peak TFLOP/s by device name (first match wins: the PCIe and NVL H100s are slower than the SXM one)
-PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
-               ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0)]
+# Dense bf16 tensor-core peak TFLOP/s by device name; the first entry whose key the name contains wins, so each
+# slower variant comes before the name it contains ("H100 NVL" before "H100", "H200 NVL" before "H200"). NVIDIA's
+# H100 and H200 product pages / datasheets give bf16 "with sparsity": H100 SXM 1,979, H100 PCIe 1,513, H100 NVL
+# 1,671, H200 SXM 1,979, H200 NVL 1,671, GH200 1,979; dense is half of each. torch's names: "NVIDIA H100 80GB
+# HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA GH200 480GB".
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0),
+               ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0)]
 GB = 1e9
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -144,25 +167,37 @@ def inflight(schedule: str, p: int, m: int, extra: int = 0, stage: int = 0) -> i
 
 
 def part1_specs(cpu: bool, only: set | None) -> list[dict]:
-    """The models part 1 measures. First the recipe's own stage (``stage``: (stages, index)): stage 0 of
-    smollm2-360m's 4 at the recipe's 16 x 2048 with the k microbatches it holds, the shape a user's GPU runs (its
-    embedding and first layers; the plain model at the same shape is transformers' base model with as many layers,
-    its final norm the only extra); then whole models as one stage."""
+    """The models part 1 measures. The one call (``default``): the recipe's own first and last stages at its
+    shape, the shape a user's GPU runs: stage 0 of smollm2-360m's 4 (its embedding and first layers; the plain side
+    is transformers' base model with as many layers, its final norm the only extra) and stage 3 of 4 (its last
+    layers, final norm, head and loss, the loss as training computes it: ``training.fused_loss``; the plain side is
+    transformers' model with as many layers fed the hidden states, its own head and ``ForCausalLMLoss``), each with
+    the microbatches its action list holds in flight. Then, by name or ``--models all``: whole models as one stage
+    (moe-2b, moe-10b cut to 4 layers; the whole smollm2-360m only when named)."""
     if cpu:
-        k = inflight("2bw", 2, 4)
-        specs = [dict(name="tiny llama stage 0 of 2", key="stage", config=TINY_LLAMA, mbs=2, seq=32, k=k,
-                      k_from="stage 0 of 2, 2bw, m=4", stage=(2, 0)),
-                 dict(name="tiny llama", config=TINY_LLAMA, mbs=2, seq=32, k=k, k_from="stage 0 of 2, 2bw, m=4"),
-                 dict(name="tiny qwen3_moe", config=TINY_MOE, mbs=2, seq=32, k=k, k_from="stage 0 of 2, 2bw, m=4")]
+        k0, k1 = inflight("2bw", 2, 4), inflight("2bw", 2, 4, stage=1)
+        specs = [dict(name="tiny llama stage 0 of 2", key="stage0", config=TINY_LLAMA, mbs=2, seq=32, k=k0,
+                      k_from="stage 0 of 2, 2bw, m=4", stage=(2, 0), default=True),
+                 dict(name="tiny llama stage 1 of 2", key="last", config=TINY_LLAMA, mbs=2, seq=32, k=k1,
+                      k_from="stage 1 of 2, 2bw, m=4", stage=(2, 1), fused_loss="auto", default=True),
+                 dict(name="tiny llama", key="tiny-llama", config=TINY_LLAMA, mbs=2, seq=32, k=k0,
+                      k_from="stage 0 of 2, 2bw, m=4"),
+                 dict(name="tiny qwen3_moe", key="tiny-moe", config=TINY_MOE, mbs=2, seq=32, k=k0,
+                      k_from="stage 0 of 2, 2bw, m=4")]
     else:
         r = recipe_yaml("smollm2-360m")
-        pl = r["pipeline"]
+        pl, tr = r["pipeline"], r.get("training", {})
         p, m, ew = pl["num_stages"], pl["num_microbatches"], pl.get("extra_warmup", 0)
-        ckpt = r.get("training", {}).get("gradient_checkpointing", False)
-        specs = [dict(name=f"smollm2-360m stage 0 of {p}", key="smollm2-360m-stage0", config=dict(r["model"]["config"]),
-                      mbs=pl["microbatch_size"], seq=r["data"]["seq_len"], k=inflight(pl["schedule"], p, m, ew),
-                      k_from=f"stage 0 of smollm2-360m's {p}-stage {pl['schedule']}, m={m}, the recipe's activation "
-                             f"checkpointing {'on' if ckpt else 'off'}", stage=(p, 0), checkpointing=ckpt)]
+        ckpt = tr.get("gradient_checkpointing", False)
+        specs = []
+        for index, key in ((0, "smollm2-360m-stage0"), (p - 1, "smollm2-360m-last")):
+            specs.append(dict(name=f"smollm2-360m stage {index} of {p}", key=key, config=dict(r["model"]["config"]),
+                              mbs=pl["microbatch_size"], seq=r["data"]["seq_len"],
+                              k=inflight(pl["schedule"], p, m, ew, stage=index),
+                              k_from=f"stage {index} of smollm2-360m's {p}-stage {pl['schedule']}, m={m}, the recipe's "
+                                     f"activation checkpointing {'on' if ckpt else 'off'}",
+                              stage=(p, index), checkpointing=ckpt, fused_loss=tr.get("fused_loss", "auto"),
+                              default=True))
         for rname, layers in (("smollm2-360m", None), ("moe-2b", 4), ("moe-10b", 4)):
             r = recipe_yaml(rname)
             cfg = dict(r["model"]["config"])
@@ -174,11 +209,13 @@ def part1_specs(cpu: bool, only: set | None) -> list[dict]:
                               mbs=pl["microbatch_size"], seq=r["data"]["seq_len"], k=inflight(pl["schedule"], p, m, ew),
                               k_from=f"stage 0 of {rname}'s {p}-stage {pl['schedule']}, m={m}",
                               # the whole 32 layers at a halved microbatch: host-bound for the plain model too (the
-                              # 2026-11-26 run), so only when named; the recipe's stage 0 is the fair shape
+                              # 2026-11-26 run), so only when named; the recipe's stages are the fair shape
                               optional=rname == "smollm2-360m"))
     if not only:
+        return [s for s in specs if s.get("default")]
+    if "all" in only:
         return [s for s in specs if not s.get("optional")]
-    return [s for s in specs if s.get("key", s["name"]) in only or s["name"] in only]
+    return [s for s in specs if s["key"] in only or s["name"] in only]
 
 
 def part2_recipe(cpu: bool, mbs: int | None) -> dict:
@@ -209,6 +246,11 @@ def part3_recipe(cpu: bool) -> dict:
             "training": dict(TRAINING)}
 
 
+def peak_tflops(name: str) -> float | None:
+    """The device's dense bf16 peak (``PEAK_TFLOPS``: the first key its name contains); None if unknown."""
+    return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
+
+
 def device_info(cpu: bool) -> dict:
     import transformers
 
@@ -217,7 +259,7 @@ def device_info(cpu: bool) -> dict:
         name = torch.cuda.get_device_name()
         info.update(device=name, capability=".".join(map(str, torch.cuda.get_device_capability())),
                     memory_gb=torch.cuda.get_device_properties(0).total_memory / GB, cuda_version=torch.version.cuda,
-                    peak_tflops=next((tf for key, tf in PEAK_TFLOPS if key in name), None))
+                    peak_tflops=peak_tflops(name))
     else:
         info.update(device=f"CPU ({os.cpu_count()} cores)", peak_tflops=None)
     return info
@@ -319,6 +361,62 @@ def _free(device):
 
 def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def host_batches(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The batches on the host, pinned once where a GPU reads them (the executor's data path pins its batches): a
+    copy from pageable memory with ``non_blocking=True`` is staged through a bounce buffer and can stall the stream;
+    from pinned memory it is an asynchronous DMA. Without CUDA there is nothing to pin for (and torch cannot)."""
+    return batch.pin_memory() if device.type == "cuda" else batch
+
+
+# The SDPA backends a timed region may run: the fused kernels. The math kernel (bmm + softmax, 5-10x slower at 2048
+# tokens) is not among them, so a call that only it could serve raises ("No available kernel") instead of running it
+# silently. On CPU only the flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) of these exists.
+FUSED_SDPA = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def fused_attention_only():
+    """``torch.nn.attention.sdpa_kernel`` with the fused backends only (``FUSED_SDPA``): the math kernel refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, b) for b in FUSED_SDPA])
+
+
+# aten's SDPA implementations (what the profiler names, eager or called from a compiled graph), most specific first,
+# and the CUDA kernels' names that say the same (for a trace read by eye)
+SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "flash (CPU)"),
+            ("_scaled_dot_product_cudnn_attention", "cuDNN"), ("_scaled_dot_product_flash_attention", "flash"),
+            ("_scaled_dot_product_efficient_attention", "memory-efficient"), ("_efficient_attention", "memory-efficient"),
+            ("_flash_attention", "flash"), ("_scaled_dot_product_attention_math", "math"))
+SDPA_KERNELS = (("cudnn", "cuDNN"), ("flash_fwd", "flash"), ("flash_bwd", "flash"), ("fmha_cutlass", "memory-efficient"))
+
+
+def sdpa_backends(names) -> list[str]:
+    """The SDPA backends a profile's event names show ran (``SDPA_OPS``, then ``SDPA_KERNELS`` for kernel names
+    whose op was not recorded); empty when none did (no attention, or the math kernel decomposed into the graph)."""
+    found = []
+    for name in names:
+        low = name.lower()
+        what = next((label for op, label in SDPA_OPS if op in name), None)
+        if what is None and ("attention" in low or "sdpa" in low or "fmha" in low):
+            what = next((label for key, label in SDPA_KERNELS if key in low), None)
+        if what and what not in found:
+            found.append(what)
+    return found
+
+
+def sdpa_kernels(fn, device: torch.device) -> str:
+    """Which SDPA backend ``fn`` (one round) ran, read from a profile of it under ``fused_attention_only``: the
+    backends' names, or a line saying none was seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with fused_attention_only(), profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    found = sdpa_backends({e.name for e in prof.events()})
+    return ", ".join(found) if found else "no fused attention op seen"
 
 
 # ---------------------------------------------------------------------------- part 1: a stage vs the plain model
@@ -442,7 +540,8 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
         return spec["mbs"]
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_asyncpp.plan.memory import activation_values_per_token
+    from hf_asyncpp.model.fused_loss import use_fused_loss
+    from hf_asyncpp.plan.memory import activation_bytes_per_token, activation_values_per_token
 
     kw = dict(spec["config"])
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -454,8 +553,10 @@ def _fitting_mbs(spec: dict, device: torch.device) -> int:
 
         p, index = spec["stage"]
         layers = list(partition_model(meta, p, seq_len=spec["seq"])[index].layer_ids)
-        per_token = activation_values_per_token(config, layers, last=index == p - 1,
-                                                checkpointed=bool(spec.get("checkpointing"))) * 2
+        last = index == p - 1
+        per_token = activation_bytes_per_token(config, layers, last, bool(spec.get("checkpointing")),
+                                               fused_loss=last and use_fused_loss(spec.get("fused_loss", "auto"),
+                                                                                  meta)) / 4 * 2
         cap = 0.9 * torch.cuda.get_device_properties(device).total_memory
     else:  # a whole model: x 2 for what the planner leaves out (fp32 expert GEMMs, the loss's fp32 logits)
         per_token = activation_values_per_token(config, list(range(config.num_hidden_layers)), last=True) * 2 * 2
@@ -478,6 +579,8 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     from hf_asyncpp.partition.plan import anatomy, get_module
     from hf_asyncpp.model.build import expert_stacks
     from hf_asyncpp.pipeline.versions import Versions, find_casts
+    from hf_asyncpp.model.build import compile_counts, compile_layers
+    from hf_asyncpp.model.fused_loss import use_fused_loss
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one entry per layer wrapper
@@ -491,13 +594,18 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     # leaves transformers' output-recorder hooks on the router modules, which a stage shares; under torch.compile
     # their ContextVar.get breaks the graph.) A stage of a pipeline (``spec["stage"]``): the plain model is
     # transformers' base model with the stage's layers, run to its hidden states, the backward from a gradient as
-    # the next stage would send it
+    # the next stage would send it; for a last stage, transformers' model with the stage's layers fed the hidden
+    # states (``inputs_embeds``), through its final norm, head and loss
     where = spec.get("stage")
     staged = build()
     if spec.get("checkpointing"):
         enable_activation_checkpointing(staged)  # before partitioning, as PipelineEngine
-    stage = partition_model(staged, where[0] if where else 1, seq_len=spec["seq"])[where[1] if where else 0]
-    middle = where is not None and where[1] < where[0] - 1  # no loss here: hidden states go on
+    # the last stage's loss as training computes it (training.fused_loss, PipelineEngine's use_fused_loss)
+    fused = bool(where) and where[1] == where[0] - 1 and use_fused_loss(spec.get("fused_loss", "auto"), staged)
+    stage = partition_model(staged, where[0] if where else 1, seq_len=spec["seq"],
+                            fused_loss=fused)[where[1] if where else 0]
+    first, last = stage.is_first, stage.is_last
+    middle = not last  # no loss here: hidden states go on
     model = build(len(stage.layer_ids) if where else None)
     if spec.get("checkpointing"):
         model.gradient_checkpointing_enable()
@@ -505,19 +613,28 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     default_experts = getattr(cfg, "_experts_implementation", None)
     is_moe = ".experts." in "".join(f".{n}." for n, _ in model.named_parameters())
     versions = Versions(dict(stage.named_parameters()), lag=1)
-    n_total, n_active = active_params(model)
-    if middle:  # what multiplies on the stage: its layers (the embedding is a lookup, the head is elsewhere)
-        n_total = sum(t.numel() for t in stage.parameters())
+    n_total, n_active = active_params(model)  # a last stage: its layers, final norm and head (the plain model's)
+    if middle and where:  # what multiplies on a first stage: its layers (the embedding is a lookup, the head is elsewhere)
         n_active = float(sum(t.numel() for t in get_module(model, anatomy(model).layers).parameters()))
+    if where:
+        n_total = sum(t.numel() for t in stage.parameters())
     tokens = mbs * seq
     g = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, cfg.vocab_size, (k, mbs, seq), generator=g)  # on the host, as the executor's batches
+    # on the host, as the executor's batches, pinned once outside the timing (the executor's loader pins them), so
+    # that the copies with non_blocking=True are asynchronous on both sides
+    batch = host_batches(torch.randint(0, cfg.vocab_size, (k, mbs, seq), generator=g), device)
+    # a later stage's input: the hidden states the previous stage sends, on the device already (received), fp32 as
+    # HF's residual stream is under autocast; the backward computes their gradient, which goes back
+    hidden = [] if first else [torch.randn(mbs, seq, cfg.hidden_size, generator=g).to(device).requires_grad_()
+                               for _ in range(k)]
+    ids_of = lambda i: batch[i].to(device, non_blocking=True)  # noqa: E731
+    arg_of = lambda i, ids: ids if first else hidden[i]  # noqa: E731
+    labelled = lambda ids: {"labels": ids} if last else None  # noqa: E731
     # training.bf16 as the executor runs it: the weights autocast would cast per microbatch and the expert stacks are
     # held by the version as one bf16 copy (find_casts, Versions.use_bf16, as PipelineEngine._forward); the forward
     # reads them, the gradients reach the fp32 leaves
-    ids0 = batch[0].to(device)
-    labelled = lambda ids: None if middle else {"labels": ids}  # noqa: E731
-    casts = find_casts(stage, versions.leaves_for(0), ids0, labelled(ids0))
+    ids0 = ids_of(0)
+    casts = find_casts(stage, versions.leaves_for(0), arg_of(0, ids0), labelled(ids0))
     versions.use_bf16(casts)
     leaves, compute = versions.leaves_for(0), versions.compute_for(0)
     stacks = len(casts & expert_stacks(stage))
@@ -525,10 +642,17 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
     notes.append(f"the stage holds {len(casts)} of its {len(leaves)} weights as the version's bf16 "
                  f"copies (training.bf16's weight versions{f', {stacks} of them MoE expert stacks' if stacks else ''}), "
                  "the rest read under autocast")
+    if last and where:
+        notes.append("the stage's loss: " + ("the fused linear cross-entropy (training.fused_loss: "
+                                             f"{spec.get('fused_loss', 'auto')})" if fused else
+                                             "transformers' head and ForCausalLMLoss")
+                     + "; the plain model's: transformers' head and ForCausalLMLoss, fed the same hidden states")
+    notes.append(f"host batches pinned: {'yes' if batch.is_pinned() else 'no (no CUDA: nothing to pin for)'}")
 
     def stage_forward():
+        ids = ids_of(0)
         with autocast(True):
-            functional_call(stage, compute, (ids0,), None, strict=False)
+            functional_call(stage, compute, (arg_of(0, ids),), labelled(ids), strict=False)
 
     sent: dict = {}  # the gradients "the next stage" sends back, made once (the executor allocates none per round)
 
@@ -541,9 +665,9 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
         roots = []
         with _reparametrize_module(stage, compute, tie_weights=True, strict=False):  # once per version (_bind)
             for i in range(k):
-                ids = batch[i].to(device, non_blocking=True)
+                ids = ids_of(i)
                 with autocast(True):
-                    out = stage(ids, **(labelled(ids) or {}))
+                    out = stage(arg_of(i, ids), **(labelled(ids) or {}))
                 outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
                         if o.is_floating_point() and o.requires_grad]
                 roots.append((outs, from_next(outs)) if middle else ([out / k], None))
@@ -555,24 +679,34 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
                 versions.add_in_place.on = False
         for leaf in leaves.values():  # REDUCE takes the gradients away
             leaf.grad = None
+        for h in hidden:  # sent back to the previous stage
+            h.grad = None
+
+    def plain_call(m, i, ids):
+        """The plain model at the stage's place: its base model to the hidden states (a first stage), or from the
+        hidden states through its layers, norm, head and transformers' loss (a last stage), or whole."""
+        if middle:
+            return m.model(input_ids=ids, use_cache=False).last_hidden_state
+        if first:
+            return m(input_ids=ids, labels=ids, use_cache=False).loss / k
+        return m(inputs_embeds=hidden[i], labels=ids, use_cache=False).loss / k
 
     def plain_round(m=model, cast=True):
         for i in range(k):
-            ids = batch[i].to(device, non_blocking=True)
+            ids = ids_of(i)
             with autocast(cast):
-                if middle:
-                    out = m.model(input_ids=ids, use_cache=False).last_hidden_state
-                else:
-                    out = m(input_ids=ids, labels=ids, use_cache=False).loss / k
+                out = plain_call(m, i, ids)
             if middle:
                 sent.setdefault(("plain", out.dtype), torch.randn_like(out))
             out.backward(sent[("plain", out.dtype)] if middle else None)
         m.zero_grad(set_to_none=True)
+        for h in hidden:
+            h.grad = None
 
     def plain_forward(m, cast):
-        ids = batch[0].to(device)
+        ids = ids_of(0)
         with autocast(cast):
-            (m.model if middle else m)(input_ids=ids, use_cache=False)
+            plain_call(m, 0, ids)
 
     def host_syncs(fn) -> int | None:
         """Synchronizing CUDA calls in one round, as torch's sync debug mode reports them (the calling thread's)."""
@@ -580,7 +714,7 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
             return None
         import warnings
 
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, fused_attention_only():
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -589,14 +723,20 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
                 torch.cuda.set_sync_debug_mode(0)
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    def measure(fn, warmup: int) -> tuple[float, float | None]:
-        for _ in range(warmup):
-            fn()
-        _sync(device)
-        _reset_peak(device)
-        with Timer(device) as t:
-            for _ in range(payload["rounds"]):
+    def measure(fn, warmup: int, first_seconds: list | None = None) -> tuple[float, float | None]:
+        """tokens/s over the timed rounds and the peak memory; the warm-up's seconds (compile included) appended to
+        ``first_seconds``. Every round under ``fused_attention_only``: the math SDPA kernel raises, never runs."""
+        with fused_attention_only():
+            t0 = time.perf_counter()
+            for _ in range(warmup):
                 fn()
+            _sync(device)
+            if first_seconds is not None:
+                first_seconds.append(time.perf_counter() - t0)
+            _reset_peak(device)
+            with Timer(device) as t:
+                for _ in range(payload["rounds"]):
+                    fn()
         return payload["rounds"] * k * tokens / t.seconds, _peak(device)
 
     variants = [("eager", None, False)]
@@ -636,18 +776,17 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
                               (("stage", staged, stage_forward), ("plain", model, lambda: plain_forward(model, True)))]
                     if any(p for _, p in probes):
                         row["experts_note"] = "; ".join(f"{side}: {p}" for side, p in probes if p)
-            if compile_ and not compiled:
-                path = stage._a.layers
-                for j in stage.layer_ids:
-                    get_module(stage, path)[j].compile(backend=payload["compile_backend"])  # the stage's layer wrappers
-                for layer in get_module(model, path):
-                    layer.compile(backend=payload["compile_backend"])
+            if compile_ and not compiled:  # as training compiles them (training.torch_compile): each decoder layer
+                compile_layers(stage.decoder_layers(), payload["compile_backend"])  # the stage's layer wrappers
+                compile_layers(get_module(model, stage._a.layers), payload["compile_backend"])
                 compiled = True
             best, graphs, reasons = {}, {"stage": [0, 0], "plain": [0, 0]}, {"stage": [], "plain": []}
+            warm = {"stage": [], "plain": []}
+            fallbacks = compile_counts()["eager_fallbacks"]
             for _ in range(2):  # two interleaved repeats, each side's best
                 for side, fn in (("stage", stage_round), ("plain", plain_round)):
                     g0, b0, r0 = _dynamo_counts()
-                    tps, peak = measure(fn, 2 if compile_ else 1)
+                    tps, peak = measure(fn, 2 if compile_ else 1, warm[side])
                     g1, b1, r1 = _dynamo_counts()
                     graphs[side][0] += g1 - g0
                     graphs[side][1] += b1 - b0
@@ -656,12 +795,17 @@ def _part1_measure(spec: dict, mbs: int, device: torch.device, payload: dict, no
                         best[side] = (tps, peak)
             row.update(stage_tps=best["stage"][0], plain_tps=best["plain"][0], stage_peak_gb=best["stage"][1],
                        plain_peak_gb=best["plain"][1], stage_syncs=host_syncs(stage_round),
-                       plain_syncs=host_syncs(plain_round))
+                       plain_syncs=host_syncs(plain_round), pinned=bool(batch.is_pinned()),
+                       sdpa={"stage": sdpa_kernels(stage_round, device), "plain": sdpa_kernels(plain_round, device)})
             if compile_:
                 row["compile"] = (f"{payload['compile_backend']}: stage {graphs['stage'][0]} graphs, "
                                   f"{graphs['stage'][1]} graph breaks; plain {graphs['plain'][0]} graphs, "
-                                  f"{graphs['plain'][1]} graph breaks")
+                                  f"{graphs['plain'][1]} graph breaks"
+                                  + (f"; {compile_counts()['eager_fallbacks'] - fallbacks} functions left eager at "
+                                     "the recompile limit" if compile_counts()["eager_fallbacks"] > fallbacks else ""))
                 row["breaks"] = {side: r for side, r in reasons.items() if r}
+                # the first warm-up (the first 2 rounds) holds the compilation; the second repeat's is warm
+                row["compile_s"] = {side: max(0.0, w[0] - (w[1] if len(w) > 1 else 0.0)) for side, w in warm.items()}
         except Exception as e:  # noqa: BLE001
             if _oom(e):
                 raise
@@ -709,14 +853,15 @@ def _set_experts(model, impl: str) -> None:
 def run_part1(args, cpu: bool, info: dict) -> dict:
     specs = part1_specs(cpu, set(args.models.split(",")) if args.models else None)
     if not specs:
-        raise ValueError(f"--models {args.models}: no such model (smollm2-360m-stage0, smollm2-360m, moe-2b, moe-10b)")
+        raise ValueError(f"--models {args.models}: no such model (smollm2-360m-stage0, smollm2-360m-last, all, "
+                         "smollm2-360m, moe-2b, moe-10b)")
     rows, notes = [], []
     for group in ([specs] if cpu else [[s] for s in specs]):  # on a GPU each model in a fresh process
         with tempfile.TemporaryDirectory() as d:
             payload = {"cpu": cpu, "threads": args.threads, "specs": group, "rounds": args.rounds,
                        "compile_backend": args.compile_backend, "progress": os.path.join(d, "rows.pkl")}
             try:
-                res = isolated("part1_models", payload, timeout_s=_timeout(args, 1, cpu))[0]
+                res = isolated("part1_models", payload, timeout_s=_timeout(args, 1, cpu, None if cpu else group[0]))[0]
                 rows += res["rows"]
                 notes += res["notes"] + [f"{name}: transformers' default experts implementation here is {impl!r}"
                                          for name, impl in res["default_experts"].items()]
@@ -755,8 +900,8 @@ def _progress(path: str) -> dict:
 def render_part1(res: dict, info: dict) -> list[str]:
     peak = info.get("peak_tflops")
     out = ["| model | variant | microbatch | k in flight | stage tokens/s | plain tokens/s | stage / plain | "
-           "stage TFLOP/s | stage MFU | plain MFU | stage peak GB | plain peak GB | host syncs per microbatch, stage / "
-           "plain | notes |",
+           "stage TFLOP/s | stage MFU (fwd+bwd only) | plain MFU (fwd+bwd only) | stage peak GB | plain peak GB | "
+           "host syncs per microbatch, stage / plain | notes |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if "error" in r and "plain_tps" not in r:
@@ -765,7 +910,12 @@ def render_part1(res: dict, info: dict) -> list[str]:
         fl = 6 * r["active"] + r.get("attention_flops", 0.0)  # torchtitan's convention: attention counted
         s, p = r.get("stage_tps"), r["plain_tps"]
         mfu = lambda tps: f"{tps * fl / (peak * 1e12):.1%}" if (peak and tps) else "n/a"
-        note = "; ".join(x for x in (r.get("compile"), r.get("experts_note"), r.get("error")) if x)
+        sdpa = r.get("sdpa") or {}
+        attn = (f"SDPA {sdpa['stage']}" + (f" (plain {sdpa['plain']})" if sdpa.get("plain") != sdpa["stage"] else "")
+                if sdpa.get("stage") else None)
+        comp = (f"compile {r['compile_s']['stage']:.0f} s stage, {r['compile_s']['plain']:.0f} s plain"
+                if r.get("compile_s") else None)
+        note = "; ".join(x for x in (attn, r.get("compile"), comp, r.get("experts_note"), r.get("error")) if x)
         out.append(f"| {r['model']} | {r['variant']} | {r['mbs']} x {r['seq']} | {r['k']} | "
                    f"{_num(s)} | {_num(p)} | {f'{s / p:.3f}' if s else '-'} | "
                    f"{f'{s * fl / 1e12:.1f}' if s else f'({p * fl / 1e12:.1f} plain)'} | {mfu(s) if s else '-'} | {mfu(p)} | "
@@ -777,13 +927,18 @@ def render_part1(res: dict, info: dict) -> list[str]:
             seen[r["model"]] = (r["params"], r["active"], r["k_from"])
     out += [""] + [f"- {m}: {_count(n)} parameters, {_count(a)} active per token (6 x active x tokens per fwd+bwd); "
                    f"k = {kf}" for m, (n, a, kf) in seen.items()]
+    out.append("- MFU: forward + backward of the stage only, in torchtitan's convention (6 x active parameters + "
+               "12 L H Q T attention FLOPs per token, over the device's dense bf16 peak); the optimizer step, the "
+               "reduction, p2p and the schedule's bubble are outside it. SDPA: the backend the profiler saw run, every "
+               "timed round restricted to " + "/".join(FUSED_SDPA) + " (the math kernel would raise). compile: "
+               "seconds of the first compiled rounds beyond a warm round's (Dynamo and inductor)")
     secs = [f"{r['model']} / {r['variant']} {r['seconds']:.0f}s" for r in res["rows"] if "seconds" in r]
     if secs:
         out.append("- seconds per variant (build, compile, warm-up and timing): " + ", ".join(secs))
     for r in res["rows"]:
         for side, why in (r.get("breaks") or {}).items():
             out.append(f"- {r['model']}, {r['variant']}, {side}: graph breaks: " + "; ".join(f"`{_cell(x)}`" for x in why))
-    for model in dict.fromkeys(r["model"] for r in res["rows"]):  # issue 41's target: at least 0.9x the contrast
+    for model in dict.fromkeys(r["model"] for r in res["rows"]):  # the MoE target: at least 0.9x the contrast
         stage = next((r.get("stage_tps") for r in res["rows"] if r["model"] == model
                       and r["variant"] == "eager, experts grouped_mm"), None)
         plain16 = next((r.get("plain_tps") for r in res["rows"] if r["model"] == model and r.get("plain_only")), None)
@@ -1202,15 +1357,31 @@ def render_part4(res: dict, info: dict) -> list[str]:
 # ---------------------------------------------------------------------------- main
 
 
-# seconds a part's processes may run (part 1: per model) on a GPU: what fits the parts into a 10-minute lease
-TIMEOUTS = {1: 200.0, 2: 200.0, 3: 150.0, 4: 90.0, 5: 120.0}
+# Seconds a part's processes may run on a GPU; part 1 per model, each model in a process of its own. The one call
+# (``DEFAULT_PARTS`` with part 1's default models) must end inside a 10-minute command with room for the start-up
+# (imports, the CUDA context: about 20 s) and the render: its limits sum to ``call_budget(...)`` = 400 s, under
+# ``CALL_BUDGET_S``. Measured on an H100 (2026-11-26): a smollm2-360m stage model, built, run eager and compiled at
+# 16 x 2048, took 60-120 s; moe-10b's build and compile took more than 200 s.
+PART1_TIMEOUTS = {"smollm2-360m-stage0": 200.0, "smollm2-360m-last": 200.0, "smollm2-360m": 240.0, "moe-2b": 200.0,
+                  "moe-10b": 300.0}
+TIMEOUTS = {1: 200.0, 2: 180.0, 3: 120.0, 4: 60.0, 5: 120.0}  # part 1: a model PART1_TIMEOUTS does not name
+DEFAULT_PARTS = "1"  # the one call: part 1's default models (part1_specs: the recipe's first and last stage)
+CALL_BUDGET_S = 540.0  # what one call's limits may sum to: 9 minutes of a 10-minute command
 # the CPU mode's limit per part: a hang guard only, far above the 10-60 s a part takes on a quiet 2-core machine
 # (a loaded one took part 1 past the 120 s this used to be, and a test failed on a machine's speed)
 CPU_HANG_GUARD_S = 1800.0
 
 
-def _timeout(args, part: int, cpu: bool) -> float:
-    return args.timeout or (CPU_HANG_GUARD_S if cpu else TIMEOUTS[part])
+def call_budget(parts: list[int], specs: list[dict]) -> float:
+    """The seconds a GPU call's processes may take in all: each part's limit, part 1's per model."""
+    return sum(sum(PART1_TIMEOUTS.get(s["key"], TIMEOUTS[1]) for s in specs) if part == 1 else TIMEOUTS[part]
+               for part in parts)
+
+
+def _timeout(args, part: int, cpu: bool, spec: dict | None = None) -> float:
+    if args.timeout or cpu:
+        return args.timeout or CPU_HANG_GUARD_S
+    return PART1_TIMEOUTS.get(spec["key"], TIMEOUTS[1]) if spec else TIMEOUTS[part]
 
 
 # ---------------------------------------------------------------------------- part 5: plan --measure on the device
@@ -1280,17 +1451,19 @@ def _gb(x) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny models on CPU (automatic without CUDA)")
-    ap.add_argument("--parts", default="1,2,3,4,5")
-    ap.add_argument("--models", default=None, help="part 1: comma-separated (smollm2-360m-stage0, moe-2b, moe-10b: the "
-                    "default; smollm2-360m: the whole model as one stage, only when named)")
+    ap.add_argument("--parts", default=DEFAULT_PARTS, help="comma-separated (default 1: the one call; the rest: "
+                    "--parts 2,3,4,5, and --parts 1 --models moe-2b,moe-10b)")
+    ap.add_argument("--models", default=None, help="part 1: comma-separated keys (default smollm2-360m-stage0 and "
+                    "smollm2-360m-last, the recipe's first and last stage; moe-2b, moe-10b; all: these four; "
+                    "smollm2-360m: the whole model as one stage, only when named)")
     ap.add_argument("--rounds", type=int, default=None, help="part 1: timed rounds of k microbatches (default 5, CPU 2)")
     ap.add_argument("--steps", type=int, default=None, help="parts 2, 3: timed steps (default 3, CPU 2)")
     ap.add_argument("--part2-mbs", type=int, default=None, help="part 2: microbatch size (default: 1 on GPU, 2 on CPU)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU aot_eager)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default: the cores, CPU 1)")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds per part's processes (default on a GPU: 200 per part-1 model, 200, 150, 90; on CPU "
-                         "1800, a hang guard)")
+                    help="seconds per part's processes (default on a GPU: PART1_TIMEOUTS per part-1 model, TIMEOUTS "
+                         "per part; on CPU 1800, a hang guard)")
     ap.add_argument("--write", action="store_true", help="replace the gpu section of docs/benchmarks/gpu.md")
     ap.add_argument("--save", default=None,
                     help="keep the results in this file after each part (a run cut off keeps its finished parts)")
@@ -1341,6 +1514,11 @@ def main(argv=None) -> dict:
     args.threads = args.threads or (1 if cpu else max(1, os.cpu_count() or 1))
     info = device_info(cpu)
     parts = [int(p) for p in args.parts.split(",") if p.strip()]
+    if not cpu and not args.timeout:  # the limits of this call's processes, against one 10-minute command
+        budget = call_budget(parts, part1_specs(False, set(args.models.split(",")) if args.models else None)
+                             if 1 in parts else [])
+        print(f"this call's time limits sum to {budget:.0f} s" + ("" if budget <= CALL_BUDGET_S else
+              f", over the {CALL_BUDGET_S:.0f} s one 10-minute command leaves: split it"), flush=True)
     results, seconds = {}, {}
     ABSENT_SEEN.clear()
     for part in parts:

@@ -28,8 +28,8 @@ from hf_asyncpp.testing import host_ops_per_step, micro_stage_recipe, plain_ops_
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = {"smollm2-360m": {"F": (2793.5, 1624.0), "B": (5063.0, 3027.5), "REDUCE": (5.0, 5.0), "STEP": (9837.0, 7559.0),
                            "reads": 73, "swaps": 4}}
-"""Measured by this script's counter at d6e578e (before the batched optimizer step), the same counts as the GPU
-review's (shared/reviews/gpu.md §1.1: F 2,793.5, B 5,063, STEP 9,837, 73 scalar reads)."""
+"""Measured by this script's counter at d6e578e (before the batched optimizer step), the same counts as an
+independent count with a dispatch mode at the time (F 2,793.5, B 5,063, STEP 9,837, 73 scalar reads)."""
 TARGETS = {"STEP launching": 150, "reads per step": 2}
 
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     fb = all(res["actions"][k][c] <= res["plain"][k][c] for res in results.values() for k in ("F", "B")
              for c in ("ops", "launching"))
     text = (f"### Host overhead per action (`python -m bench.host_overhead --write`)\n\n{table(results)}\n\n"
-            f"Targets (issue \"GPU-bound stages\"): STEP at most {TARGETS['STEP launching']} kernel-launching ops "
+            f"Targets: STEP at most {TARGETS['STEP launching']} kernel-launching ops "
             f"(now {step:g}: {'met' if step <= TARGETS['STEP launching'] else 'not met'}); at most "
             f"{TARGETS['reads per step']} scalar reads per step, none of them a device sync (now {reads:g}: "
             f"{'met' if reads <= TARGETS['reads per step'] else 'not met'}); F and B per microbatch no more ops and "

@@ -4,7 +4,7 @@ as the paper's ratios instead of nats. ``bench.quality`` stays the short-run (30
     python -m bench.paper_regime [--out DIR] [--parallel 2] [--phases tune,main,ladder,beta1,lambda,syncstart] [--write]
     python -m bench.paper_regime --phases moe-tune,moe-main,moe-ladder [--out DIR] [--parallel 2] [--write]
 
-The first is the dense study (its phases are the default), the second its MoE arm (issue 45); either writes the
+The first is the dense study (its phases are the default), the second its MoE arm; either writes the
 whole section, both models' tables, from whatever has finished.
 
 The protocol (``PROTOCOL``; every knob next to the paper's in the report's regime table):
@@ -54,6 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_asyncpp.figures import pyplot
+
 from .quality import launch, read_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +91,7 @@ VARIANTS = {  # arm suffix -> overrides on top of the optimizer's base
     "delay": ["--optimizer.simulate_delay=1"],
     "delay+EF": ["--optimizer.simulate_delay=1", "--optimizer.delay_correction=error_feedback"],
 }
-# The MoE arm (issue 45): a Qwen3-MoE of the dense model's shape whose ACTIVE parameters are the dense model's: 8
+# The MoE arm: a Qwen3-MoE of the dense model's shape whose ACTIVE parameters are the dense model's: 8
 # experts of FFN 96, top-2, so a token's expert FFN is the dense FFN's 2 x 96 = 192 (plus the router and Qwen3's QK
 # norms: +0.8%); 2.7x the dense model's parameters in all. The package's MoE options: the router aux loss in the
 # model's config (coefficient 0.001, recipes/moe-2b.yaml's and Qwen3's), the top-k weights renormalised (Qwen3's),
@@ -415,7 +417,7 @@ def router_balance(rows: list[dict], points: int = ROUTER_POINTS) -> dict:
 def ceiling(kind: str, beta: float, delayed: bool, lam: float) -> float:
     """Largest lr x sharpness at which momentum SGD on a scalar quadratic stays stable (spectral radius < 1):
     kind ``hb`` (heavy ball: AdamW's first moment, Muon without Nesterov) or ``nest`` (Nesterov: NAdam, Muon),
-    synchronous or with a one-step delay, with the EF extrapolation ``lam`` (../shared/reviews/method.md, app. A)."""
+    synchronous or with a one-step delay, with the EF extrapolation ``lam``: the characteristic polynomial of the delayed momentum recursion."""
     import numpy as np
 
     def transition(a):  # state [x_t, x_{t-1}, m_{t-1}, u_{t-1}]
@@ -571,7 +573,7 @@ def report(b: "Bench", results: dict, extras: dict) -> str:
                          f"{'same order' if 0.3 < d['rel'] / paper_rel < 3 else 'no'} |")
         if d.get("eff") is not None:
             lines.append(f"| R4 {opt} effective-step fraction (delayed) | about {0.94 if opt == 'muon' else 0.25} "
-                         f"(review's reading) | {d['eff']:.2f} | |")
+                         f"(read off its figure) | {d['eff']:.2f} | |")
     # exponents, per seed (a seed's three complete runs give its own fit)
     lines += ["", "### The gap against the run length (complete runs, each with its own schedule; mean ± sd over "
               "seeds, gaps paired by seed)", "",
@@ -708,10 +710,7 @@ def _by_opt_len(lam: dict) -> dict:
 
 
 def _plot(b: "Bench", results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):
@@ -860,7 +859,7 @@ def ratios_beside(dense: dict, moe: dict) -> list[str]:
                   f"{(pd - pe) / (pd - ps):.0%}" if moe_paper else "-", get(moe, opt, "delay+EF", "closed"), ".0%"),
                  (f"R3 {opt}'s relative gap", rel, get(dense, opt, "delay", "rel"),
                   f"{(pd - ps) / ps:.2%}" if moe_paper else "-", get(moe, opt, "delay", "rel"), "+.2%"),
-                 (f"R4 {opt}'s effective-step fraction (delayed)", f"{eff} (review's reading)",
+                 (f"R4 {opt}'s effective-step fraction (delayed)", f"{eff} (read off its figure)",
                   get(dense, opt, "delay", "eff"), "-", get(moe, opt, "delay", "eff"), ".2f")]
     lines = ["### The paper's ratios: MoE beside dense", "",
              f"The paper's MoE: 10B parameters on 200B tokens, sync / delayed / delayed + EF {ps} / {pd} / {pe} with the "
@@ -874,10 +873,7 @@ def ratios_beside(dense: dict, moe: dict) -> list[str]:
 
 def _plot_moe(b: "Bench", results: dict, path: Path) -> None:
     """Seed 0 of each MoE arm at T: the held-out loss, the router's aux loss and the load's CV over training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for opt, color in (("adamw", "tab:blue"), ("muon", "tab:red")):

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from hf_asyncpp.figures import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ("--model.config={model_type: llama, hidden_size: 128, intermediate_size: 384, num_hidden_layers: 8, "
          "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}")
@@ -250,7 +252,7 @@ def report(results, lrs, args, out_root: Path) -> str:
                      f"{ours[0]:.4f} / {ours[1]:.4f} / {ours[2]:.4f} | {s[f'{opt} delay-1']['gap']:+.4f}, "
                      f"{'n/a' if c is None else f'{c:.0%}'} |")
     a_gap, m_gap = (s.get(f"{o} delay-1", {}).get("gap") for o in ("adamw", "muon"))
-    lines += ["", "Targets (the issue's, from the paper's ordering):"]
+    lines += ["", "Targets (from the paper's ordering):"]
     if a_gap is not None and m_gap is not None:
         ratio = f"{m_gap / a_gap:.2f} of AdamW's" if a_gap > 0 else "AdamW shows no gap"
         lines.append(f"- Muon's delay gap <= 1/5 of AdamW's: {m_gap:+.4f} vs {a_gap:+.4f} ({ratio}) -> "
@@ -391,10 +393,7 @@ def _linestyle(name: str) -> str:
 
 
 def _plot(results, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:  # the first seed; the lambda sweep arms are in the table only

@@ -2,7 +2,7 @@
 
     python -m bench.reduction [--repeats 5] [--write]
 
-Measured here, on issue 14's model (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied,
+Measured here, on the h256 model (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied,
 microbatches of 4 x 128 tokens), one thread per process:
 
 - the whole model's forward and backward per microbatch and AdamW's step (one process), cut into p equal stages;
@@ -13,8 +13,8 @@ microbatches of 4 x 128 tokens), one thread per process:
 Then the simulator's steady-state step time of 2BW and 1F1B at m = 8 and 16 with (a) no reduction, (b) the
 measured reduction off the compute stream (``REDUCE`` posts it, only ``STEP`` waits: the reducer's design), (c) the
 same reduction on the compute stream (``reduce_on_compute_stream``: a stage computes nothing until its reduction is
-done, which is what the former reduction thread's synchronous NCCL collectives did to the compute stream). Target
-(the NCCL issue): 2BW / 1F1B with (b) within 5% of (a) at p = 4, m = 8. ``--write`` replaces the ``reduction``
+done, which is what synchronous NCCL collectives on a reduction thread would do to the compute stream). Target:
+2BW / 1F1B with (b) within 5% of (a) at p = 4, m = 8. ``--write`` replaces the ``reduction``
 section of docs/benchmarks/parts.md.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which schedule wins for a recipe at its scale: the planner's decision table (issue "which schedule wins").
+"""Which schedule wins for a recipe at its scale: the planner's decision table.
 
 For each recipe and stage count, every schedule the executor runs (2BW, 1F1B, ZB-H1, GPipe) on the recipe's own
 partition, and the virtual-stage schedules the planner simulates (interleaved 1F1B, ZBV, DualPipeV: 2 stages per GPU

@@ -5,7 +5,7 @@ moves by up to 20% here, hence a dozen rounds and medians).
 
     python -m bench.stage_ceiling [--rounds 12] [--write]
 
-Issue 14's shapes (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied, AdamW's fused kernel,
+The h256 shapes (``bench.throughput.H256``: Llama h256 x 8 layers, vocabulary 4,096, untied, AdamW's fused kernel,
 4 microbatches of 4 x 128 tokens, split 5/3, 2 processes x 1 thread, gloo, random ids). Each round runs, in an
 order rotated every round:
 

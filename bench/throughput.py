@@ -5,8 +5,8 @@ per step; 2 processes with 1 thread each (the no-bubble limit is 2x the one-proc
     python -m bench.throughput [--steps 6] [--microbatches 4] [--repeats 3] [--extra-warmup 1] [--write]
     python -m bench.throughput --model h256 --layers-per-stage 5,3 [--extra-warmup 0] [--write]
 
-``--model h128`` (the default; issue 5's targets): Llama h128, tied, 8 layers (``--layers``). ``--model h256``
-(issue 14's targets: 2bw / torch Schedule1F1B >= 1.2 at m = 4 and >= 1.4 at m = p = 2, 2bw / limit >= 0.9): Llama
+``--model h128`` (the default; the first targets): Llama h128, tied, 8 layers (``--layers``). ``--model h256``
+(the stricter targets: 2bw / torch Schedule1F1B >= 1.2 at m = 4 and >= 1.4 at m = p = 2, 2bw / limit >= 0.9): Llama
 h256 x 8 layers, vocabulary 4,096, untied, the shapes of ``bench.cli_throughput``, ``bench.stage_ceiling`` and
 ``bench.reduction``; with ``--layers-per-stage 5,3`` it has every arm of the retired
 ``bench/vs_torch_pipelining.py``.
@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 H128 = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
         "tie_word_embeddings": True}
-"""The default model of this benchmark (issue 5)."""
+"""The default model of this benchmark."""
 H256 = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256,
         "tie_word_embeddings": False}
-"""The model of issue 14 (bench.cli_throughput, bench.stage_ceiling, bench.reduction), split ``H256_SPLIT``."""
+"""The larger model (bench.cli_throughput, bench.stage_ceiling, bench.reduction), split ``H256_SPLIT``."""
 H256_SPLIT = [5, 3]
 MODELS = {"h128": H128, "h256": H256}
 SEQ, MBS = 128, 4
@@ -242,14 +242,14 @@ def spawn(fn, world, *args) -> list[dict]:
     return run_workers(fn, world, *args)
 
 
-TARGETS = {"h128": {"limit": 0.85, "torch_m": None, "torch_mp": 1.15},  # issue 5
-           "h256": {"limit": 0.9, "torch_m": 1.2, "torch_mp": 1.4}}  # issue 14
+TARGETS = {"h128": {"limit": 0.85, "torch_m": None, "torch_mp": 1.15},
+           "h256": {"limit": 0.9, "torch_m": 1.2, "torch_mp": 1.4}}
 """Per model: 2bw / no-bubble limit, 2bw / torch Schedule1F1B at m (where m != p) and at m = p."""
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(MODELS), default="h128", help="h128 (issue 5) or h256 (issue 14)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="h128", help="h128 (the default) or h256 (the larger model)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--write", action="store_true")

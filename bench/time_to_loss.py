@@ -1,5 +1,5 @@
 """Time to loss on the default recipe: synchronous 1F1B + Muon against 2BW + Muon + EF (``hf-asyncpp compare``),
-both on 2 processes, same recipe, seed and data, the issue-14 setting of 2 microbatches of 16 sequences per step.
+both on 2 processes, same recipe, seed and data, the h256 benchmarks' setting of 2 microbatches of 16 sequences per step.
 
     python -m bench.time_to_loss [--steps 300] [--budgets 1.0,1.1,1.2] [--rounds 1] [--write]
 

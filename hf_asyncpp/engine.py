@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import supervision
 from .config.recipe import Recipe
 from .errors import NonFiniteError
-from .model.build import autocast, compile_layers, enable_activation_checkpointing
+from .model.build import autocast, compile_layers, enable_activation_checkpointing, ties
 from .model.export import shard_file, write_shard
 from .model.fused_loss import HeadCapture, use_fused_loss
 from .model.nll import nll_per_block
@@ -315,10 +315,7 @@ class LocalEngine:
 
 
 def _tied_names(model) -> list[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return []
-    return list(keys.keys()) if isinstance(keys, dict) else list(keys)
+    return list(ties(model))
 
 
 def _dedup_tied(model) -> dict[str, torch.Tensor]:

@@ -1,4 +1,9 @@
-"""A rank never outlives the launcher that started it.
+"""Which process this is, and a rank never outlives the launcher that started it.
+
+Which process: :func:`launched` (a rank a launcher started), :func:`is_main_rank` and :func:`first_on_node` (from the
+launcher's environment, before any process group exists), :func:`is_main_process` (rank 0 of the process group, or a
+process outside one), and ``CHECKED`` (the ranks a process started after checking the recipe). Whether this process
+must start the others itself is the launcher's question (``launch.spawn.started_by_launcher``: SLURM's variables).
 
 torchrun (and ``accelerate launch``, which runs it) starts each worker in its own session, so when the launcher
 itself is killed (``kill -9``, an OOM killer, a scheduler) nothing signals the workers: they were measured to go
@@ -139,3 +144,20 @@ def clear_stop() -> None:
 
 CHECKED = "HF_ASYNCPP_CHECKED"
 """Set for the ranks a process started after it checked the recipe (``launch.spawn``): what it said is said."""
+
+
+def is_main_rank() -> bool:
+    """Rank 0, or a process no launcher started (before the process group exists; SLURM's before adopt_slurm)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def first_on_node() -> bool:
+    """This node's first process (also a process no launcher started); SLURM's variable before adopt_slurm ran."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
+
+
+def is_main_process() -> bool:
+    """Rank 0 of this run's process group, or a process in none (a process that never imported
+    ``torch.distributed`` has none: this module stays importable before torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_initialized() or dist.get_rank() == 0

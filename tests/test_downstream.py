@@ -134,7 +134,7 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
 
 
 def test_acc_norm_divides_by_the_choice_without_the_delimiter():
-    # the review's flip: -8 over " abcd" (4 characters + the delimiter) against -38 over 20 characters
+    # a flip between the two normalizations: -8 over " abcd" (4 characters + the delimiter) against -38 over 20 characters
     items = [Item("Q:", [" abcd", " " + "x" * 20], 0)]
     assert predictions([[-8.0, -38.0]], items) == {"acc": [0], "acc_norm": [1]}  # lm-eval: -2.00 < -1.90
     assert predictions([[-8.0, -38.0]], [Item("Q:", ["abcd", "x" * 20], 0)])["acc_norm"] == [1]  # no delimiter: as is

@@ -1,4 +1,4 @@
-"""Honest outputs (issue 43, item 4): a model card says what was measured on what (a local task file is not the
+"""Honest outputs: a model card says what was measured on what (a local task file is not the
 public dataset), what the model was trained on (its usage prompt comes from the run's data, or is neutral) and
 whether a license was chosen; exported files are readable as ``save_pretrained`` leaves them (the umask, not
 0600); a pipelined checkpoint opens with ``from_pretrained``, as a Trainer checkpoint does; a run ends with one

@@ -17,7 +17,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_asyncpp"
 LAYERS = (
-    ("errors", "schedules"),  # leaves: every user-facing error; schedules as data and their simulator (no torch)
+    ("errors", "figures"),  # leaves: every user-facing error; matplotlib set up once
+    ("schedules",),  # schedules as data and their simulator (no torch)
     ("storage", "topology", "supervision"),  # the disk; where a process sits; a rank never outlives its launcher
     ("config",),  # the recipe
     ("data", "model", "launch"),  # files -> blocks; the model built, scored, exported; starting processes, one error line

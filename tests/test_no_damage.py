@@ -1,4 +1,4 @@
-"""Commands never damage what they read (issue 43, item 2), checked by hashing every file before and after.
+"""Commands never damage what they read, checked by hashing every file before and after.
 
 Resuming a finished run (the resume command of docs/checkpoints.md) says so and changes nothing; with a raised
 ``max_steps`` it trains on; a finished run whose export a kill interrupted still writes it, without replacing the
@@ -69,7 +69,7 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_grew(tmp_path,
 
 
 def test_a_finished_run_killed_in_its_export_writes_it_on_resume_and_keeps_its_profile(tmp_path, capsys):
-    """The reliability review's 1d: a kill mid-export leaves ``.export.partial/`` and no ``export/``. Resuming
+    """A kill mid-export leaves ``.export.partial/`` and no ``export/``. Resuming
     from the checkpoint at max_steps writes the export; the profile the run measured stays (the resume trained
     nothing, so measured nothing), and its final evaluation is recorded once."""
     out = tmp_path / "killed"

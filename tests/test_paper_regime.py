@@ -1,4 +1,4 @@
-"""The paper-regime study's MoE arm (bench/paper_regime.py, issue 45): its parameter counts against a hand count from
+"""The paper-regime study's MoE arm (bench/paper_regime.py): its parameter counts against a hand count from
 the config, the step count of 20 tokens per active parameter, the router's balance read from a run's records, the
 report rendered from partial results, and the single-process engine's router records (what the balance is read
 from) against the model's own aux loss and routing."""

@@ -1,4 +1,4 @@
-"""The package's written promises, each checked where it can break (the review's "traps"): file names spelled in
+"""The package's written promises, each checked where it can break: file names spelled in
 one home, every write through ``storage``, no schedule vocabulary outside ``pipeline/``, weight versions held and
 released by construction, the recipe's Error-Feedback lambda on resume, one non-finite rule and one resume resolver.
 
@@ -332,3 +332,32 @@ def test_one_resume_resolver():
     defined = [n.name for tree in _sources().values() for n in ast.walk(tree)
                if isinstance(n, ast.FunctionDef) and n.name in ("choose_resume", "resolve_resume", "resume")]
     assert sorted(defined) == ["choose_resume", "resume"], defined
+
+
+# ---------------------------------------------------------------------------- history stays out of the code
+
+HISTORY = re.compile(r"\b[Ii]ssues? #?\d+\b|\b[Rr]eview(?:'s|s)?\b|shared/reviews")
+HISTORY_HOMES = {"docs/benchmarks/log.md",  # the dated lab notebook: history is what it holds
+                 "tests/test_promises.py"}  # this check and its own examples
+
+
+def _history_citations(root: Path) -> list[str]:
+    found = []
+    for folder in ("hf_asyncpp", "tests", "bench", "scripts", "docs"):
+        for path in sorted((root / folder).rglob("*")):
+            rel = path.relative_to(root).as_posix()
+            if path.suffix not in (".py", ".md") or rel in HISTORY_HOMES:
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if HISTORY.search(line):
+                    found.append(f"{rel}:{i}: {line.strip()[:80]}")
+    return found
+
+
+def test_no_code_or_doc_cites_an_issue_or_a_review(tmp_path):
+    """A reader cannot follow "issue 14" or "the review's E2": say the fact. Only the dated log keeps history."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text("the model of issue 14\nthe review's E2\nissues a collective\n")
+    assert [f.split(":")[1] for f in _history_citations(tmp_path)] == ["1", "2"]
+    found = _history_citations(PACKAGE.parent)
+    assert not found, "say the fact instead:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""The smaller findings of the reliability review, each where a user meets it: a pipelined run on one process
+"""Faults a user meets away from the main paths, each where it is met: a pipelined run on one process
 started without a launcher, a same-size edit of a training file, symbolic links in the output folder, a checkpoint
 without its manifest, JSON that another tool can read after a run with nothing to train, the step a non-finite
 error names, and what the launcher leaves in the temporary folder."""

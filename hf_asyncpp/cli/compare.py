@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..config.recipe import load_recipe, split_overrides
 from ..errors import RecipeError
+from ..figures import pyplot
 from ..run.reporting import read_metrics
 from ..storage.names import METRICS
 from ..storage.write import json_text, write_file
@@ -97,10 +98,7 @@ def compare(sync: Path, async_: Path) -> dict:
 
 
 def plot(res: dict, png: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, pts in res["curves"].items():

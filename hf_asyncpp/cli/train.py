@@ -34,11 +34,6 @@ DEBUG_FLAG, DEBUG_ENV = "--debug", "HF_ASYNCPP_DEBUG"
 """``launch.failures``' flag and variable, read here before that module (and torch with it) is imported."""
 
 
-def is_main_rank() -> bool:
-    """Rank 0, or a process no launcher started (before the process group exists; SLURM's before adopt_slurm)."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
 def prepare(recipe: Recipe, recipe_path: str) -> bool:
     """Whether this process starts the stage processes itself; either way, what can be checked before training is
     checked, once per run: by the starting process before it starts them, else by each rank (rank 0 also asks the
@@ -51,7 +46,7 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
         return True
     if supervision.restart_count() and recipe.training.resume_from_checkpoint != "latest":
         # torchrun --max-restarts started this worker group again: it continues the run, whatever it started from
-        if is_main_rank():
+        if supervision.is_main_rank():
             print(f"hf_asyncpp: restart {supervision.restart_count()} of this run: resuming from the newest verified "
                   f"checkpoint in {recipe.training.output_dir}", file=sys.stderr, flush=True)
         recipe.training.resume_from_checkpoint = "latest"
@@ -59,7 +54,7 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
     if not started_by_launcher():  # one process (HF_ASYNCPP_NO_SPAWN=1): first the command that starts them all
         check_topology(recipe, 1, recipe_path)
     if not os.environ.get(supervision.CHECKED):
-        check_recipe(recipe, hub=is_main_rank())
+        check_recipe(recipe, hub=supervision.is_main_rank())
     return False
 
 
@@ -164,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         line = ("error: interrupted by a second SIGINT: stopped at once, unsaved; resume from the newest checkpoint "
                 "with --training.resume_from_checkpoint=latest")
-        if is_main_rank() and not leave_for_launcher(line, EXIT_INTERRUPTED):
+        if supervision.is_main_rank() and not leave_for_launcher(line, EXIT_INTERRUPTED):
             print(line, file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001

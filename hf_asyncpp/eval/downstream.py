@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
+from ..figures import pyplot
 from ..model.nll import continuation_logprobs, request_batches
 from .perplexity import evaluate_perplexity, load_metric, resolve_device
 from .tasks import SCORER, TARGET_DELIMITER, load_task, task_spec
@@ -241,10 +242,7 @@ def results_table(results: dict[str, dict[str, dict]], names: list[str] | None =
 
 
 def plot_results(results: dict[str, dict[str, dict]], path, names: list[str] | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(results)
     first = next(iter(results.values()))

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import EXIT_CODES, EXIT_PEER, EXIT_STOPPED, RecipeError, WriteError
+from .. import supervision
 from ..storage.write import write_file
 
 DEBUG_FLAG = "--debug"
@@ -66,11 +67,6 @@ def error_line(e: BaseException) -> str:
     return f"error: {kind}{e}"
 
 
-def first_on_node() -> bool:
-    """This node's first process (also a process no launcher started); SLURM's variable before adopt_slurm ran."""
-    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
-
-
 def report(e: BaseException, debug: bool, *, same_everywhere: bool = False) -> int | None:
     """Tell the user about ``e`` (called in an ``except`` block); its exit code, or None for a bug (re-raise it).
 
@@ -83,7 +79,7 @@ def report(e: BaseException, debug: bool, *, same_everywhere: bool = False) -> i
     gone = peer_gone(e)
     if os.environ.get(ERROR_DIR) and _leave(Path(os.environ[ERROR_DIR]), error_line(e), code, gone):
         return code
-    if not gone and (first_on_node() or not same_everywhere):
+    if not gone and (supervision.first_on_node() or not same_everywhere):
         print(error_line(e), file=sys.stderr, flush=True)
         _tell_torchrun(error_line(e))
     elif not gone and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -73,6 +73,13 @@ def use_mask_free_attention(model) -> bool:
     return True
 
 
+def ties(model) -> dict[str, str]:
+    """The model's ties, {name tied to another: that other name}, as transformers resolves them for its config
+    (``all_tied_weights_keys``: e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``, empty when untied): the one
+    reading of ties for saving, exporting and describing a model."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
 def build_model(model_cfg: ModelConfig, tokenizer=None, *, device: str | torch.device = "cpu"):
     """Random init (seeded by the caller: ``torch.initial_seed()``) or pretrained weights; always fp32 master
     weights. A random init is per module (``seeded_init``): a stage built alone gets the same values."""

@@ -33,6 +33,8 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.checkpoint_io import replace_dir
 from ..storage.names import MANIFEST, MODEL_FILE, TOKENIZER_DIR, stage_weight_files
 from ..storage.write import follow_umask, writing
+from ..supervision import is_main_process
+from .build import ties
 
 __all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
            "load_checkpoint_state", "shard_file", "tied_names", "tokenizer_for_export", "write_shard"]
@@ -127,7 +129,7 @@ def assemble_model(state_dict: dict[str, torch.Tensor], config):
     device = next(iter(state_dict.values())).device
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=_dominant_float_dtype(state_dict))
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # {target: source}, empty when untied
+    tied = ties(model)  # {target: source}, empty when untied
     sd = dict(state_dict)
     for target, source in tied.items():
         if target in sd:
@@ -253,7 +255,7 @@ def tied_names(config) -> dict[str, str]:
     """The model's ties, {name tied to another: that other name} (transformers' ``all_tied_weights_keys``, e.g.
     ``{"lm_head.weight": "model.embed_tokens.weight"}``; empty when untied): ``from_pretrained`` re-ties them, so a
     folder's index leaves the tied names out, as ``save_pretrained`` does (``storage.checkpoint_io.weight_index``)."""
-    return dict(getattr(_meta_model(config), "all_tied_weights_keys", None) or {})
+    return ties(_meta_model(config))
 
 
 def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict[str, int]:
@@ -264,7 +266,7 @@ def write_shard(state_dict: dict[str, torch.Tensor], config, path: Path) -> dict
     from transformers.core_model_loading import revert_weight_conversion  # heavy: only when exporting
 
     model = _meta_model(config, _dominant_float_dtype(state_dict))
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    tied = set(ties(model))
     sd = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tied}
     sd = revert_weight_conversion(model, ckpt.untie_shared_storage(sd)) if sd else {}
     with writing(path):
@@ -279,7 +281,7 @@ def export_engine(engine, out_dir, *, tokenizer=None, card: CardWriter | None = 
     it; returns the folder on the main process (None elsewhere). An existing export is replaced only when the new
     one is complete."""
     out = Path(out_dir)
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = is_main_process()
     tmp = out.parent / f".{out.name}.partial"
     if main:
         _check_out_dir(out)

@@ -31,7 +31,7 @@ Choices (documented here, tested in tests/test_optim.py):
   needs a one-step extrapolation at most, and a negative cosine means "do not extrapolate". It is
   computed per tensor (each layer's matrices drift at their own pace) from ``u`` and ``u[t-1]`` alone,
   so the pipeline executor (per stage) and the single-process reference compute the same values.
-- ``lam = "learned"`` (``optimizer.ef_lambda: learned``; the review's E2, after Baydin et al.'s hypergradient
+- ``lam = "learned"`` (``optimizer.ef_lambda: learned``, after Baydin et al.'s hypergradient
   descent): one lambda per pipeline stage, learned from the loss. ``x[t+1]`` depends on ``lam[t]`` through
   ``-lam[t] d[t]`` (``d[t] = u[t] - u[t-1]``), so ``dL(x[t+1])/dlam[t] = -<grad L(x[t+1]), d[t]>``; under 2BW
   step t+2 computes exactly that gradient (at version t+1) for its own update, so the rule costs no extra
@@ -61,7 +61,7 @@ from torch import Tensor
 from ..config.optimizer import EF_AUTO, EF_LEARNED
 
 __all__ = ["KEY", "AUTO", "LEARNED", "auto_lambda", "learned_lambda", "apply_delay_correction", "install_error_feedback", "extrapolate_", "lr_factor", "ef_buffers", "ef_state_by_name",
-           "ef_state_from_names"]
+           "ef_state_from_names", "learned_values", "has_correction"]
 
 KEY = "error_feedback"
 
@@ -255,6 +255,18 @@ def learned_lambda(optimizer: torch.optim.Optimizer) -> float | None:
     if not ef or ef["lam"] != LEARNED:
         return None
     return float(sum(float(v) for v in ef["values"]) / len(ef["values"]))
+
+
+def learned_values(optimizer: torch.optim.Optimizer) -> list[Tensor] | None:
+    """The learned lambdas as device tensors, one per group, None unless ``ef_lambda: learned``: for a caller that
+    reduces them on the device (a pipeline stage's step report) instead of reading them on the host."""
+    ef = getattr(optimizer, KEY, None)
+    return ef.get("values") if ef else None
+
+
+def has_correction(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the Error-Feedback correction is installed on ``optimizer``."""
+    return getattr(optimizer, KEY, None) is not None
 
 
 def ef_buffers(optimizer: torch.optim.Optimizer) -> list[Tensor]:

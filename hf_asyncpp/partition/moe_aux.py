@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .plan import moe_shape
 from .trace import PartitionError, get_module
 
 
@@ -153,7 +154,7 @@ def _aux_loss(model: nn.Module) -> AuxLoss | GatheredAux | None:
     if not recorders or any(getattr(r, "target_class", None) is None and getattr(r, "class_name", None) is None for r in recorders):
         raise PartitionError(f"{cls}: adds a router aux loss but declares no router_logits recorder; cannot pool router "
                              "statistics across stages")
-    E = getattr(model, "num_experts", None) or _cfg_experts(cfg)
+    E = getattr(model, "num_experts", None) or moe_shape(cfg)[0]
     k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     coef = getattr(model, "router_aux_loss_coef", None)
     coef = coef if coef is not None else getattr(cfg, "router_aux_loss_coef", None)
@@ -184,10 +185,6 @@ def _gathered(model, fn, args, coef, recorders) -> GatheredAux:
                              f"{cls}.forward's source; set config.output_router_logits=False (no aux loss) or train on "
                              "one stage")
     return GatheredAux(fn, args, float(coef), recorders)
-
-
-def _cfg_experts(cfg):
-    return getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts")
 
 
 def _router_modules(layer_path: str, layer: nn.Module, recorders) -> list[tuple[nn.Module, int]]:

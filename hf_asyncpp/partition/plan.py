@@ -100,7 +100,10 @@ def balanced_sizes(costs: list[float], first: float, last: float, p: int) -> lis
     return sizes[::-1]
 
 
-def _moe_shape(cfg) -> tuple[int | None, int]:
+def moe_shape(cfg) -> tuple[int | None, int]:
+    """(routed experts per MoE layer, or None for a dense model; experts per token) from a transformers config, under
+    each family's name for the count (Mixtral's ``num_local_experts``, Qwen's ``num_experts``, DeepSeek's
+    ``n_routed_experts``): the one reading of it for the partitioner, the router's loss, the planner and the card."""
     E = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
     return E, getattr(cfg, "num_experts_per_tok", None) or 1
 
@@ -144,7 +147,7 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     L, cfg = len(layers), model.config
     sizes = _check_split(num_stages, layers_per_stage, L)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", 0) or 0
-    E, k = _moe_shape(cfg)
+    E, k = moe_shape(cfg)
 
     def layer_cost(layer: nn.Module) -> float:
         flops = sum(2 * p.numel() * (k / E if (E and p.dim() == 3 and p.shape[0] == E) else 1.0) for p in layer.parameters())

@@ -43,7 +43,7 @@ from ..engine import StepResult, finite_step
 from ..model.build import autocast, compile_layers, enable_activation_checkpointing, materialise_stage
 from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
-from ..optim.ef import KEY as EF_KEY
+from ..optim.ef import KEY as EF_KEY, has_correction, learned_values
 from ..optim.lr import build_scheduler
 from ..partition import partition_model, shared_tensors
 from ..partition.split_backward import weight_gradients
@@ -168,9 +168,10 @@ class PipelineEngine:
         self.reports = StepReports(self.groups.report, topo.dp_size, rc.init_timeout_s,
                                    stop_on_nonfinite=recipe.training.on_nonfinite == "stop")
         self.versions = Versions(self.params, lag=self.schedule.lag(topo.stage, p))
-        # training.bf16: each version holds the weights autocast casts as one bf16 copy, made at its STEP, instead of
-        # each in-flight microbatch holding autocast's own (versions.py); False keeps autocast's per-microbatch casts
-        self.bf16_versions = recipe.training.bf16
+        # training.bf16, read once: bf16 autocast in every forward and backward, and each version holding the weights
+        # autocast casts as one bf16 copy, made at its STEP, instead of each in-flight microbatch holding autocast's own
+        # (versions.py); bf16_versions False keeps autocast's per-microbatch casts (the versions' bit-for-bit reference)
+        self.bf16 = self.bf16_versions = recipe.training.bf16
         # the weights the stage's modules read now: one version's (``_bind``), swapped in when a forward (or a
         # recomputing backward) needs another version, not per microbatch; swapped out before a step's result goes
         # to the caller and when a window ends, so nothing outside the actions sees them
@@ -429,7 +430,7 @@ class PipelineEngine:
         else:  # stop: nothing waits for the device here; a non-finite norm ends the run when step k's report lands
             finite = True
         self.versions.prepare_update()
-        if self.track_memory and hasattr(self.optimizer, "error_feedback"):
+        if self.track_memory and has_correction(self.optimizer):
             # the correction clones every parameter with a gradient for the step (optim/ef.py: ``transient``)
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
@@ -454,7 +455,7 @@ class PipelineEngine:
         if self.track_memory:
             self.mem["pending_grads"] -= 1
         loss = w.loss_sums.pop(k) / w.m if self.last else None
-        values = getattr(self.optimizer, EF_KEY, {}).get("values")  # ef_lambda: learned, one per group
+        values = learned_values(self.optimizer)  # ef_lambda: learned, one per group
         lam = torch.stack([values[i] for i in self.lam_reported]).sum() if values and self.lam_reported else None
         self.reports.post(k, loss, norm, lr, finite, lam, len(self.lam_reported) if values else 0,
                           log_norm=self.global_norm)
@@ -486,7 +487,7 @@ class PipelineEngine:
             self.versions.use_bf16(find_casts(self.stage, self.versions.leaves_for(micro.version), arg, kwargs))
         self._bind(micro.version)
         if not self.track_memory:
-            with autocast(self.recipe.training.bf16):
+            with autocast(self.bf16):
                 return self.stage(arg, **(kwargs or {}))
         weights = {b.untyped_storage().data_ptr() for buf in self.versions.buffers.values() for b in buf.values()}
         seen: set = set()
@@ -503,7 +504,7 @@ class PipelineEngine:
         # activation checkpointing keeps each layer's inputs outside the saved tensors: counted by pre-hooks
         hooks = checkpoint_input_hooks(self.stage, pack) if self.recipe.training.gradient_checkpointing else []
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.recipe.training.bf16):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(self.bf16):
                 return self.stage(arg, **(kwargs or {}))
         finally:
             for h in hooks:

@@ -44,7 +44,7 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
             if not engine.first:
                 inputs = p2p.recv(topo.stage - 1)
                 arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
-            with autocast(engine.recipe.training.bf16), \
+            with autocast(engine.bf16), \
                     (torch.compiler.set_stance("force_eager") if eager else nullcontext()):
                 out = functional_call(stage, leaves, (arg,), strict=False)
             if engine.last:

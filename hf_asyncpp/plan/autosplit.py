@@ -2,7 +2,7 @@
 
 The FLOPs model (``partition.plan``) is right about big matmuls and wrong about what they leave out: the optimizer
 step (Muon's Newton-Schulz is several matmuls per matrix per step; error feedback copies every weight), per-kernel
-overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of issue 14 the
+overhead at small hidden sizes, the memory-bound softmax of a large vocabulary. On the CPU pipeline of bench.throughput's h256 model the
 first stage spent more time in STEP than in forward + backward. So ``auto`` times, on this device and at the recipe's
 microbatch shape, the forward + backward of every layer, the embedding, the head and the loss, and one optimizer step
 of each (``plan.costs.measure_costs``), then picks the contiguous split that minimizes the slowest stage's
@@ -12,8 +12,8 @@ The measured program is the trainer's: the decoder layers compiled as training c
 runs them eagerly), the head and the loss as the last stage computes them (fused or not).
 
 The measurement is cached by a hash of what it depends on (model config, microbatch shape, optimizer settings,
-precision, compile setting and backend, loss path, device, threads, torch version), so a restart or a resume finds the same split without measuring again
-(and a resumed run cannot silently get another partition from timing noise). The main process measures; the split
+precision, compile setting and backend, loss path, device, threads, torch version), so a restart or a resume finds
+the same split without measuring again (and a resumed run cannot silently get another partition from timing noise). The main process measures; the split
 is broadcast so every rank builds the same stages. ``hf-asyncpp plan`` keeps the FLOPs model: it plans without the
 hardware.
 """
@@ -34,7 +34,7 @@ from ..model.build import autocast
 from ..model.fused_loss import use_fused_loss
 from ..optim import apply_delay_correction, build_optimizer
 from .costs import MeasuredCosts, measure_costs, trainer_compile
-from ..storage.write import write_file
+from ..storage.write import replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
 
@@ -92,10 +92,8 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
         # check the stale entries at every call and count their first compile as a recompile
         torch.compiler.reset()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    text = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str)
-    write_file(tmp, lambda f: f.write(text.encode("utf-8")))
-    os.replace(tmp, path)
+    data = json.dumps({"key": key, "costs": costs.to_dict()}, indent=1, default=str).encode("utf-8")
+    replace_file(path, lambda tmp: write_file(tmp, lambda f: f.write(data)))
     return costs, path, False
 
 

@@ -53,6 +53,7 @@ from ..model.build import build_config, expert_stacks
 from ..model.fused_loss import use_fused_loss
 from ..optim import classify_parameters
 from ..partition import partition_plan
+from ..partition.plan import moe_shape
 from ..schedules.actions import ActionType, BACKWARDS
 from ..schedules.records import ONE_F_ONE_B, Schedule, get_schedule, pipelined
 from ..schedules.simulator import Costs, simulate
@@ -110,9 +111,8 @@ def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, flo
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     dense_i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    experts, k = moe_shape(config)
     moe_i = getattr(config, "moe_intermediate_size", None) or dense_i
-    k = getattr(config, "num_experts_per_tok", 1) or 1
     first_dense = getattr(config, "first_k_dense_replace", 0) or 0
     n = getattr(config, "num_hidden_layers", None) or config.n_layer
     step = getattr(config, "decoder_sparse_step", 1) or 1

@@ -123,6 +123,13 @@ def data_changes(saved: list, now: list) -> list[str]:
     return changes
 
 
+def save_due(training, step: int) -> bool:
+    """Whether the run saves a checkpoint after ``step``: every ``training.save_steps``, and where it ends
+    (``max_steps``, ``stop_after_steps``)."""
+    return bool(training.save_steps and step % training.save_steps == 0) or step in (training.max_steps,
+                                                                                    training.stop_after_steps)
+
+
 class Checkpointer:
     """Saves and resumes a run in ``out``; every method is collective (every rank calls it)."""
 

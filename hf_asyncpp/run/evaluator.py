@@ -18,7 +18,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..eval.downstream import evaluate_models, results_table, score_tasks
 from ..eval.perplexity import evaluate_model_dir, perplexity_from_sums
@@ -26,6 +25,7 @@ from ..eval.tasks import load_task
 from ..model.export import assemble_model, export_engine
 from ..storage import checkpoint_io as ckpt
 from ..storage.names import EXPORT_DIR, FINAL_EVAL, METRICS
+from ..supervision import is_main_process
 from .hub import Pusher
 from .model_card import add_eval_results, card_from_recipe, card_writer, held_out_prompt
 from .reporting import RunLog, read_metrics
@@ -36,6 +36,11 @@ log = logging.getLogger("hf_asyncpp")
 @lru_cache(maxsize=None)
 def _cached_task(task: str, path: str | None, limit: int | None):
     return load_task(task, path, limit)  # read once per run, scored at every evaluation
+
+
+def evaluation_due(training, step: int) -> bool:
+    """Whether the run evaluates after ``step`` (``training.eval_steps``; the end has its own evaluation)."""
+    return bool(training.eval_steps) and step % training.eval_steps == 0 and step < training.max_steps
 
 
 class Evaluator:
@@ -94,7 +99,7 @@ class Evaluator:
         the stages where they can read the export, else on the main process), then on the main process the Hub push
         and ``final_eval.json`` (other ranks return {})."""
         out, recipe = self.out, self.recipe
-        main = not dist.is_initialized() or dist.get_rank() == 0
+        main = is_main_process()
         metrics = read_metrics(out / METRICS) if main else []
         card = card_writer({**card_from_recipe(recipe, step, tokens, metrics, loss_curve=str(loss_curve) if loss_curve else None),
                             "prompt": held_out_prompt(self.tokenizer, self.held_out)}) if main else None

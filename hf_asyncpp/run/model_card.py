@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ..config.recipe import Recipe, load_recipe
 from ..eval.tasks import SCORER, task_spec
+from ..model.build import ties
+from ..partition.plan import moe_shape
 from ..schedules.records import SCHEDULES, get_simulated_delay
 from ..storage.checkpoint_io import library_versions
 from ..storage.names import EXPORT_DIR, METRICS, RECIPE_FILE, RUN_STATE
@@ -77,14 +79,13 @@ def _architecture(model) -> dict:
     n = sum(p.numel() for p in model.parameters())  # a tied head is counted once
     arch = {"model_type": model.config.model_type, "architecture": type(model).__name__,
             "num_parameters": f"{n:,} ({n / 1e6:.2f}M)",
-            "tied": bool(getattr(model, "all_tied_weights_keys", None) or getattr(cfg, "tie_word_embeddings", False))}
-    for key, names in (("num_layers", ("num_hidden_layers",)), ("hidden_size", ("hidden_size",)),
-                       ("vocab_size", ("vocab_size",)), ("num_experts", ("num_local_experts", "num_experts", "n_routed_experts")),
-                       ("experts_per_token", ("num_experts_per_tok",))):
-        for name in names:
-            if getattr(cfg, name, None):
-                arch[key] = getattr(cfg, name)
-                break
+            "tied": bool(ties(model))}
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if getattr(cfg, key, None):
+            arch["num_layers" if key == "num_hidden_layers" else key] = getattr(cfg, key)
+    experts, per_token = moe_shape(cfg)
+    if experts:
+        arch["num_experts"], arch["experts_per_token"] = experts, per_token
     return arch
 
 

@@ -1,8 +1,8 @@
 """What can be checked before training is checked before the processes start.
 
 A wrong model path, an unreachable Hub dataset, a tracker that is not installed, an unwritable output folder or a
-token the Hub refuses used to surface inside the stage processes (as a traceback from every rank), or, for the Hub
-push, only after the training. :func:`check_recipe` checks them once: in the process that starts the ranks
+token the Hub refuses would otherwise surface inside the stage processes (as a traceback from every rank), or, for
+the Hub push, only after the training. :func:`check_recipe` checks them once: in the process that starts the ranks
 (``hf-asyncpp train``, ``scripts/pretrain.py``), or under a launcher in each rank before its first step (the Hub
 on the main rank only). It goes through the libraries' own calls (``AutoConfig``/``AutoTokenizer.from_pretrained``,
 ``datasets.load_dataset_builder``, ``HfApi.whoami``/``create_repo``), so that what passes here loads in training

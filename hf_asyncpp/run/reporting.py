@@ -28,6 +28,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from ..storage.names import LOSS_CURVE, METRICS
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
+from ..figures import pyplot
 from ..storage.write import json_text, replace_file, write_file
 
 log = logging.getLogger("hf_asyncpp")
@@ -196,9 +197,8 @@ class RunLog:
         keep = [r for r in read_metrics(self.path) if r["step"] <= step] if step else []
         self.evaluated = {r["step"] for r in keep if "eval_loss" in r}
         data = "".join(json_text(r) + "\n" for r in keep).encode()
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        write_file(tmp, lambda f: f.write(data))
-        os.replace(tmp, self.path)  # a kill here leaves the old file or the new one, never half of one
+        # a kill here leaves the old file or the new one, never half of one
+        replace_file(self.path, lambda tmp: write_file(tmp, lambda f: f.write(data)))
 
     def _write(self, rec: dict) -> None:
         data = (json_text(rec) + "\n").encode()
@@ -292,10 +292,7 @@ class RunLog:
 
     def plot_loss(self) -> Path | None:
         """loss_curve.png from metrics.jsonl: the train loss per step and the evaluations."""
-        import matplotlib  # heavy: only at the end of a run
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         rows = read_metrics(self.path)
         train_rows = [r for r in rows if "loss" in r]

@@ -39,8 +39,8 @@ from ..storage.names import (FINAL_EVAL, LOGS_DIR, LOSS_CURVE, METRICS, PROFILE,
                              checkpoint_name)
 from ..storage.write import check_output_dir, lock_output_dir, unlock_output_dir, writing
 from ..topology import Topology, local_device, one_process_group
-from .checkpointer import Checkpointer, RunState, check_model
-from .evaluator import Evaluator
+from .checkpointer import Checkpointer, RunState, check_model, save_due
+from .evaluator import Evaluator, evaluation_due
 from .folder import check_fresh_run, choose_resume, finished_run, list_checkpoints
 from .hub import Pusher
 from .reporting import RunLog, check_trackers, model_flops_per_token
@@ -95,11 +95,7 @@ def drain_points(start: int, recipe: Recipe) -> list[int]:
     come, so a 2BW run never flushes between these points, whatever ``logging_steps`` is."""
     t = recipe.training
     stop = min(t.max_steps, t.stop_after_steps or t.max_steps)
-    ends = {stop}
-    for every in (t.eval_steps, t.save_steps):
-        if every:
-            ends.update(range(every, t.max_steps, every))
-    return sorted(e for e in ends if start < e <= stop)
+    return [s for s in range(start + 1, stop + 1) if s == stop or evaluation_due(t, s) or save_due(t, s)]
 
 
 def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
@@ -246,12 +242,11 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
                 skips.see(r)  # on_nonfinite: skip gives up, on every rank at the same step
             # a stop signal: every rank agreed on the step in the stream, or agrees here, where all are drained
             stopping = engine.stopped or engine.agree_stop()
-            if not stopping and t.eval_steps and state.step % t.eval_steps == 0 and state.step < t.max_steps:
+            if not stopping and evaluation_due(t, state.step):
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
             if compiled is not None:  # each rank's graphs so far (its evaluation's too), recompiles, eager fallbacks
                 runlog.compile_stats(state.step, gathered_compile_counts(compiled))
-            due = (t.save_steps and state.step % t.save_steps == 0) or state.step in (t.max_steps, t.stop_after_steps)
-            if (due or stopping) and saved_at != state.step:
+            if (save_due(t, state.step) or stopping) and saved_at != state.step:
                 checkpointer.save(state, engine, stream)
                 saved_at = state.step
             if stopping:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from ..figures import pyplot
 from .actions import ActionType
 from .simulator import SimResult
 
@@ -19,10 +20,7 @@ def plot_timeline(timeline, path: str, title: str = "") -> str:
     """Draw a ``SimResult`` (or its per-stage ``timeline``) as a PNG: a row per stage (per rank where ranks hold several
     stages), forward / backward
     (two shades alternating by step, labelled ``step.microbatch``), optimizer step, reduction posts, idle."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
