@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -115,16 +116,23 @@ def saved_nothing(found: list[Path]) -> bool:
     return not any(CHECKPOINT_DIR.match(p.name) or p.name in kept for p in found)
 
 
+def restarted() -> bool:
+    """Whether this process restarts a run: torchrun's ``--max-restarts`` (``training.max_restarts``) started its
+    worker group again, or SLURM requeued its job (``SLURM_RESTART_COUNT``, set from the first requeue on)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return bool(supervision.restart_count()) or (raw.isdigit() and int(raw) > 0)
+
+
 def check_something_to_resume(out: Path, setting: str | None) -> None:
     """``resume_from_checkpoint: latest`` finds a complete checkpoint in ``out``, as ``Trainer(resume_from_checkpoint=
     True)`` requires ("No valid checkpoint found"): a misspelt or empty ``output_dir`` used to train from scratch,
-    with a new tokenizer, without a word. Except in a torchrun restart (``--max-restarts``, ``training.max_restarts``):
-    the start it replaces may have failed before its first checkpoint, and the restart must take that folder over.
+    with a new tokenizer, without a word. Except in a restart (:func:`restarted`): the start it replaces may have
+    failed before its first checkpoint, and the restart must take that folder over.
 
     Raises:
         MissingCheckpoint: no complete checkpoint and not a restart; the message names the folder and both fixes.
     """
-    if setting != "latest" or list_checkpoints(out) or supervision.restart_count():
+    if setting != "latest" or list_checkpoints(out) or restarted():
         return
     if not out.is_dir():
         where = "no such folder (a misspelt output_dir?)"
