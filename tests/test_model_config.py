@@ -90,7 +90,7 @@ def test_the_keys_recipes_and_tests_use_pass(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("--pipeline.num_stages=8 --pipeline.num_microbatches=8",
      r"pipeline.num_stages: 8 stages for 4 decoder layers; use at most 4 stages"),
-    ("--pipeline.layers_per_stage=[1,2]", r"pipeline.layers_per_stage: \[1, 2\] must have 2 non-negative integers "
+    ("--pipeline.layers_per_stage=[1,2]", r"pipeline.layers_per_stage: \[1, 2\] must have 2 positive integers "
                                           r"summing to the 4 decoder layers \(it has 2 entries summing to 3\)"),
 ])
 def test_stages_that_do_not_fit_the_layers_are_refused_before_any_process_starts(tmp_path, override, message):

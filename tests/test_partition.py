@@ -184,8 +184,8 @@ def test_bad_splits_are_clear_errors():
         partition_model(model, 5)
     with pytest.raises(PartitionError, match=r"num_stages: 0 must be an integer >= 1"):
         partition_plan(model, 0)
-    for bad in ([1, 2], [1, 1, 2], [5, -1], [2.0, 2]):
-        with pytest.raises(PartitionError, match=r"layers_per_stage: .* must have 2 non-negative integers summing to the 4 "
+    for bad in ([1, 2], [1, 1, 2], [5, -1], [2.0, 2], [4, 0], [0, 4]):
+        with pytest.raises(PartitionError, match=r"layers_per_stage: .* must have 2 positive integers summing to the 4 "
                                                  r"decoder layers \(it has \d entries summing to \d\)"):
             partition_model(model, 2, bad)
     with pytest.raises(PartitionError, match="cannot find the decoder layers"):

@@ -104,6 +104,29 @@ def test_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_resum
     assert train_steps(out) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_full_disk_at_the_first_checkpoint_leaves_no_partial_folder_and_the_same_command_starts_again(
+        tmp_path, monkeypatch, capsys, caplog):
+    """The temporary folder of the failed save (what filled the disk) is removed, and the retry is not refused as
+    "another run" whose advised resume then finds nothing: nothing was saved, so the same command starts afresh."""
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3)
+    disk = FullDisk("optimizer.pt", 1)
+    monkeypatch.setattr(storage, "open_for_write", disk.open)
+    monkeypatch.setattr(storage, "disk_free", disk.free)
+    code, err = run_main(capsys, recipe)
+    [line] = error_lines(err)
+    assert code == 4 and f"{out}/.tmp-checkpoint-0000003/optimizer.pt: no space left on device" in line, err
+    assert line.endswith("; removed the partial .tmp-checkpoint-0000003; no checkpoint was completed yet, so the same "
+                         "command, once space is free, starts the run afresh there"), line
+    assert not list(out.glob(".tmp-checkpoint-*")) and list_checkpoints(out) == []
+    monkeypatch.undo()  # space freed: the same command
+    with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
+        code, err = run_main(capsys, recipe)
+    assert code == 0 and not error_lines(err), err
+    assert any("holds an earlier start that saved nothing to continue" in r.getMessage() for r in caplog.records)
+    assert train_steps(out) == [1, 2, 3, 4, 5, 6] and [s for s, _ in list_checkpoints(out)] == [3, 6]
+
+
 def test_too_little_space_stops_before_writing_a_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     recipe = recipe_file(tmp_path, out, training__max_steps=6, training__save_steps=3)

@@ -429,8 +429,10 @@ def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path):
 @pytest.mark.parametrize("resume", [None, "latest"])
 def test_a_start_that_failed_before_saving_leaves_a_folder_the_same_command_reuses(tmp_path, monkeypatch, resume):
     """A start that fails after writing its tokenizer, recipe and untrained eval (here its engine build) leaves
-    nothing to continue: the same command, fixed, just runs there, and so does ``latest`` (torchrun's restarts of a
-    run that died before its first save), where the folder used to refuse both."""
+    nothing to continue: the same command, fixed, just runs there, and so does a torchrun restart's ``latest`` (of
+    a run that died before its first save), where the folder used to refuse both. ``latest`` asked by hand, in no
+    restart, finds nothing to resume and says so."""
+    from hf_asyncpp.errors import MissingCheckpoint
     from hf_asyncpp.run import trainer
 
     out = tmp_path / "run"
@@ -440,6 +442,12 @@ def test_a_start_that_failed_before_saving_leaves_a_folder_the_same_command_reus
         trainer.train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0)))
     assert (out / "tokenizer").is_dir() and not list_checkpoints(out)
     monkeypatch.setattr(trainer, "make_engine", build)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    if resume == "latest":
+        with pytest.raises(MissingCheckpoint, match=r"nothing to resume in .*: it holds no complete checkpoint"):
+            trainer.train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0,
+                                                training__resume_from_checkpoint=resume)))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's restart of the failed start
     trainer.train(recipe_from_dict(tiny(out, training__max_steps=2, training__save_steps=0,
                                         training__resume_from_checkpoint=resume)))
     assert [p.name for _, p in list_checkpoints(out)] == [checkpoint_name(2)] and len(losses(out)) == 2

@@ -22,6 +22,8 @@
 """
 from __future__ import annotations
 
+import argparse
+import difflib
 import gc
 import importlib
 import sys
@@ -54,11 +56,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-asyncpp {__version__}")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        print(f"error: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     # import only the chosen command: training pulls in torch.distributed and transformers, `plan` does not need them
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0
+
+
+def at_least(lo: int):
+    """An argparse ``type`` for an integer option with a floor: a value below it is argparse's one-line usage error
+    naming the option (``--steps 0`` used to end in a traceback from deep in the command)."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: >= {lo}")
+        return value
+    integer.__name__ = f"integer >= {lo}"
+    return integer
 
 
 def freeze_for_exit() -> None:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import at_least
 from ..config.recipe import load_recipe, split_overrides
 from ..errors import RecipeError
 from ..figures import pyplot
@@ -136,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
-    ap.add_argument("--steps", type=int, required=True, help="optimizer steps of the synchronous arm (and of 2BW's by default)")
-    ap.add_argument("--async-steps", type=int, default=None, help="optimizer steps of the 2BW arm (default --steps)")
-    ap.add_argument("--eval-steps", type=int, default=None, help="evaluate every this many steps (default: steps / 10)")
-    ap.add_argument("--num-stages", type=int, default=None, help="pipeline stages (default: the recipe's, at least 2)")
+    ap.add_argument("--steps", type=at_least(1), required=True, help="optimizer steps of the synchronous arm (and of 2BW's by default)")
+    ap.add_argument("--async-steps", type=at_least(1), default=None, help="optimizer steps of the 2BW arm (default --steps)")
+    ap.add_argument("--eval-steps", type=at_least(1), default=None, help="evaluate every this many steps (default: steps / 10)")
+    ap.add_argument("--num-stages", type=at_least(1), default=None, help="pipeline stages (default: the recipe's, at least 2)")
     ap.add_argument("--out", default=None, help="folder of both runs, the PNG and compare.json (default runs/compare-<recipe>)")
     ap.add_argument("--reuse", action="store_true", help="keep an arm whose run in --out already has --steps steps")
     own, extra = split_overrides(list(sys.argv[1:] if argv is None else argv))

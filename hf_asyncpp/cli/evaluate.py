@@ -17,6 +17,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from . import at_least
 from ..config.sections import DataConfig
 from ..data.files import expand_files
 from ..data.stream import eval_blocks
@@ -32,15 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, "
                     "mmlu_<subject>, perplexity (--backend lm_eval: any lm-eval task)")
     ap.add_argument("--task-file", action="append", default=[], help="TASK=FILE: local data in the Hub record format")
-    ap.add_argument("--limit", type=int, default=None, help="first documents per task, as lm-eval's --limit (per MMLU subject)")
+    ap.add_argument("--limit", type=at_least(1), default=None, help="first documents per task, as lm-eval's --limit (per MMLU subject)")
     ap.add_argument("--backend", choices=["hf_asyncpp", "lm_eval"], default="hf_asyncpp",
                     help="scorer: ours (lm-eval's task definitions, offline) or lm-evaluation-harness itself (pip install hf_asyncpp[eval])")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the current GPU if there is one, else the CPU)")
     ap.add_argument("--data", nargs="+", default=None, help="text/jsonl/parquet files or globs for perplexity")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--max-blocks", type=int, default=64)
+    ap.add_argument("--seq-len", type=at_least(2), default=128)
+    ap.add_argument("--max-blocks", type=at_least(1), default=64)
     ap.add_argument("--text-column", default="text")
-    ap.add_argument("--batch-size", type=int, default=8, help="starting batch size; halved on an out-of-memory error")
+    ap.add_argument("--batch-size", type=at_least(1), default=8, help="starting batch size; halved on an out-of-memory error")
     ap.add_argument("--out", default=None, help="the folder for the results, created if missing: eval_results.json, "
                     "eval_results.png and each model's card with the results (NAME/README.md); never inside a folder "
                     "it scores (default: a new eval-YYYYMMDD-HHMMSS folder in the current directory)")

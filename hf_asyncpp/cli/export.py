@@ -8,10 +8,27 @@ them and the last evaluation from the run's metrics.jsonl (see hf_asyncpp.model_
 """
 import argparse
 import sys
+from pathlib import Path
 
 from ..errors import CheckpointError, WriteError
-from ..model.export import export_hf_model, load_checkpoint_state
+from ..model.export import export_hf_model, holds_model, load_checkpoint_state
 from ..run.model_card import card_from_checkpoint, card_writer
+
+
+def check_replaceable(out: Path, state, config) -> None:
+    """``out`` is empty, absent, or holds this checkpoint's own weights (an export repeated: replacing it loses
+    nothing). Any other model folder (another run's ``export/``, a downloaded model) is refused unless
+    ``--overwrite``: the command used to replace it without a word, its shards, index and card with it, where
+    ``save_pretrained`` users choose the folder they replace. The run's own end-of-training export does not come
+    here (``run.evaluator`` writes its ``export/``)."""
+    if not out.is_dir() or not any(out.iterdir()) or holds_model(out, state, config):
+        return
+    if not (out / "config.json").is_file():
+        return  # not a model folder: export_hf_model refuses it, with its own line, whatever the flag
+    names = sorted(p.name for p in out.iterdir())
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    raise ValueError(f"export: {out} holds another model ({shown}), which this export would replace; choose another "
+                     "folder, or pass --overwrite to replace it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-id", default=None, help="Hub id for the card title and the usage snippet")
     ap.add_argument("--unverified", action="store_true",
                     help="export a folder without manifest.json (hand-assembled) unverified; refused otherwise")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT when it holds another model (refused otherwise; a folder that is no model is "
+                         "never replaced)")
     args = ap.parse_args(argv)
     try:
         state, config, tok = load_checkpoint_state(args.checkpoint, unverified=args.unverified)
+        if not args.overwrite:
+            check_replaceable(Path(args.out), state, config)
         card = card_from_checkpoint(args.checkpoint)
         if args.model_id:
             card["model_id"] = args.model_id

@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from . import at_least
 from ..config.recipe import load_recipe, split_overrides
 from ..model.build import autocast
 from ..errors import RecipeError
@@ -47,11 +48,28 @@ from ..schedules.timeline import plot_timeline
 
 
 def parse_bytes(text: str) -> float:
+    """``80GB`` (or ``80GiB``, ``512MB``, ``1TB``, ``1000B``) in bytes. A bare number is refused: ``80`` meant 80 GB
+    to everyone who typed it and was planned as 80 bytes ("0 of 20 plans fit"), and reading it as GB would make
+    ``1000000`` wrong the other way; the unit costs two characters.
+
+    Raises:
+        ValueError: no unit, or not a number; the message names the fix.
+    """
     t = text.strip().upper().replace("IB", "B")
     for unit, mult in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
         if t.endswith(unit):
-            return float(t[: -len(unit)]) * mult
-    return float(t)
+            try:
+                value = float(t[: -len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return value * mult
+            break
+    try:
+        float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a memory size; write a positive number and a unit, e.g. 80GB") from None
+    raise ValueError(f"{text!r} has no unit (or is not positive); write it with one, e.g. {text.strip()}GB")
 
 
 def gb(x: float) -> str:
@@ -63,19 +81,24 @@ def main(argv: list[str] | None = None) -> int:
                                  "--section.field=value or --section.field value, anywhere after the recipe.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
-    ap.add_argument("--num-stages", type=int, default=None)
+    ap.add_argument("--num-stages", type=at_least(1), default=None)
     ap.add_argument("--gpu-memory", default="80GB")
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
     ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
     ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs to search plans for (default: the stage count)")
-    ap.add_argument("--top", type=int, default=5, help="plans of the search to print (0: no search)")
+    ap.add_argument("--gpus", type=at_least(1), default=None, help="GPUs to search plans for (default: the stage count)")
+    ap.add_argument("--top", type=at_least(0), default=5, help="plans of the search to print (0: no search)")
     ap.add_argument("--link-gbs", type=float, default=25.0,
                     help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
     ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
     own, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = ap.parse_args(own)
 
+    try:
+        cap = parse_bytes(args.gpu_memory)
+    except ValueError as e:
+        print(f"error: --gpu-memory: {e}", file=sys.stderr)
+        return 2
     try:
         recipe = load_recipe(args.recipe, overrides)
     except RecipeError as e:
@@ -85,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     dp = max(1, (args.gpus or p) // p)
     model = meta_model(recipe)
     plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp)
-    cap = parse_bytes(args.gpu_memory)
     total_params = sum(m.params for m in mem)
     print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
           f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from . import at_least
 from ..schedules.actions import format_actions
 from ..schedules.records import SCHEDULES, VIRTUAL_SCHEDULES, get_schedule, schedule_actions
 from ..schedules.simulator import Costs, simulate
@@ -21,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp timeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", default="2bw", choices=[*SCHEDULES, *VIRTUAL_SCHEDULES])
-    ap.add_argument("--stages", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8, help="per step")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stages", type=at_least(1), default=4)
+    ap.add_argument("--microbatches", type=at_least(1), default=8, help="per step")
+    ap.add_argument("--steps", type=at_least(1), default=3, help="steps to draw (the steady-state bubble needs 3)")
     ap.add_argument("--forward", type=float, default=1.0, help="cost of a forward")
     ap.add_argument("--backward", type=float, default=2.0, help="cost of a backward")
     ap.add_argument("--step-cost", type=float, default=0.5, help="cost of an optimizer step")
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.schedule}: p={args.stages}, m={m}, {steps} steps; F={args.forward:g} B={args.backward:g} "
              f"step={args.step_cost:g} reduce={args.reduce:g} comm={args.comm:g}{scope}")
     plot_timeline(res, out, title)
-    print(f"{args.schedule}: makespan {res.makespan:g}, bubble {res.bubble:.1%}, steady-state bubble {res.steady_bubble:.1%}, "
+    steady = ("steady-state bubble n/a (no steady state: draw --steps 3 or more)" if res.steady_bubble != res.steady_bubble
+              else f"steady-state bubble {res.steady_bubble:.1%}")  # nan: too few steps to have a steady state
+    print(f"{args.schedule}: makespan {res.makespan:g}, bubble {res.bubble:.1%}, {steady}, "
           f"{res.throughput:.3f} microbatches per unit time, peak in-flight {res.peak_inflight}, "
           f"peak versions {res.peak_versions} -> {out}")
     return 0

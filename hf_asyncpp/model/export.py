@@ -36,7 +36,7 @@ from ..storage.write import follow_umask, writing
 from ..supervision import is_main_process
 from .build import ties
 
-__all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model",
+__all__ = ["CardWriter", "StateDictMismatchError", "assemble_model", "export_engine", "export_from_model", "export_hf_model", "holds_model",
            "load_checkpoint_state", "shard_file", "tied_names", "tokenizer_for_export", "write_shard"]
 
 log = logging.getLogger("hf_asyncpp")
@@ -162,6 +162,37 @@ def _check_out_dir(out: Path) -> None:
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").exists():
         raise ValueError(f"export: refusing to replace {out}: it is not empty and holds no config.json (not a model "
                          "folder); choose another output directory")
+
+
+def holds_model(out: Path, state_dict: dict[str, torch.Tensor], config) -> bool:
+    """Whether the model folder ``out`` holds exactly these weights: every tensor of its safetensors files (single
+    file or sharded index) equal to the one of ``state_dict`` by that name, in the folder's dtype, and every name it
+    leaves out tied to one it holds. Read one tensor at a time (``safe_open``), never the whole folder at once. What
+    tells a repeated export of the same checkpoint (replacing it loses nothing) from another model's folder."""
+    from safetensors import safe_open
+
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(ckpt.load_json(index).get("weight_map", {}).values()))
+    elif (out / MODEL_FILE).is_file():
+        files = [MODEL_FILE]
+    else:
+        return False
+    seen = set()
+    try:
+        for name in files:
+            with safe_open(str(out / name), framework="pt") as f:
+                for key in f.keys():
+                    if key not in state_dict:
+                        return False
+                    held = f.get_tensor(key)
+                    mine = state_dict[key]
+                    if held.shape != mine.shape or not torch.equal(held, mine.to(held.dtype)):
+                        return False
+                    seen.add(key)
+    except (OSError, ValueError, RuntimeError):  # a damaged or partial folder is not this model
+        return False
+    return bool(seen) and set(state_dict) - seen <= set(tied_names(config))
 
 
 def export_hf_model(state_dict: dict[str, torch.Tensor], config, out_dir, *, tokenizer=None, card: CardWriter | None = None,

@@ -116,9 +116,11 @@ def _check_split(num_stages, layers_per_stage, L: int) -> list[int] | None:
     if layers_per_stage is None:
         return None
     sizes = list(layers_per_stage)
-    if (len(sizes) != num_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes)
+    # every stage holds a layer: a stage of 0 layers has nothing to run between its neighbours (the model's forward
+    # ends before it), and each process runs one stage
+    if (len(sizes) != num_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
             or sum(sizes) != L):
-        raise PartitionError(f"layers_per_stage: {sizes} must have {num_stages} non-negative integers summing to the {L} "
+        raise PartitionError(f"layers_per_stage: {sizes} must have {num_stages} positive integers summing to the {L} "
                              f"decoder layers (it has {len(sizes)} entries summing to {sum(n for n in sizes if isinstance(n, int))})")
     return sizes
 

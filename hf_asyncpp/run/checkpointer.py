@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +157,19 @@ class Checkpointer:
 
     def _latest(self) -> str:
         done = list_checkpoints(self.out)
-        return f"{done[-1][1].name} stays the latest checkpoint" if done else "no checkpoint was completed yet"
+        return (f"{done[-1][1].name} stays the latest checkpoint" if done else
+                "no checkpoint was completed yet, so the same command, once space is free, starts the run afresh there")
+
+    def _failed(self, e: WriteError, tmp: Path, alone: bool) -> WriteError:
+        """The error of a save that could not be written, after removing its temporary folder where no other rank can
+        still be writing into it (``alone``: one process, or the main process's part, written after every rank's):
+        it holds nothing a resume or an export takes, and on a full disk it is what filled it. Elsewhere the next
+        save, or the next start in the folder, removes it."""
+        if alone:
+            shutil.rmtree(tmp, ignore_errors=True)
+        gone = f"removed the partial {tmp.name}" if alone and not tmp.exists() else \
+            f"the next start or save removes the partial {tmp.name}"
+        return WriteError(f"{e}; {gone}; {self._latest()}")
 
     def _space_problem(self, step: int) -> str | None:
         """Why ``checkpoint-{step}`` must not be started: less free space than the previous checkpoint took
@@ -204,7 +217,7 @@ class Checkpointer:
             engine.save(tmp)
             ckpt.save_state(tmp / rng_file(topo.rank), rng_state())
         except WriteError as e:
-            raise WriteError(f"{e}; {self._latest()}") from None
+            raise self._failed(e, tmp, alone=topo.world_size == 1) from None
         # a middle stage has no stream (None), but takes part in the gather: every rank joins every collective
         mine = {"data": stream.state_dict() if stream is not None else None, "written": ckpt.take_written(tmp)}
         parts = [None] * topo.world_size
@@ -238,8 +251,8 @@ class Checkpointer:
                 ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size,
                                          "num_stages": topo.num_stages}, written,
                             before_move=supervision.check_parent)  # never commit after the launcher died
-            except WriteError as e:
-                raise WriteError(f"{e}; {self._latest()}") from None
+            except WriteError as e:  # every other rank is past its writes (wait_for_everyone above)
+                raise self._failed(e, tmp, alone=True) from None
             prune(self.out, self.recipe.training.save_total_limit, keep=final)
             log.info("saved %s", final.name)
         self._push(state, engine, final)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
+from .. import supervision
 from ..errors import CheckpointError, MissingCheckpoint, RecipeError
 from ..storage import checkpoint_io as ckpt
 from ..storage.names import CHECKPOINT_DIR, EXPORT_DIR, FINAL_EVAL, MANIFEST, RUN_OUTPUTS, RUN_STATE
@@ -105,11 +107,40 @@ def _verify_shared(path: Path, topo: Topology) -> list[str]:
 def saved_nothing(found: list[Path]) -> bool:
     """Whether what an earlier run left (:func:`previous_run`) holds nothing to continue or keep: no checkpoint, not
     even an incomplete one, no export, no final evaluation; only what a start writes (its tokenizer, recipe, logs and
-    the metrics of steps never saved). The same command, fixed, then just runs: a failed start must not leave a folder
-    that refuses its retry, nor advise a resume that has nothing to resume (torchrun's restarts resume ``latest``)."""
+    the metrics of steps never saved) and the ``.tmp-checkpoint-*`` of a save that never completed (a full disk at
+    the first checkpoint, a kill during it: never renamed to a checkpoint, so nothing resumes it, ``export`` refuses
+    it, and the next save removes it). The same command, fixed, then just runs: a failed start must not leave a
+    folder that refuses its retry, nor advise a resume that has nothing to resume (torchrun's restarts resume
+    ``latest``)."""
     kept = {EXPORT_DIR, FINAL_EVAL}
-    return not any(CHECKPOINT_DIR.match(p.name) or p.name.startswith(".tmp-checkpoint-") or p.name in kept
-                   for p in found)
+    return not any(CHECKPOINT_DIR.match(p.name) or p.name in kept for p in found)
+
+
+def restarted() -> bool:
+    """Whether this process restarts a run: torchrun's ``--max-restarts`` (``training.max_restarts``) started its
+    worker group again, or SLURM requeued its job (``SLURM_RESTART_COUNT``, set from the first requeue on)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return bool(supervision.restart_count()) or (raw.isdigit() and int(raw) > 0)
+
+
+def check_something_to_resume(out: Path, setting: str | None) -> None:
+    """``resume_from_checkpoint: latest`` finds a complete checkpoint in ``out``, as ``Trainer(resume_from_checkpoint=
+    True)`` requires ("No valid checkpoint found"): a misspelt or empty ``output_dir`` used to train from scratch,
+    with a new tokenizer, without a word. Except in a restart (:func:`restarted`): the start it replaces may have
+    failed before its first checkpoint, and the restart must take that folder over.
+
+    Raises:
+        MissingCheckpoint: no complete checkpoint and not a restart; the message names the folder and both fixes.
+    """
+    if setting != "latest" or list_checkpoints(out) or restarted():
+        return
+    if not out.is_dir():
+        where = "no such folder (a misspelt output_dir?)"
+    else:
+        left = [p.name for p in previous_run(out)]
+        where = f"it holds no complete checkpoint ({', '.join(left[:4])})" if left else "it holds no checkpoint"
+    raise MissingCheckpoint(f"training.resume_from_checkpoint=latest: nothing to resume in {out}: {where}; point "
+                            "training.output_dir at the run to continue, or drop resume_from_checkpoint to start afresh")
 
 
 def check_fresh_run(out: Path, overwrite: bool, main: bool, resume: str | None = None) -> None:
@@ -146,6 +177,7 @@ def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None
     ``latest`` falls back to the newest checkpoint that verifies, with a warning naming what was skipped and why;
     an explicit path that fails is an error naming the file. None: nothing to resume.
     """
+    check_something_to_resume(out, setting)
     candidates = resume_candidates(out, setting)
     incomplete = incomplete_checkpoints(out) if setting == "latest" and topo.is_main else []
     if incomplete:  # said, not silently passed over: someone may think the newest one is resumed

@@ -23,19 +23,24 @@ import re
 from pathlib import Path
 
 import datasets
+import torch
 import transformers
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer
+from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+from transformers.trainer_utils import SchedulerType
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..config.recipe import Recipe
-from ..config.sections import DataConfig, ModelConfig, PipelineConfig
+from ..config.sections import DataConfig, ModelConfig, PipelineConfig, TrainingConfig
 from ..data.files import expand_files, screen_files
 from ..data.sources import nothing_usable
 from ..errors import DataError, RecipeError
+from ..optim.lr import build_scheduler
 from ..partition import PartitionError, partition_plan
 from ..schedules.records import pipelined
 from ..storage.write import check_output_dir, check_output_dir_free
-from .folder import check_fresh_run
+from .folder import check_fresh_run, check_something_to_resume
 from .hub import cause_of, check_repo
 from .reporting import check_trackers
 
@@ -46,18 +51,33 @@ WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHT
 def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
     """Every check below (``hub``: also the Hub token and repository, when the run pushes)."""
     t = recipe.training
+    check_lr_schedule(t)
     config = check_model_config(recipe.model, recipe.data)
     if config is not None:
         check_stage_split(recipe.pipeline, config, recipe.data.seq_len)
     check_trackers(t.report_to)
+    check_something_to_resume(Path(t.output_dir), t.resume_from_checkpoint)  # before the folder is made
     out = check_output_dir(t.output_dir)
     check_output_dir_free(out)  # another run holds it: said first, whatever else the folder holds
     if t.resume_from_checkpoint is None:
         check_fresh_run(out, t.overwrite_output_dir, main=False)  # refuses another run's folder; removes nothing
-    check_model(recipe.model, recipe.data)
+    pretrained = check_model(recipe.model, recipe.data)
+    if pretrained is not None:  # its layers, now that its config is read
+        check_stage_split(recipe.pipeline, pretrained, recipe.data.seq_len)
     check_data(recipe.data)
+    if recipe.hub.push_to_hub:
+        check_repo_id(recipe.hub.hub_model_id)
     if hub and recipe.hub.push_to_hub:
         check_repo(recipe.hub)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """``hub.hub_model_id`` is a repository id the Hub takes (``huggingface_hub``'s own ``validate_repo_id``),
+    checked here without the network: offline, or with no token, a malformed id was met only by the push."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise RecipeError(f"hub.hub_model_id: {' '.join(str(e).split())} Write it as user/name") from None
 
 
 def _looks_local(name: str) -> bool:
@@ -74,6 +94,46 @@ def _loadable(field: str, name: str, load, what: str):
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, httpx errors
         where = "the folder" if os.path.isdir(name) else "not a local folder; from the Hub"
         raise RecipeError(f"{field}: {name!r} has no {what} that transformers can load ({where}: {cause_of(e)})") from e
+
+
+SET_BY_THE_RECIPE = {"optimizer": "the run's optimizer", "num_warmup_steps": "training.warmup_steps",
+                     "num_training_steps": "training.max_steps", "last_epoch": "a resume"}
+"""The arguments of transformers' schedule functions that ``get_scheduler`` fills itself."""
+
+
+def check_lr_schedule(training: TrainingConfig) -> None:
+    """``training.lr_scheduler_kwargs`` holds only arguments of the schedule function ``lr_scheduler_type`` names
+    (transformers' ``TYPE_TO_SCHEDULER_FUNCTION``, read by ``inspect.signature``; a misspelt key gets a
+    did-you-mean), and the schedule builds and gives a finite lr at the first and the last step, on a one-parameter
+    probe optimizer, as the trainer builds it. A typo here used to be met by every rank after the start, as a
+    ``TypeError`` traceback each; a missing ``min_lr_rate`` of ``cosine_with_min_lr`` the same way."""
+    kwargs = dict(training.lr_scheduler_kwargs)
+    kind = training.lr_scheduler_type
+    fn = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(kind)]
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        takes = [n for n in params if n not in SET_BY_THE_RECIPE]
+        for key in kwargs:
+            if key in SET_BY_THE_RECIPE:
+                raise RecipeError(f"training.lr_scheduler_kwargs.{key}: set by {SET_BY_THE_RECIPE[key]}; remove it "
+                                  "from lr_scheduler_kwargs")
+            if key not in takes:
+                near = difflib.get_close_matches(str(key), takes, n=1, cutoff=0.6)
+                fix = (f"did you mean {near[0]!r}?" if near else
+                       f"it takes {', '.join(takes)}" if takes else "it takes none: remove lr_scheduler_kwargs")
+                raise RecipeError(f"training.lr_scheduler_kwargs.{key}: not an argument of transformers' {fn.__name__} "
+                                  f"(lr_scheduler_type {kind!r}); {fix}")
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        scheduler = build_scheduler(probe, training)
+        for fn_of_step in getattr(scheduler, "lr_lambdas", []):
+            for step in (0, training.max_steps):
+                lr = float(fn_of_step(step))
+                if not lr == lr or lr in (float("inf"), float("-inf")):
+                    raise ValueError(f"the lr at step {step} is {lr}")
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, TypeError, ZeroDivisionError
+        raise RecipeError(f"training.lr_scheduler_kwargs: {kwargs} for lr_scheduler_type {kind!r} is refused by "
+                          f"transformers' {fn.__name__}: {' '.join(str(e).split())}") from None
 
 
 def check_model_config(model: ModelConfig, data: DataConfig):
@@ -165,9 +225,11 @@ def _check_positions(data: DataConfig, positions, where: str, fix: str) -> None:
                           f"({where}); {fix}")
 
 
-def check_model(model: ModelConfig, data: DataConfig) -> None:
+def check_model(model: ModelConfig, data: DataConfig):
     """``model.name_or_path`` has a config whose positions hold ``data.seq_len``, and the tokenizer to be used
-    (``model.tokenizer_name_or_path``, else the model's own) loads."""
+    (``model.tokenizer_name_or_path``, else the model's own) loads and fits the model (:func:`check_tokenizer_fits`);
+    the pretrained model's config (None for a random init)."""
+    config = None
     if model.name_or_path:
         config = _loadable("model.name_or_path", model.name_or_path, AutoConfig.from_pretrained, "model config")
         _check_positions(data, getattr(config, "max_position_embeddings", None),
@@ -179,10 +241,49 @@ def check_model(model: ModelConfig, data: DataConfig) -> None:
                               f"{', '.join(WEIGHT_FILES)}); to train that config from scratch give it as model.config "
                               "instead, or point at the folder save_pretrained wrote")
     if model.tokenizer_name_or_path:
-        _loadable("model.tokenizer_name_or_path", model.tokenizer_name_or_path, AutoTokenizer.from_pretrained, "tokenizer")
+        tokenizer = _loadable("model.tokenizer_name_or_path", model.tokenizer_name_or_path,
+                              AutoTokenizer.from_pretrained, "tokenizer")
+        if model.name_or_path:
+            check_tokenizer_fits(model, config, tokenizer)
     elif model.name_or_path:
         _loadable("model.name_or_path", model.name_or_path, AutoTokenizer.from_pretrained,
                   "tokenizer (set model.tokenizer_name_or_path)")
+    return config
+
+
+def same_ids(a, b) -> bool:
+    """Whether two tokenizers give every token they share the same id: the smaller vocabulary is contained in the
+    larger, id for id (a tokenizer with tokens added at the end keeps the ids of the one it extends)."""
+    small, big = sorted((a.get_vocab(), b.get_vocab()), key=len)
+    return all(big.get(token) == i for token, i in small.items())
+
+
+def check_tokenizer_fits(model: ModelConfig, config, tokenizer) -> None:
+    """A pretrained ``model.name_or_path`` given another tokenizer (``model.tokenizer_name_or_path``) is refused when
+    that tokenizer's ids are not the model's own tokenizer's: its embedding rows are indexed by its own ids, so with
+    another tokenizer every id names a different token (measured: untrained perplexity 7528 where the model with its
+    own tokenizer scores 76), the run trains that scramble away at full cost, and the export pairs the model's
+    embeddings with the other tokenizer; nothing said so. Refused rather than warned: a warning scrolls by in a run
+    that then exits 0, and both fixes are one field (drop ``tokenizer_name_or_path``, or train ``model.config`` from
+    random init for a new vocabulary). The model's own tokenizer with tokens added keeps the ids: allowed, and its
+    embeddings grow to it (``resize_token_embeddings``, logged). Where the model has no tokenizer of its own to
+    compare with, a tokenizer larger than the model's embeddings is refused (its ids past them would need rows that
+    no one trained, and a stage-local load cannot add them); a smaller one is allowed."""
+    embeddings = config.get_text_config().vocab_size
+    try:
+        own = AutoTokenizer.from_pretrained(model.name_or_path, local_files_only=True)  # never a Hub round trip
+    except Exception:  # noqa: BLE001 - no tokenizer beside the model (a bare weights folder), or not cached
+        own = None
+    if own is not None and not same_ids(own, tokenizer):
+        raise RecipeError(f"model.tokenizer_name_or_path: {model.tokenizer_name_or_path!r} ({len(tokenizer)} tokens) "
+                          f"is not the tokenizer model.name_or_path {model.name_or_path!r} was trained with "
+                          f"({len(own)} tokens, other ids): its {embeddings} embeddings would mean other tokens; drop "
+                          "model.tokenizer_name_or_path to use the model's own, or train model.config from random init "
+                          "for a new vocabulary")
+    if own is None and len(tokenizer) > embeddings:
+        raise RecipeError(f"model.tokenizer_name_or_path: {model.tokenizer_name_or_path!r} has {len(tokenizer)} "
+                          f"tokens, more than the {embeddings} embeddings of model.name_or_path "
+                          f"{model.name_or_path!r}; give the tokenizer the model was trained with")
 
 
 def check_data(data: DataConfig) -> None:
