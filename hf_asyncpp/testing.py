@@ -5,8 +5,11 @@ the rendezvous variables, one thread per rank unless told otherwise, every rank'
 ranks that failed, and an optional time limit after which every rank is killed. A time limit here is a hang guard,
 set far above the normal time of the work; it is never a judgement of speed.
 
-Nothing in the package imports this module (``tests/test_layout.py`` keeps it on its own floor, above the run and
-below the command line): it imports only torch and the standard library.
+Besides spawning, it holds the probes the tests and benchmarks run on a stage: ``HostOps`` (what the host dispatches
+per action) and the memory and host-count workers, which build a stage engine from a recipe. Nothing in the package
+imports this module (``tests/test_layout.py`` keeps it on its own floor, above the run and below the command line);
+at import it needs only torch and the standard library, and it imports the package's config, model and pipeline
+inside the probes that build a stage, so that spawning workers stays cheap.
 """
 from __future__ import annotations
 
