@@ -68,12 +68,12 @@ def _ranks(launcher: int) -> list[psutil.Process]:
 
 
 def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False, meanwhile=None,
-               to_all: bool = False, preexec=None) -> tuple[int, str]:
+               to_all: bool = False, preexec=None, env: dict | None = None) -> tuple[int, str]:
     """Start ``cmd`` (in its own session, after ``preexec()`` in the child), send ``sig`` to the launcher (or to the
     ranks alone, or with ``to_all`` to the launcher's process group and every rank, as SLURM signals a step) once
     metrics.jsonl reaches SIGNAL_AT (after running ``meanwhile(proc)`` while it trains), and return its exit code
     and output."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=preexec)
     try:
         deadline = time.time() + 300
@@ -220,6 +220,17 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
     assert rc != 0
     _stopped_step(text, "SIGTERM", out)
     _resumes_exactly(recipe, out, never_stopped)
+
+
+def test_sigusr1_to_torchrun_with_the_documented_setting_saves(tmp_path):
+    """The documented form for a torchrun of your own: ``PET_SIGNALS_TO_HANDLE`` (torchrun's
+    ``--signals-to-handle``) with SIGUSR1 makes torchrun send it on to the ranks, which save."""
+    recipe, out = _recipe(tmp_path, "torchrun_usr1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "hf_asyncpp.cli.train", str(recipe), "--training.max_steps=100000"]
+    rc, text = _interrupt(cmd, out, signal.SIGUSR1, env={**ENV, "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR1"})
+    assert rc != 0
+    _stopped_step(text, "SIGUSR1", out, longest=100000)
 
 
 def test_ctrl_c_to_accelerate_launch_saves_and_resumes_exactly(tmp_path, never_stopped):
