@@ -16,9 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from hf_asyncpp.errors import EXIT_STOPPED
-from hf_asyncpp.launch.spawn import RESTART_FIX
+from hf_asyncpp.launch.spawn import RESTART_FIX, _sigint_relay, torchrun_signals
 from dist_utils import free_port
 from support import ROOT, losses, write_recipe
 
@@ -66,19 +67,25 @@ def _ranks(launcher: int) -> list[psutil.Process]:
     return out
 
 
-def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False, meanwhile=None) -> tuple[int, str]:
-    """Start ``cmd`` (in its own session), send ``sig`` to the launcher (or to the ranks alone) once metrics.jsonl
-    reaches SIGNAL_AT (after running ``meanwhile()`` while it trains), and return its exit code and output."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False, meanwhile=None,
+               to_all: bool = False, preexec=None, env: dict | None = None) -> tuple[int, str]:
+    """Start ``cmd`` (in its own session, after ``preexec()`` in the child), send ``sig`` to the launcher (or to the
+    ranks alone, or with ``to_all`` to the launcher's process group and every rank, as SLURM signals a step) once
+    metrics.jsonl reaches SIGNAL_AT (after running ``meanwhile(proc)`` while it trains), and return its exit code
+    and output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=preexec)
     try:
         deadline = time.time() + 300
         while _last_step(out) < SIGNAL_AT and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(proc)
         assert proc.poll() is None, "the run ended before the signal: " + proc.stdout.read()[-3000:]
-        for p in (_ranks(proc.pid) if to_ranks else [psutil.Process(proc.pid)]):
+        if to_all:
+            ranks = _ranks(proc.pid)
+            os.killpg(proc.pid, sig)
+        for p in (_ranks(proc.pid) if to_ranks else ranks if to_all else [psutil.Process(proc.pid)]):
             p.send_signal(sig)
         text, _ = proc.communicate(timeout=300)
     finally:
@@ -125,7 +132,7 @@ def test_sigusr1_to_the_ranks_alone_stops_them_at_one_step(tmp_path):
     refused in one line naming the run that holds it."""
     recipe, out = _recipe(tmp_path, "usr1")
 
-    def second_run():
+    def second_run(proc):
         r = _train(recipe, "--training.resume_from_checkpoint=latest")
         assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
         assert re.search(rf"error: training.output_dir: {out} is in use by another run \(pid \d+ on ", r.stderr), r.stderr
@@ -138,6 +145,71 @@ def test_sigusr1_to_the_ranks_alone_stops_them_at_one_step(tmp_path):
     assert json.loads((out / f"checkpoint-{step:07d}" / "run_state.json").read_text())["step"] == step
 
 
+def test_sigusr1_to_hf_asyncpp_train_saves_and_exits_10(tmp_path):
+    """SIGUSR1, a default stop signal, to the launcher alone (``kill -USR1 PID``): torchrun's agent must catch it
+    (its own defaults leave it out) and send it on, so the ranks save at an agreed step and the run exits 10."""
+    recipe, out = _recipe(tmp_path, "usr1_launcher")
+    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe), "--training.max_steps=100000"], out, signal.SIGUSR1)
+    assert rc == EXIT_STOPPED, text[-3000:]
+    _stopped_step(text, "SIGUSR1", out, longest=100000)
+    assert text.count("stopped by SIGUSR1") == 1 and "Traceback" not in text and "is gone" not in text, text[-3000:]
+
+
+def test_under_nohup_sighup_is_ignored_and_sigusr1_to_every_process_saves(tmp_path):
+    """A launcher started ignoring SIGHUP (``nohup hf-asyncpp train``) keeps ignoring it: the run trains on after
+    a SIGHUP. Then SIGUSR1 to the launcher's process group and to every rank at once (SLURM's ``--signal=USR1@120``
+    signals every process of the step): one saved stop, exit 10."""
+    recipe, out = _recipe(tmp_path, "nohup")
+    hup_at = []
+
+    def hang_up(proc):
+        hup_at.append(_last_step(out))
+        os.killpg(proc.pid, signal.SIGHUP)  # the terminal closes
+        deadline = time.time() + 120
+        while _last_step(out) < hup_at[0] + 5 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+
+    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe), "--training.max_steps=100000"], out, signal.SIGUSR1,
+                          to_all=True, meanwhile=hang_up, preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert rc == EXIT_STOPPED, text[-3000:]
+    assert _stopped_step(text, "SIGUSR1", out, longest=100000) >= hup_at[0] + 5
+    assert text.count("stopped by SIGUSR1") == 1 and "Traceback" not in text, text[-3000:]
+
+
+def test_torchrun_is_told_every_stop_signal_and_leaves_an_ignored_sighup_alone():
+    """What the launcher passes as torchrun's ``--signals-to-handle``: the recipe's stop signals with torchrun's own,
+    SIGINT left to the launcher's relay, SIGHUP left out where it is ignored (nohup) and kept where it is not."""
+    ignored = {signal.SIGHUP: signal.SIG_IGN}
+    assert torchrun_signals(["SIGTERM", "SIGINT", "SIGUSR1"], handler=lambda s: signal.SIG_DFL) == [
+        "SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP", "SIGQUIT"]
+    assert torchrun_signals(["SIGUSR2"], sigint=False, handler=lambda s: ignored.get(s, signal.SIG_DFL)) == [
+        "SIGUSR2", "SIGTERM", "SIGQUIT"]
+    assert torchrun_signals(["SIGHUP"], handler=lambda s: ignored.get(s, signal.SIG_DFL)) == ["SIGTERM", "SIGINT", "SIGQUIT"]
+
+
+def test_the_launchers_second_sigint_reaches_the_workers_at_once():
+    """The launcher's SIGINT handler while torchrun runs: the first SIGINT raises torch's SignalException (the agent
+    sends it on and waits for the saved stop); the second goes at once to each worker's process group (a worker is
+    in its own session, as torchrun starts it) instead of waiting for the agent's shutdown timeout."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert worker.stdout.readline() == "up\n"
+        signal.signal(signal.SIGINT, _sigint_relay())
+        with pytest.raises(SignalException) as first:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert first.value.sigval == signal.SIGINT and worker.poll() is None
+        os.kill(os.getpid(), signal.SIGINT)  # the second: no exception here, the worker gets it
+        assert worker.wait(timeout=30) == -signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
 def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
     """torchrun passes SIGTERM on to the ranks and gives them its shutdown timeout (30 s) to save; torchrun itself
     then ends with its own report of the signal."""
@@ -148,6 +220,17 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
     assert rc != 0
     _stopped_step(text, "SIGTERM", out)
     _resumes_exactly(recipe, out, never_stopped)
+
+
+def test_sigusr1_to_torchrun_with_the_documented_setting_saves(tmp_path):
+    """The documented form for a torchrun of your own: ``PET_SIGNALS_TO_HANDLE`` (torchrun's
+    ``--signals-to-handle``) with SIGUSR1 makes torchrun send it on to the ranks, which save."""
+    recipe, out = _recipe(tmp_path, "torchrun_usr1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "hf_asyncpp.cli.train", str(recipe), "--training.max_steps=100000"]
+    rc, text = _interrupt(cmd, out, signal.SIGUSR1, env={**ENV, "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR1"})
+    assert rc != 0
+    _stopped_step(text, "SIGUSR1", out, longest=100000)
 
 
 def test_ctrl_c_to_accelerate_launch_saves_and_resumes_exactly(tmp_path, never_stopped):

@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zlib
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 import psutil
@@ -295,12 +296,10 @@ value the user set is kept."""
 
 def worker_env(recipe: Recipe, errors: str, debug: bool, gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables the started ranks get on top of this process's environment (``environ``): the checked-recipe
-    mark, where they leave their errors, torchrun's restart and signal settings, and on CUDA (``gpus`` > 0) the
+    mark, where they leave their errors, torchrun's restart setting, and on CUDA (``gpus`` > 0) the
     allocator's :data:`CUDA_ALLOC` unless the user set one."""
     environ = os.environ if environ is None else environ
-    env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX,
-           # torchrun hands these to the workers (and waits for them to save) instead of dying; SIGUSR1 too
-           "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(dict.fromkeys([*recipe.training.stop_signals, *_TORCHRUN_SIGNALS]))}
+    env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX}
     if gpus and CUDA_ALLOC[0] not in environ:
         env[CUDA_ALLOC[0]] = CUDA_ALLOC[1]
     return env
@@ -320,24 +319,35 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
           f"({how}; set {NO_SPAWN}=1 to launch them yourself)", flush=True)
     remove_stale_folders()  # of launchers killed before they could remove their own
     with tempfile.TemporaryDirectory(prefix=f"{ERRORS_PREFIX}{os.getpid()}-") as errors:
+        relay = threading.current_thread() is threading.main_thread()  # SIGINT: this module's handler
+        handled = torchrun_signals(recipe.training.stop_signals, sigint=not relay)
         # torchrun's own logs in the folder removed at the end (else one /tmp/torchelastic_* per run, never removed)
         args = torchrun.get_args_parser().parse_args(
             ["--standalone", f"--nproc_per_node={n}", f"--max-restarts={recipe.training.max_restarts}",
-             f"--log-dir={Path(errors) / 'torchelastic'}", "--module", "hf_asyncpp.cli.train", *argv])
-        with _environment(worker_env(recipe, errors, debug, gpus)), _torchrun_quiet(not debug):
+             f"--log-dir={Path(errors) / 'torchelastic'}", f"--signals-to-handle={','.join(handled)}",
+             "--module", "hf_asyncpp.cli.train", *argv])
+        with _environment(worker_env(recipe, errors, debug, gpus)), _torchrun_quiet(not debug), \
+                _handlers_restored([*handled, "SIGINT"] if relay else handled):
             try:
+                if relay:
+                    signal.signal(signal.SIGINT, _sigint_relay())
                 torchrun.run(args)
             except ChildFailedError as e:  # the workers left their errors in `errors`
                 line, code = first_error(e.failures, Path(errors))
                 print(line, file=sys.stderr, flush=True)
                 return code
             except SignalException as e:  # torchrun sent the signal on to the workers and waited for them to stop
-                _interrupt_workers(e.sigval)
+                name = signal.Signals(e.sigval).name
                 if finished(Path(errors)):  # it came after the run had finished: its own last line said so
-                    print(f"hf_asyncpp: {signal.Signals(e.sigval).name} arrived after the run had finished; nothing "
-                          "was stopped", file=sys.stderr, flush=True)
+                    print(f"hf_asyncpp: {name} arrived after the run had finished; nothing was stopped",
+                          file=sys.stderr, flush=True)
                     return 0
                 line, code = first_error({}, Path(errors))
+                if name not in recipe.training.stop_signals and not any(Path(errors).glob("rank-*.json")):
+                    # torchrun sent it on and the ranks died of it, saying nothing
+                    line, code = (f"error: {name} ended the run unsaved: it is not one of training.stop_signals "
+                                  f"({', '.join(recipe.training.stop_signals) or 'none'}); resume from the newest "
+                                  "checkpoint with --training.resume_from_checkpoint=latest"), 128 + int(e.sigval)
                 print(line, file=sys.stderr, flush=True)
                 return code
         stopped = stop_record(Path(errors))  # stopped by a signal sent to the workers alone, under --max-restarts
@@ -375,20 +385,63 @@ RESTART_FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 Connection refused`` when the rendezvous store is shared with the workers (pytorch/pytorch#135712, #167288); with
 the store not shared a restart resumes bitwise (docs/troubleshooting.md). Set for the torchrun started here; a user's
 own torchrun needs it in its environment."""
-_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default set
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""torchrun's own default ``--signals-to-handle``: the signals its agent catches, sends on to the workers and waits
+(``--shutdown-timeout``) for them to end. Any other signal kills the launcher by its default action, and the
+workers, whose launcher is gone, stop unsaved (supervision.watch_parent)."""
+
+KEEP_IGNORED = ("SIGHUP",)
+"""Signals left ignored when the launcher was started ignoring them: ``nohup`` ignores SIGHUP so that the run
+outlives its terminal, and torchrun's agent would otherwise catch it again and send it on to the workers."""
 
 
-def _interrupt_workers(sig: signal.Signals) -> None:
-    """A second SIGINT reached the launcher while torchrun waited for the workers to save: they are in their own
-    sessions and did not see it, so it is sent on (each then stops at once); a launcher that exited instead would
-    leave them to notice they are orphans."""
-    if sig != signal.SIGINT:
-        return
-    workers = psutil.Process().children(recursive=True)
-    for w in workers:
-        with contextlib.suppress(psutil.Error):
-            w.send_signal(signal.SIGINT)
-    psutil.wait_procs(workers, timeout=30)
+def torchrun_signals(stop_signals: list[str], sigint: bool = True,
+                     handler: Callable[[signal.Signals], object] = signal.getsignal) -> list[str]:
+    """torchrun's ``--signals-to-handle`` for a run of these ``training.stop_signals``: the stop signals and
+    torchrun's own (TORCHRUN_SIGNALS), less those of KEEP_IGNORED that ``handler`` (this process's) ignores, and
+    less SIGINT when ``sigint`` is False (this module handles it: :func:`_sigint_relay`).
+
+    It must be an argument: torch 2.13's ``launch_agent`` sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from
+    ``--signals-to-handle`` (default TORCHRUN_SIGNALS, or ``PET_SIGNALS_TO_HANDLE``), so a value put in that
+    variable beforehand is overwritten, and a stop signal outside torchrun's defaults (SIGUSR1) would kill the
+    launcher, unsaved."""
+    names = dict.fromkeys([*stop_signals, *TORCHRUN_SIGNALS])
+    return [name for name in names if (sigint or name != "SIGINT")
+            and not (name in KEEP_IGNORED and handler(signal.Signals[name]) is signal.SIG_IGN)]
+
+
+@contextlib.contextmanager
+def _handlers_restored(names: list[str]) -> Iterator[None]:
+    """This process's handlers of ``names`` put back after the block: torchrun's agent installs its own and leaves
+    them, and a process that launches twice (a test suite, an embedding program) must start from the original ones
+    (KEEP_IGNORED reads them)."""
+    before = {signal.Signals[n]: signal.getsignal(signal.Signals[n]) for n in names}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _sigint_relay() -> Callable[[int, object], None]:
+    """The launcher's SIGINT handler while torchrun runs. The first SIGINT does what torchrun's own handler does
+    (raise SignalException: the agent sends SIGINT on to the workers, which save at an agreed step, and waits for
+    them). A second one, a second Ctrl-C while they save, is sent on to each worker's process group at once (they
+    are in their own sessions, so the terminal's Ctrl-C does not reach them), and each stops at once, unsaved
+    (exit 130, cli/train.py). torchrun's handler would raise again instead, out of the agent's wait, and its
+    clean-up would send SIGTERM and wait up to 30 s more, the second Ctrl-C unheeded."""
+    hits = []
+
+    def relay(signum: int, frame) -> None:
+        hits.append(signum)
+        if len(hits) == 1:
+            raise SignalException(f"Process {os.getpid()} got signal: {signal.SIGINT}", sigval=signal.SIGINT)
+        for child in psutil.Process().children():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getpgid(child.pid) == child.pid:  # a worker: torchrun starts each in its own session
+                    os.killpg(child.pid, signal.SIGINT)
+
+    return relay
 
 
 def launch_command(recipe: Recipe, recipe_path: str) -> str:
