@@ -12,6 +12,7 @@ from .. import supervision
 from ..errors import CheckpointError, MissingCheckpoint, RecipeError
 from ..storage import checkpoint_io as ckpt
 from ..storage.names import CHECKPOINT_DIR, EXPORT_DIR, FINAL_EVAL, MANIFEST, RUN_OUTPUTS, RUN_STATE
+from ..storage.write import check_output_dir_free
 from ..topology import Topology
 
 log = logging.getLogger("hf_asyncpp")
@@ -125,15 +126,18 @@ def restarted() -> bool:
 
 def check_something_to_resume(out: Path, setting: str | None) -> None:
     """``resume_from_checkpoint: latest`` finds a complete checkpoint in ``out``, as ``Trainer(resume_from_checkpoint=
-    True)`` requires ("No valid checkpoint found"): a misspelt or empty ``output_dir`` used to train from scratch,
-    with a new tokenizer, without a word. Except in a restart (:func:`restarted`): the start it replaces may have
-    failed before its first checkpoint, and the restart must take that folder over.
+    True)`` requires ("No valid checkpoint found"): a misspelt or empty ``output_dir`` would otherwise train from
+    scratch, with a new tokenizer, without a word. Except in a restart (:func:`restarted`): the start it replaces may
+    have failed before its first checkpoint, and the restart must take that folder over. A folder another run holds
+    now (one that has not saved yet) is refused as that first (``check_output_dir_free``): the run there is the news.
 
     Raises:
         MissingCheckpoint: no complete checkpoint and not a restart; the message names the folder and both fixes.
     """
     if setting != "latest" or list_checkpoints(out) or restarted():
         return
+    if out.is_dir():
+        check_output_dir_free(out)
     if not out.is_dir():
         where = "no such folder (a misspelt output_dir?)"
     else:
