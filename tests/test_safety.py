@@ -170,7 +170,7 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(RecipeError, match=r"training.output_dir: .* cannot be written"):
+    with pytest.raises(WriteError, match=r"training.output_dir: .* cannot be written"):
         train(recipe_from_dict(tiny(blocker / "run")))
 
 

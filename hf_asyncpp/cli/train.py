@@ -137,18 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     # Imported only now that the arguments and the recipe are known good: torch, transformers and datasets take
     # seconds to import, which --help and a recipe mistake should not wait for (test_cli_inputs.py checks it).
     from ..launch.failures import leave_finished, leave_for_launcher, report
-    from ..launch.spawn import spawn
+    from ..launch.spawn import spawn, started_by_launcher
     from ..run.trainer import train
+    from ..storage.write import remove_if_unused
 
+    made = not os.path.exists(recipe.training.output_dir) and not started_by_launcher()  # by this start, if it fails
     try:  # what every rank meets identically: printed by one process per node
         spawn_here = prepare(recipe, args[0])
     except Exception as e:  # noqa: BLE001
         code = report(e, debug, same_everywhere=True)
         if code is None:
             raise
+        if made:
+            remove_if_unused(Path(recipe.training.output_dir))
         return code
     if spawn_here:
-        return spawn(recipe, argv, debug)
+        code = spawn(recipe, argv, debug)
+        if made and code not in (0, EXIT_STOPPED):
+            remove_if_unused(Path(recipe.training.output_dir))
+        return code
     # for this process's whole life, not only while train() runs: a stop signal that comes after the run has ended
     # (a scheduler's time limit in its last seconds) is noted and ignored, never a kill that fails a finished run
     supervision.stop_on(recipe.training.stop_signals)
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         code = report(e, debug)
         if code is None:
             raise
+        if made:
+            remove_if_unused(Path(recipe.training.output_dir))
         return code
     line = end_summary(summary)
     stopped = bool(summary.get("stopped_by"))
