@@ -112,6 +112,24 @@ def test_resume_latest_with_nothing_to_resume_is_one_line_unless_a_restart(tmp_p
     assert train_steps(out) == [1, 2] and not list(out.glob(".tmp-checkpoint-*"))
 
 
+def test_a_wrong_checkpoint_path_says_what_it_is_and_lists_the_run_s_checkpoints(tmp_path, capsys):
+    """A checkpoint's file given as the resume path was called "not a complete checkpoint (no manifest.json)" with an
+    empty list, and ``export`` of a step never saved did not list the steps that were."""
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, training__max_steps=2, training__save_steps=1)
+    assert run_main(capsys, recipe)[0] == 0
+    for given, what in ((out / "checkpoint-0000002" / "manifest.json", "a file, not a checkpoint folder"),
+                        (out / "checkpoint-0000500", "no such folder")):
+        code, err = run_main(capsys, recipe, f"--training.resume_from_checkpoint={given}")
+        assert code == 5 and error_lines(err) == [
+            f"error: MissingCheckpoint: training.resume_from_checkpoint: '{given}' is {what}; the complete checkpoints "
+            f"in {out} are checkpoint-0000001, checkpoint-0000002"], err
+        code, err = export(capsys, given, tmp_path / "hf")
+        assert code == 1 and error_lines(err) == [
+            f"error: {given}: {what}; the complete checkpoints in {out} are checkpoint-0000001, checkpoint-0000002"], err
+    assert not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------------------- recipe checks
 
 

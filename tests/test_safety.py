@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
-from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.errors import RecipeError, WriteError
 from hf_asyncpp.run.checkpointer import Checkpointer
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.hub import push_folder

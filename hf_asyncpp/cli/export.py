@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, WriteError
 from ..model.export import export_hf_model, holds_model, load_checkpoint_state
+from ..run.folder import checkpoints_near
 from ..run.model_card import card_from_checkpoint, card_writer
 
 
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="replace OUT when it holds another model (refused otherwise; a folder that is no model is "
                          "never replaced)")
     args = ap.parse_args(argv)
+    if not Path(args.checkpoint).is_dir():
+        what = "no such folder" if not Path(args.checkpoint).exists() else "a file, not a checkpoint folder"
+        print(f"error: {args.checkpoint}: {what}; {checkpoints_near(args.checkpoint)}", file=sys.stderr)
+        return 1
     try:
         state, config, tok = load_checkpoint_state(args.checkpoint, unverified=args.unverified)
         if not args.overwrite:
