@@ -53,6 +53,8 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
     adopt_slurm()  # under srun: the ranks' variables, before the checks ask which rank this is
     if not started_by_launcher():  # one process (HF_ASYNCPP_NO_SPAWN=1): first the command that starts them all
         check_topology(recipe, 1, recipe_path)
+    elif os.environ.get("WORLD_SIZE", "").isdigit():  # every rank meets a wrong count: said once per node, here
+        check_topology(recipe, int(os.environ["WORLD_SIZE"]), recipe_path)
     if not os.environ.get(supervision.CHECKED):
         check_recipe(recipe, hub=supervision.is_main_rank())
     return False
