@@ -12,6 +12,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ def _type_name(tp) -> str:
         inner = " or ".join(_type_name(a) for a in args)
         return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        inner = typing.get_args(tp)[0]
+        return "a list of mappings" if dataclasses.is_dataclass(inner) else f"a list of {_type_name(inner)}"
     if origin is dict or tp is dict:
         return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
@@ -81,6 +83,9 @@ def _convert(value: Any, tp, where: str):
                 return _convert(value, a, where)
             except RecipeError as e:
                 errors.append(e)
+        deeper = [e for e in errors if str(e).startswith((f"{where}[", f"{where}."))]
+        if deeper:  # the value had the right shape; one of its own fields is wrong (data.sources[1].weight)
+            raise deeper[0]
         raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -255,7 +260,39 @@ def _cross_checks(r: Recipe) -> None:
     if r.data.train_files is not None and r.data.dataset is not None:
         raise RecipeError("data: give data.train_files or data.dataset, not both: remove one (--data.dataset=null "
                           "removes the recipe's)")
+    if r.data.sources is not None:
+        _check_sources(r.data)
     _check_encoding(r.data.encoding)
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_sources(d: DataConfig) -> None:
+    """A mixture's sources, each named by its index and field: a name of its own, one place to read from."""
+    if not d.sources:
+        raise RecipeError("data.sources: an empty list; give at least one source, or remove data.sources")
+    given = [f"data.{f}" for f in ("dataset", "train_files", "eval_files", "eval_split") if getattr(d, f) is not None]
+    if given:
+        raise RecipeError(f"data.sources: a mixture names its data in each source; remove {', '.join(given)} (or "
+                          "data.sources)")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.sources):
+        where = f"data.sources[{i}]"
+        if s.name is None:
+            raise RecipeError(f"{where}.name: missing; each source needs a name (for metrics.jsonl, e.g. 'web')")
+        if not _SOURCE_NAME.fullmatch(s.name):
+            raise RecipeError(f"{where}.name: {s.name!r}; use letters, digits, '_', '-' and '.' only")
+        if s.name in seen:
+            raise RecipeError(f"{where}.name: {s.name!r} is also the name of data.sources[{seen[s.name]}]; give each "
+                              "source its own name")
+        seen[s.name] = i
+        if (s.dataset is None) == (s.train_files is None):
+            raise RecipeError(f"{where}: give exactly one of dataset or train_files"
+                              + ("; both are set" if s.dataset is not None else ""))
+        if s.dataset_config is not None and s.dataset is None:
+            raise RecipeError(f"{where}.dataset_config: {s.dataset_config!r} is a config of a dataset; this source "
+                              "reads train_files")
 
 
 _ASCII = bytes(range(128))
