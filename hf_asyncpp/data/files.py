@@ -94,7 +94,7 @@ def open_data_file(path: str):
     """The file's decompressed bytes, opened as ``datasets`` opens it (fsspec, compression inferred from the name),
     buffered: zstandard's reader has no ``readline``."""
     check_codec(path)
-    f = fsspec.open(path, "rb", compression="infer").open()
+    f = fsspec.open(path, mode="rb", compression="infer").open()
     return f if infer_compression(path) is None else io.BufferedReader(f)
 
 
