@@ -13,8 +13,8 @@ named once per process, with its first invalid byte and the fix (``data.encoding
 
 Compressed files (``.gz``, ``.bz2``, ``.xz``, ``.zst``) are opened here exactly as ``datasets`` opens them to read
 them: ``fsspec.open(path, compression="infer")``, so the probe sees the decompressed bytes the reader will. ``.zst``
-needs the ``zstandard`` package (a dependency); where a codec is missing, :func:`open_data_file` says which package
-to install, in one line, instead of the file being judged binary.
+needs the ``zstandard`` package (a dependency); where a codec is missing, the screening says which package
+to install, in one line, instead of the file being judged binary (:func:`check_compression`).
 
 A user's data mistake is a :class:`DataError` (one ``error:`` line from the trainer, no traceback).
 """
@@ -62,10 +62,7 @@ def builder(files: list[str]) -> str:
     """The datasets builder of the files (``text``, ``json`` or ``parquet``); they must all be of one kind. A parquet
     file compresses inside (its columns' codec), and ``datasets`` cannot read one compressed again as a whole."""
     for f in files:
-        if kind_of(f) == "parquet" and f.lower().endswith(COMPRESSION):
-            raise DataError(f"{f}: a compressed parquet file cannot be read (datasets reads parquet only as it is); "
-                            "decompress it, or write the table with its own codec: pyarrow.parquet.write_table(..., "
-                            "compression='zstd')")
+        check_compression(f)
     kinds = {kind_of(f) for f in files}
     if None in kinds or len(kinds) != 1:
         raise DataError(f"data files must all be of one kind: text ({', '.join(k for k, v in BUILDERS.items() if v == 'text')}), "
@@ -81,9 +78,14 @@ def kind_of(path: str) -> str | None:
     return BUILDERS.get(Path(name).suffix)
 
 
-def check_codec(path: str) -> None:
-    """A compressed file whose codec fsspec (and so datasets) cannot load: one line naming the package to install."""
+def check_compression(path: str) -> None:
+    """A compressed file that ``datasets`` cannot read, whatever its bytes: a parquet file (compressed inside, read only
+    as it is), or one whose codec fsspec cannot load; one line naming the fix (the package to install)."""
     suffix = next((c for c in COMPRESSION if path.lower().endswith(c)), None)
+    if suffix is not None and kind_of(path) == "parquet":
+        raise DataError(f"{path}: a compressed parquet file cannot be read (datasets reads parquet only as it is); "
+                        "decompress it, or write the table with its own codec: pyarrow.parquet.write_table(..., "
+                        "compression='zstd')")
     if suffix is not None and infer_compression(path) is None:
         package = CODEC_PACKAGES.get(suffix, suffix.lstrip("."))
         raise DataError(f"{path}: reading {suffix} files needs the {package} package, which is not installed: "
@@ -93,7 +95,7 @@ def check_codec(path: str) -> None:
 def open_data_file(path: str):
     """The file's decompressed bytes, opened as ``datasets`` opens it (fsspec, compression inferred from the name),
     buffered: zstandard's reader has no ``readline``."""
-    check_codec(path)
+    check_compression(path)
     f = fsspec.open(path, mode="rb", compression="infer").open()
     return f if infer_compression(path) is None else io.BufferedReader(f)
 
@@ -162,6 +164,7 @@ def _examine(path: str, text_column: str, encoding: str) -> tuple[str | None, st
     """(problem, note): why ``path`` cannot be used (None: it looks usable), and, for a usable file whose probe is not
     valid in ``encoding``, the warning that names it."""
     kind = kind_of(path)
+    check_compression(path)
     try:
         if kind == "parquet":
             with open(path, "rb"):
