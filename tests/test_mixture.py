@@ -93,6 +93,20 @@ def test_a_mixture_names_its_data_only_in_its_sources():
     assert DataConfig().source_configs() == {"": (DataConfig(), 1.0)}  # one source: the data section itself
 
 
+def test_on_the_command_line_one_source_and_a_mixture_replace_each_other():
+    """As data.dataset and data.train_files do: trying a mixture recipe on one local corpus, or a one-source recipe as
+    a mixture, is one flag."""
+    from hf_asyncpp.config.recipe import load_recipe
+
+    one = load_recipe(ROOT / "recipes" / "moe-10b.yaml", ["--data.train_files=[corpus/*.jsonl.zst]"]).data
+    assert (one.sources, one.train_files) == (None, ["corpus/*.jsonl.zst"])
+    mix = load_recipe(ROOT / "recipes" / "smollm2-360m.yaml",
+                      ["--data.sources=[{name: web, dataset: HuggingFaceFW/fineweb-edu}, {name: mine, train_files: [a.jsonl]}]"]).data
+    assert (mix.dataset, [s.name for s in mix.sources]) == (None, ["web", "mine"])
+    with pytest.raises(RecipeError, match="data.sources: a mixture names its data in each source; remove data.train_files"):
+        load_recipe(ROOT / "recipes" / "moe-10b.yaml", ["--data.train_files=[a.jsonl]", "--data.sources=[{name: a, dataset: d}]"])
+
+
 # ---------------------------------------------------------------------------- the draws
 
 

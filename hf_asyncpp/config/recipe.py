@@ -433,6 +433,19 @@ def _yield_to_command_line(data: dict, given: set[str]) -> None:
                     and node.get(mine) is not None and node.get(other) is not None):
                 del node[other]
                 _say_once(f"--{section}.{mine} replaces the recipe's {section}.{other} (a recipe gives one of the two)")
+    node = data.get("data")
+    if not isinstance(node, dict):
+        return
+    single = [f for f in ("dataset", "train_files") if f"data.{f}" in given and node.get(f) is not None]
+    if single and "data.sources" not in given and node.get("sources") is not None:  # one source instead of the mixture
+        del node["sources"]
+        _say_once(f"--data.{single[0]} replaces the recipe's data.sources (one source instead of the mixture)")
+    if "data.sources" in given and node.get("sources") is not None:  # a mixture instead of the recipe's one source
+        replaced = [f for f in ("dataset", "train_files", "eval_files", "eval_split")
+                    if f"data.{f}" not in given and node.pop(f, None) is not None]
+        if replaced:
+            _say_once(f"--data.sources replaces the recipe's {', '.join('data.' + f for f in replaced)} (a mixture "
+                      "names its data in each source)")
 
 
 _SAID: set[str] = set()
