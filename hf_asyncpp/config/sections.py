@@ -87,8 +87,8 @@ class DataConfig:
     eval_split: Optional[str] = None
     """Split of ``dataset`` for evaluation (None: 1 in 50 documents of the training stream, chosen by hash, are held out)."""
     train_files: Optional[list[str]] = None
-    """Local files or globs, replacing the default corpus: ``.txt``/``.md`` (a document per paragraph), ``.jsonl``/``.json``
-    or ``.parquet``, optionally compressed (``.gz``, ``.bz2``, ``.xz``, ``.zst``)."""
+    """Local files or globs, replacing the default corpus: ``.txt``/``.md`` (a document per paragraph) or ``.jsonl``/``.json``,
+    optionally compressed (``.gz``, ``.bz2``, ``.xz``, ``.zst``), or ``.parquet`` (compressed inside)."""
     eval_files: Optional[list[str]] = None
     """Local held-out files or globs."""
     text_column: str = "text"
