@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Union
 
-__all__ = ["ModelConfig", "DataConfig", "SourceConfig", "StoppingStrategy", "PipelineConfig", "TrainingConfig", "HubConfig", "EvalConfig", "SchedulerName",
-           "ALTERNATIVES", "bounds"]
+__all__ = ["ModelConfig", "DataConfig", "SourceConfig", "StoppingStrategy", "PipelineConfig", "TrainingConfig",
+           "HubConfig", "EvalConfig", "SchedulerName", "ALTERNATIVES", "bounds"]
 
 
 def bounds(lo=None, hi=None, lo_open=False):
