@@ -25,6 +25,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "tensorboard>=2.15",
+        "zstandard>=0.22",  # .zst corpora (DCLM, Dolma, RedPajama): fsspec decompresses them for datasets and the screening
         "psutil>=5.9",  # the launcher passes a second Ctrl-C on to its workers (accelerate needs it too)
     ],
     extras_require={

@@ -25,8 +25,9 @@ def main():
              "wrong types and out-of-range values are errors that name the dotted field. The resolved recipe is saved as "
              "`recipe.yaml` in `training.output_dir`. `hf-asyncpp train --help` lists the same fields with their defaults.", "",
              "Of two alternative fields (`model.config` or `model.name_or_path`, `data.dataset` or `data.train_files`), "
-             "the one given on the command line replaces the recipe file's other. Your own model folder or Hub id, "
-             "tokenizer, data files or Hub dataset: [bring your own](bring-your-own.md).",
+             "the one given on the command line replaces the recipe file's other, and so do a mixture (`data.sources`) "
+             "and one source (`data.dataset` or `data.train_files`). Your own model folder or Hub id, tokenizer, data "
+             "files, Hub dataset or a weighted mixture of them: [bring your own](bring-your-own.md).",
              "",
              "`model.config` holds the keyword arguments of the model type's own config class "
              "(`transformers.AutoConfig.for_model(model_type, ...)`), checked against that class before anything runs: "

@@ -9,6 +9,7 @@ Everything between the recipe and those library calls is the real code path.
 """
 from __future__ import annotations
 
+import gzip
 import inspect
 import json
 import re
@@ -20,6 +21,8 @@ import huggingface_hub.constants
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
+import zstandard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hf_asyncpp.cli import main
@@ -69,9 +72,13 @@ def tiny_model(folder: Path, tok, model_type: str) -> None:
     tok.save_pretrained(folder)
 
 
+def jsonl(docs: list[str], column: str = "content") -> bytes:
+    return "".join(json.dumps({"id": i, column: d}) + "\n" for i, d in enumerate(docs)).encode()
+
+
 def write_jsonl(path: Path, docs: list[str], column: str = "content") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"id": i, column: d}) + "\n" for i, d in enumerate(docs)))
+    path.write_bytes(jsonl(docs, column))
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +95,9 @@ def workspace(tmp_path_factory):
     write_jsonl(ws / "mydata" / "train-00.jsonl", docs[0::2]), write_jsonl(ws / "mydata" / "train-01.jsonl", docs[1::2])
     write_jsonl(ws / "mydata" / "valid.jsonl", sotu[:4])
     pq.write_table(pa.table({"id": list(range(len(docs))), "content": docs}), ws / "mydata" / "part-00.parquet")
+    (ws / "corpus").mkdir()  # the same documents compressed, as pretraining corpora ship
+    (ws / "corpus" / "part-00.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(docs[0::2])))
+    (ws / "corpus" / "part-01.jsonl.gz").write_bytes(gzip.compress(jsonl(docs[1::2])))
     (ws / "notes").mkdir()
     for i in range(2):
         (ws / "notes" / f"notes-{i}.txt").write_text("\n\n".join(d.replace("\n\n", "\n") for d in docs[i::2]) + "\n")
@@ -134,13 +144,16 @@ def test_the_page_shows_each_way_to_bring_your_own():
     the README and the recipe reference link the page."""
     shown = " ".join(" ".join(c) for c in COMMANDS)
     for what in ("--model.name_or_path=./", f"--model.name_or_path={HUB_MODEL}", "--model.tokenizer_name_or_path=",
-                 ".jsonl]", ".parquet]", ".txt]", "--data.eval_files=", "--data.text_column=",
+                 ".jsonl]", ".parquet]", ".txt]", ".jsonl.zst,", ".jsonl.gz]", "--data.eval_files=", "--data.text_column=",
                  f"--data.dataset={HUB_DATASET}", "--data.dataset_config="):
         assert what in shown, what
     assert [c[2] for c in COMMANDS if not c[2].startswith("recipes/")] == list(page_recipes())
     assert all(c[:2] == ["hf-asyncpp", "train"] for c in COMMANDS)
     outputs = [option(c, "training.output_dir") for c in COMMANDS if c[2].startswith("recipes/")]
     assert None not in outputs and len(set(outputs)) == len(outputs)  # the page runs top to bottom in one folder
+    mixture = yaml.safe_load(page_recipes()["my-mixture.yaml"])["data"]  # a Hub dataset and compressed files, weighted
+    assert {"dataset", "train_files", "weight"} <= {k for src in mixture["sources"] for k in src}
+    assert any(f.endswith(".zst") for src in mixture["sources"] for f in src.get("train_files", []))
     assert "(docs/bring-your-own.md)" in (ROOT / "README.md").read_text()
     assert "(bring-your-own.md)" in (ROOT / "docs" / "recipes.md").read_text()
 
@@ -161,10 +174,18 @@ def test_a_command_of_the_page_trains_what_it_says(command, workspace, hub):
         assert config["hidden_size"] == 32
     else:
         assert config["hidden_size"] == r.model.config["hidden_size"] and config["vocab_size"] == len(got)
-    if r.data.dataset:
+    hub_sources = [r.data.dataset] if r.data.dataset else [s.dataset for s in r.data.sources or [] if s.dataset]
+    if hub_sources:
         streamed = [args for function, args in hub if function == "load_dataset"]
         assert streamed and all((a["path"], a["name"], a["split"], a["streaming"]) == (HUB_DATASET, "sample-10BT", "train", True)
                                 for a in streamed)
         assert all((a["path"], a["name"]) == (HUB_DATASET, "sample-10BT") for _, a in hub)
     else:
         assert not hub
+    if r.data.sources:  # each source trained on, counted, and evaluated on its own held-out blocks
+        rows = [json.loads(x) for x in (Path(r.training.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        counts = next(x for x in rows if "data/mine/tokens" in x)
+        assert sum(counts[f"data/{s.name}/tokens"] for s in r.data.sources) == \
+            [x for x in rows if "loss" in x][-1]["num_input_tokens_seen"]
+        evals = [x for x in rows if "eval_loss" in x]
+        assert evals and all(f"eval_loss/{s.name}" in x for x in evals for s in r.data.sources)

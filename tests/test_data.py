@@ -1,8 +1,10 @@
 """Data pipeline: tokenizer, packing, formats, data-parallel sharding, bad data, resume, default corpus."""
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import logging
 import os
 import subprocess
@@ -12,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.config.sections import DataConfig, ModelConfig
-from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.errors import DataError, RecipeError
 from hf_asyncpp.data.corpus import prepare_default_corpus
-from hf_asyncpp.data.files import expand_files
-from hf_asyncpp.data.sources import is_held_out, resolve_data_files
+from hf_asyncpp.data.files import expand_files, screen_files
+from hf_asyncpp.data.sources import is_held_out, iter_documents, resolve_data_files
 from hf_asyncpp.data.stream import BlockStream, eval_blocks, next_batch
 from hf_asyncpp.data.tokenizer import load_or_train_tokenizer, train_tokenizer
 
@@ -161,6 +164,64 @@ def test_file_formats_and_globs_give_the_same_blocks(tok, tmp_path):
         next(BlockStream(cfg, tok, [str(tmp_path / "d.txt"), str(tmp_path / "d.jsonl")]))
     with pytest.raises(ValueError, match=r"data.text_column: 'text' is not a column .*\['body', 'id'\]"):
         next(BlockStream(cfg, tok, [str(tmp_path / "d.parquet")]))
+
+
+CODECS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+          ".zst": lambda b: zstandard.ZstdCompressor().compress(b)}
+"""Each compression a corpus ships in, written by its own library (the reader decompresses through fsspec)."""
+
+
+@pytest.mark.parametrize("suffix", list(CODECS))
+def test_compressed_corpora_read_as_their_plain_files(tok, tmp_path, suffix):
+    """JSON lines and text of the default corpus, compressed: the screening, the stream and the tokenizer trainer see
+    exactly the documents of the plain files."""
+    docs = [" ".join(d.split()) for d in docs_of([FIXTURE])[:8]]  # a text file's document is a paragraph
+    plain = {"jsonl": "".join(json.dumps({"text": d}) + "\n" for d in docs).encode(), "txt": ("\n\n".join(docs) + "\n").encode()}
+    expected = cut(packed(tok, docs), 32)
+    cfg = DataConfig(seq_len=32)
+    for kind, data in plain.items():
+        (tmp_path / f"d.{kind}").write_bytes(data)
+        path = tmp_path / f"d.{kind}{suffix}"
+        path.write_bytes(CODECS[suffix](data))
+        assert path.read_bytes()[:4] != data[:4]  # really compressed
+        assert screen_files([str(path)], "text") == ([str(path)], [], {})
+        assert blocks_of(BlockStream(cfg, tok, [str(path)], shuffle=False, repeat=False)) == expected, path.name
+        assert list(iter_documents([str(path)])) == list(iter_documents([str(tmp_path / f"d.{kind}")]))
+        assert train_tokenizer([str(path)], 300).get_vocab() == train_tokenizer([str(tmp_path / f"d.{kind}")], 300).get_vocab()
+    # a truncated file among good ones is skipped with its reason (zstd's reader returns what it could decode)
+    if suffix != ".zst":
+        cut_file = tmp_path / f"cut.jsonl{suffix}"
+        cut_file.write_bytes(CODECS[suffix](plain["jsonl"])[:200])
+        usable, _, skipped = screen_files([str(tmp_path / f"d.jsonl{suffix}"), str(cut_file)], "text")
+        assert usable == [str(tmp_path / f"d.jsonl{suffix}")] and f"{cut_file}: cannot be read" in skipped[str(cut_file)]
+
+
+def test_parquet_compresses_inside_and_a_compressed_parquet_is_one_error_line(tok, tmp_path):
+    """datasets reads parquet only as it is (its columns carry their own codec); a .parquet.gz is refused with the fix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = docs_of([FIXTURE])[:8]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "z.parquet", compression="zstd")
+    assert blocks_of(BlockStream(DataConfig(seq_len=32), tok, [str(tmp_path / "z.parquet")], shuffle=False,
+                                 repeat=False)) == cut(packed(tok, docs), 32)
+    (tmp_path / "z.parquet.gz").write_bytes(gzip.compress((tmp_path / "z.parquet").read_bytes()))
+    with pytest.raises(DataError, match=r"z.parquet.gz: a compressed parquet file cannot be read .*compression='zstd'"):
+        next(BlockStream(DataConfig(seq_len=32), tok, [str(tmp_path / "z.parquet.gz")]))
+
+
+def test_a_missing_codec_is_one_line_naming_its_package(tok, tmp_path, monkeypatch):
+    """Without zstandard, fsspec registers no zstd codec: the file is not judged binary, the package is named."""
+    import fsspec.utils
+
+    path = tmp_path / "corpus.jsonl.zst"
+    path.write_bytes(CODECS[".zst"](FIXTURE.read_bytes()))
+    monkeypatch.delitem(fsspec.utils.compressions, "zst")  # the registry as fsspec leaves it when zstandard is absent
+    for read in (lambda: screen_files([str(path)], "text"), lambda: next(BlockStream(DataConfig(), tok, [str(path)])),
+                 lambda: train_tokenizer([str(path)], 300)):
+        with pytest.raises(DataError) as e:
+            read()
+        assert str(e.value) == f"{path}: reading .zst files needs the zstandard package, which is not installed: pip install zstandard"
 
 
 # ---------------------------------------------------------------------------- data parallel

@@ -311,3 +311,38 @@ def test_the_launcher_gives_cuda_ranks_the_expandable_allocator_unless_the_user_
             if before is not None:
                 os.environ[key] = before
         assert child == seen, (gpus, outside, child)
+
+
+def test_a_mixture_on_two_replicas_counts_every_replica_and_resumes_bitwise(tmp_path):
+    """A mixture of a zstd and a gzip source on 2 data-parallel replicas (one stage each): the replicas draw the same
+    sources, each from its own shard, so the sources' tokens in metrics.jsonl, summed over the replicas, are
+    num_input_tokens_seen; 2 steps, stop, resume, 2 steps is bitwise the straight 4."""
+    import gzip
+
+    import zstandard
+
+    from support import FIXTURE
+
+    (tmp_path / "sotu.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(FIXTURE.read_bytes()))
+    notes = [f"Note {i}: the river rose over the lower fields and the harvest came in late." for i in range(300)]
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(("\n\n".join(notes) + "\n").encode()))
+    sources = [{"name": "sotu", "train_files": [str(tmp_path / "sotu.jsonl.zst")], "weight": 3},
+               {"name": "notes", "train_files": [str(tmp_path / "notes.txt.gz")], "weight": 1}]
+    flags = ("--pipeline.schedule=none", "--pipeline.num_stages=1", "--optimizer.delay_correction=none",
+             "--data.train_files=null", "--data.eval_files=null", f"--data.sources={json.dumps(sources)}",
+             "--training.max_steps=4", "--training.save_steps=2", "--training.eval_steps=2", *EXACT)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, log = launch(write_recipe(tmp_path / "a.yaml", straight), *flags)
+    assert rc == 0, log[-3000:]
+    rc, log = launch(write_recipe(tmp_path / "b.yaml", split, stop_after_steps=2), *flags)
+    assert rc == 0, log[-3000:]
+    rc, log = launch(tmp_path / "b.yaml", *flags, "--training.resume_from_checkpoint=latest", "--training.stop_after_steps=null")
+    assert rc == 0, log[-3000:]
+    assert len(losses(straight)) == 4 and losses(split) == losses(straight)
+    rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["num_input_tokens_seen"] for r in rows if "loss" in r}
+    counts = {r["step"]: r for r in rows if "data/sotu/tokens" in r}
+    assert sorted(counts) == [2, 4] and all(c["data/sotu/tokens"] + c["data/notes/tokens"] == seen[s]
+                                            for s, c in counts.items())
+    assert [r for r in map(json.loads, (split / "metrics.jsonl").read_text().splitlines()) if "data/sotu/tokens" in r] \
+        == [counts[2], counts[4]]

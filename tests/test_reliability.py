@@ -334,3 +334,31 @@ def test_every_hub_token_form_is_scrubbed(token, monkeypatch):
     assert token not in _scrub(text) and "hf_asyncpp docs" in _scrub(text)
     monkeypatch.setenv("HF_TOKEN", "x-odd-shaped-token-9")  # a form no pattern knows: the value itself is scrubbed
     assert "x-odd-shaped-token-9" not in _scrub("failed with x-odd-shaped-token-9")
+
+
+def test_a_missing_codec_a_compressed_parquet_and_a_bad_source_are_one_line_each(tmp_path, monkeypatch, capsys):
+    """The data mistakes of compressed corpora and mixtures, through the command: one error line each, naming the
+    file or the source's field and the fix, before anything is written."""
+    import fsspec.utils
+    import zstandard
+
+    zst = tmp_path / "corpus.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(FIXTURE.read_bytes()))
+    (tmp_path / "corpus.parquet.gz").write_bytes(b"\x1f\x8b" + b"\x00" * 64)
+    cases = [({"data__train_files": [str(zst)]}, f"{zst}: reading .zst files needs the zstandard package, which is not "
+                                                 "installed: pip install zstandard"),
+             ({"data__train_files": [str(tmp_path / "corpus.parquet.gz")]}, "corpus.parquet.gz: a compressed parquet file "
+                                                                             "cannot be read"),
+             ({"data__train_files": None, "data__eval_files": None, "data__sources": [
+                 {"name": "web", "train_files": [str(FIXTURE)]}, {"name": "web", "train_files": [str(zst)], "weight": 2}]},
+              "data.sources[1].name: 'web' is also the name of data.sources[0]; give each source its own name"),
+             ({"data__train_files": None, "data__eval_files": None, "data__sources": [
+                 {"name": "web", "train_files": [str(FIXTURE)], "weight": 0}]},
+              "data.sources[0].weight: 0.0 is out of range; allowed: > 0.0")]
+    monkeypatch.delitem(fsspec.utils.compressions, "zst")  # as fsspec is without the zstandard package
+    for i, (overrides, expected) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        code, err = run_main(capsys, recipe_file(tmp_path, out, **overrides))
+        [line] = error_lines(err)
+        assert code != 0 and expected in line, (line, expected)
+        assert not (out / "metrics.jsonl").exists()

@@ -463,3 +463,48 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     assert [p.name for _, p in list_checkpoints(tmp_path)] == [checkpoint_name(3), checkpoint_name(9)]
     prune(tmp_path, 1, keep=tmp_path / checkpoint_name(3))
     assert [p.name for _, p in list_checkpoints(tmp_path)] == [checkpoint_name(3)]
+
+
+def test_a_mixture_trains_reports_each_source_and_resumes_bitwise(tmp_path):
+    """Two sources (the fixture corpus as zstd JSON lines, notes as gzip text), weights 3:1: the run trains on both,
+    metrics.jsonl has each source's tokens at every drain point (summing to num_input_tokens_seen) and an
+    eval_loss/<source> per evaluation, the final report both; and 3 steps, stop, resume, 3 steps is bitwise the
+    straight run (every source's position, the draws, RNG and optimizer restored)."""
+    import gzip
+
+    import zstandard
+
+    from hf_asyncpp.run.trainer import train
+
+    fixture = ROOT / "tests" / "fixtures" / "sotu_slice.jsonl"
+    (tmp_path / "sotu.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(fixture.read_bytes()))
+    notes = [f"Note {i}: the river rose over the lower fields and the harvest came in late." for i in range(300)]
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(("\n\n".join(notes) + "\n").encode()))
+    data = {"seq_len": 32, "shuffle_buffer": 50, "eval_blocks": 4, "sources": [
+        {"name": "sotu", "train_files": [str(tmp_path / "sotu.jsonl.zst")], "weight": 3},
+        {"name": "notes", "train_files": [str(tmp_path / "notes.txt.gz")], "weight": 1}]}
+    mixed = lambda out, **kw: recipe_from_dict({**tiny(out, training__eval_steps=3, **kw), "data": data})  # noqa: E731
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(mixed(straight, training__export=True))
+    train(mixed(split, training__stop_after_steps=3))
+    train(mixed(split, training__resume_from_checkpoint="latest"))
+    a, b = losses(straight), losses(split)
+    assert len(a) == 6 and a == b
+    for k, v in weights(straight, 6).items():
+        assert torch.equal(v, weights(split, 6)[k]), k
+    rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["num_input_tokens_seen"] for r in rows if "loss" in r}
+    counts = {r["step"]: r for r in rows if "data/sotu/tokens" in r}
+    assert sorted(counts) == [3, 6]
+    for step, r in counts.items():
+        assert r["data/sotu/tokens"] + r["data/notes/tokens"] == seen[step]
+        assert r["data/sotu/tokens"] > 0 and r["data/notes/tokens"] > 0 and r["data/sotu/documents"] > 0
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6] and all({"eval_loss/sotu", "eval_loss/notes"} <= set(r) for r in evals)
+    for r in evals:  # the pooled loss lies between the sources'
+        assert min(r["eval_loss/sotu"], r["eval_loss/notes"]) <= r["eval_loss"] <= max(r["eval_loss/sotu"], r["eval_loss/notes"])
+    report = json.loads((straight / "final_eval.json").read_text())["data_sources"]
+    assert report == {**{k: v for k, v in counts[6].items() if k.startswith("data/")},
+                      "eval_loss/sotu": evals[-1]["eval_loss/sotu"], "eval_loss/notes": evals[-1]["eval_loss/notes"]}
+    assert [r for r in (json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()) if "data/sotu/tokens" in r] \
+        == [counts[3], counts[6]]  # the resumed run's counters continue

@@ -12,6 +12,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ def _type_name(tp) -> str:
         inner = " or ".join(_type_name(a) for a in args)
         return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        inner = typing.get_args(tp)[0]
+        return "a list of mappings" if dataclasses.is_dataclass(inner) else f"a list of {_type_name(inner)}"
     if origin is dict or tp is dict:
         return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
@@ -94,6 +96,9 @@ def _convert(value: Any, tp, where: str):
                 return _convert(value, a, where)
             except RecipeError as e:
                 errors.append(e)
+        deeper = [e for e in errors if str(e).startswith((f"{where}[", f"{where}."))]
+        if deeper:  # the value had the right shape; one of its own fields is wrong (data.sources[1].weight)
+            raise deeper[0]
         raise RecipeError(f"{where}: expected {_type_name(tp)}, got {_got(value)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -268,7 +273,39 @@ def _cross_checks(r: Recipe) -> None:
     if r.data.train_files is not None and r.data.dataset is not None:
         raise RecipeError("data: give data.train_files or data.dataset, not both: remove one (--data.dataset=null "
                           "removes the recipe's)")
+    if r.data.sources is not None:
+        _check_sources(r.data)
     _check_encoding(r.data.encoding)
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_sources(d: DataConfig) -> None:
+    """A mixture's sources, each named by its index and field: a name of its own, one place to read from."""
+    if not d.sources:
+        raise RecipeError("data.sources: an empty list; give at least one source, or remove data.sources")
+    given = [f"data.{f}" for f in ("dataset", "train_files", "eval_files", "eval_split") if getattr(d, f) is not None]
+    if given:
+        raise RecipeError(f"data.sources: a mixture names its data in each source; remove {', '.join(given)} (or "
+                          "data.sources)")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.sources):
+        where = f"data.sources[{i}]"
+        if s.name is None:
+            raise RecipeError(f"{where}.name: missing; each source needs a name (for metrics.jsonl, e.g. 'web')")
+        if not _SOURCE_NAME.fullmatch(s.name):
+            raise RecipeError(f"{where}.name: {s.name!r}; use letters, digits, '_', '-' and '.' only")
+        if s.name in seen:
+            raise RecipeError(f"{where}.name: {s.name!r} is also the name of data.sources[{seen[s.name]}]; give each "
+                              "source its own name")
+        seen[s.name] = i
+        if (s.dataset is None) == (s.train_files is None):
+            raise RecipeError(f"{where}: give exactly one of dataset or train_files"
+                              + ("; both are set" if s.dataset is not None else ""))
+        if s.dataset_config is not None and s.dataset is None:
+            raise RecipeError(f"{where}.dataset_config: {s.dataset_config!r} is a config of a dataset; this source "
+                              "reads train_files")
 
 
 _ASCII = bytes(range(128))
@@ -409,6 +446,19 @@ def _yield_to_command_line(data: dict, given: set[str]) -> None:
                     and node.get(mine) is not None and node.get(other) is not None):
                 del node[other]
                 _say_once(f"--{section}.{mine} replaces the recipe's {section}.{other} (a recipe gives one of the two)")
+    node = data.get("data")
+    if not isinstance(node, dict):
+        return
+    single = [f for f in ("dataset", "train_files") if f"data.{f}" in given and node.get(f) is not None]
+    if single and "data.sources" not in given and node.get("sources") is not None:  # one source instead of the mixture
+        del node["sources"]
+        _say_once(f"--data.{single[0]} replaces the recipe's data.sources (one source instead of the mixture)")
+    if "data.sources" in given and node.get("sources") is not None:  # a mixture instead of the recipe's one source
+        replaced = [f for f in ("dataset", "train_files", "eval_files", "eval_split")
+                    if f"data.{f}" not in given and node.pop(f, None) is not None]
+        if replaced:
+            _say_once(f"--data.sources replaces the recipe's {', '.join('data.' + f for f in replaced)} (a mixture "
+                      "names its data in each source)")
 
 
 _SAID: set[str] = set()

@@ -8,11 +8,11 @@ a model from a config or a checkpoint, data from a dataset or files), which the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Union
 
-__all__ = ["ModelConfig", "DataConfig", "PipelineConfig", "TrainingConfig", "HubConfig", "EvalConfig", "SchedulerName",
-           "ALTERNATIVES", "bounds"]
+__all__ = ["ModelConfig", "DataConfig", "SourceConfig", "StoppingStrategy", "PipelineConfig", "TrainingConfig",
+           "HubConfig", "EvalConfig", "SchedulerName", "ALTERNATIVES", "bounds"]
 
 
 def bounds(lo=None, hi=None, lo_open=False):
@@ -44,6 +44,37 @@ class ModelConfig:
     """``sdpa``, ``eager``, ... (None: the model's default)."""
 
 
+StoppingStrategy = Literal["all_exhausted", "first_exhausted", "all_exhausted_without_replacement"]
+"""When a mixture's epoch ends, under ``datasets.interleave_datasets``' names (``data/mixture.py``)."""
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One source of a weighted mixture (``data.sources``): a Hub dataset, builder or folder, or local files, with its
+    own column, config, splits and weight. The other data fields (``seq_len``, ``encoding``, ``shuffle_buffer``,
+    ``min_document_tokens``, ``eval_blocks``) are the mixture's."""
+
+    name: Optional[str] = None
+    """The source's name in ``metrics.jsonl`` (``eval_loss/<name>``, ``data/<name>/tokens``): letters, digits, ``_``,
+    ``-``, ``.``; required, one per source."""
+    weight: float = field(default=1.0, metadata=bounds(lo=0.0, lo_open=True))
+    """The source's share of the training tokens, relative to the others' weights (normalised to sum to 1)."""
+    dataset: Optional[str] = None
+    """Hub id, builder name or dataset folder, streamed; give this or ``train_files``."""
+    dataset_config: Optional[str] = None
+    """Builder config name for ``dataset``."""
+    train_split: str = "train"
+    """Split of ``dataset`` to train on."""
+    eval_split: Optional[str] = None
+    """Split of ``dataset`` for the source's ``eval_loss/<name>`` (None: 1 in 50 of its documents held out by hash)."""
+    train_files: Optional[list[str]] = None
+    """Local files or globs, of one kind (as ``data.train_files``), optionally compressed."""
+    eval_files: Optional[list[str]] = None
+    """Local held-out files or globs of this source."""
+    text_column: Optional[str] = None
+    """Column holding the text (None: ``data.text_column``)."""
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     dataset: Optional[str] = None
@@ -56,8 +87,8 @@ class DataConfig:
     eval_split: Optional[str] = None
     """Split of ``dataset`` for evaluation (None: 1 in 50 documents of the training stream, chosen by hash, are held out)."""
     train_files: Optional[list[str]] = None
-    """Local files or globs, replacing the default corpus: ``.txt``/``.md`` (a document per paragraph), ``.jsonl``/``.json``
-    or ``.parquet``, optionally compressed (``.gz``, ``.bz2``, ``.xz``, ``.zst``)."""
+    """Local files or globs, replacing the default corpus: ``.txt``/``.md`` (a document per paragraph) or ``.jsonl``/``.json``,
+    optionally compressed (``.gz``, ``.bz2``, ``.xz``, ``.zst``), or ``.parquet`` (compressed inside)."""
     eval_files: Optional[list[str]] = None
     """Local held-out files or globs."""
     text_column: str = "text"
@@ -80,6 +111,30 @@ class DataConfig:
     each epoch. 0: none is; short documents are packed together (as transformers' ``run_clm``); null: ``seq_len``."""
     data_dir: str = "data/sotu"
     """Where the default corpus (State of the Union addresses) is prepared."""
+    sources: Optional[list[SourceConfig]] = None
+    """A weighted mixture instead of one source: a list of ``{name, weight, dataset, dataset_config, train_split,
+    eval_split, train_files, eval_files, text_column}`` (each source ``dataset`` or ``train_files``; replaces
+    ``data.dataset``/``train_files``/``eval_files``). Each training block is one source's documents, the source drawn
+    by weight with a generator seeded by ``training.seed``, so each source's share of the tokens is its weight;
+    every source's position resumes exactly; ``metrics.jsonl`` gets ``data/<name>/documents`` and ``tokens`` and an
+    ``eval_loss/<name>`` per source (its own ``eval_blocks`` held-out blocks)."""
+    stopping_strategy: StoppingStrategy = "all_exhausted"
+    """A mixture's epoch, named as ``datasets.interleave_datasets``: ``all_exhausted`` (a source that runs out starts
+    its next epoch, reshuffled, until every source has run out once: the weights hold throughout); ``first_exhausted``
+    (the epoch ends when the first source runs out); ``all_exhausted_without_replacement`` (a source that runs out
+    leaves the draws until every source has: the others' weights grow). A source that runs out goes on with its next
+    epoch, the others where they are: no document is dropped at an epoch's end."""
+
+    def source_configs(self) -> dict[str, tuple["DataConfig", float]]:
+        """name -> (the data section one source streams with, its normalised weight); a single source is ``{"": (self,
+        1.0)}``."""
+        if not self.sources:
+            return {"": (self, 1.0)}
+        total = sum(s.weight for s in self.sources)
+        return {s.name: (replace(
+            self, dataset=s.dataset, dataset_config=s.dataset_config, train_split=s.train_split, eval_split=s.eval_split,
+            train_files=s.train_files, eval_files=s.eval_files, text_column=s.text_column or self.text_column,
+            sources=None), s.weight / total) for s in self.sources}
 
 
 SchedulerName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

@@ -11,24 +11,32 @@ read, not skipped: its invalid bytes become U+FFFD and the stream counts them. S
 for one accented letter; reading it silently would hide why the model sees replacement characters. So the file is
 named once per process, with its first invalid byte and the fix (``data.encoding``).
 
+Compressed files (``.gz``, ``.bz2``, ``.xz``, ``.zst``) are opened here exactly as ``datasets`` opens them to read
+them: ``fsspec.open(path, compression="infer")``, so the probe sees the decompressed bytes the reader will. ``.zst``
+needs the ``zstandard`` package (a dependency); where a codec is missing, the screening says which package
+to install, in one line, instead of the file being judged binary (:func:`check_compression`).
+
 A user's data mistake is a :class:`DataError` (one ``error:`` line from the trainer, no traceback).
 """
 from __future__ import annotations
 
-import bz2
 import codecs
 import glob
-import gzip
+import io
 import json
 import logging
-import lzma
 import os
 from pathlib import Path
+
+import fsspec
+from fsspec.utils import infer_compression
+
 from ..errors import DataError, DataFileNotFound
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
-_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+CODEC_PACKAGES = {".zst": "zstandard"}
+"""The compressions whose codec is a package of its own (the others are in Python's standard library)."""
 PROBE_BYTES = 1 << 16
 _FIRST_LINE_LIMIT = 1 << 26  # a first JSON line longer than this is not judged here
 _NOT_TEXT_SHARE = 0.25  # more undecodable characters than this in the probe: the file is not text in its encoding
@@ -51,7 +59,10 @@ def expand_files(patterns: list[str], field: str) -> list[str]:
 
 
 def builder(files: list[str]) -> str:
-    """The datasets builder of the files (``text``, ``json`` or ``parquet``); they must all be of one kind."""
+    """The datasets builder of the files (``text``, ``json`` or ``parquet``); they must all be of one kind. A parquet
+    file compresses inside (its columns' codec), and ``datasets`` cannot read one compressed again as a whole."""
+    for f in files:
+        check_compression(f)
     kinds = {kind_of(f) for f in files}
     if None in kinds or len(kinds) != 1:
         raise DataError(f"data files must all be of one kind: text ({', '.join(k for k, v in BUILDERS.items() if v == 'text')}), "
@@ -67,11 +78,26 @@ def kind_of(path: str) -> str | None:
     return BUILDERS.get(Path(name).suffix)
 
 
-def _open(path: str):
-    for suffix, opener in _OPENERS.items():
-        if path.lower().endswith(suffix):
-            return opener(path, "rb")
-    return open(path, "rb")
+def check_compression(path: str) -> None:
+    """A compressed file that ``datasets`` cannot read, whatever its bytes: a parquet file (compressed inside, read only
+    as it is), or one whose codec fsspec cannot load; one line naming the fix (the package to install)."""
+    suffix = next((c for c in COMPRESSION if path.lower().endswith(c)), None)
+    if suffix is not None and kind_of(path) == "parquet":
+        raise DataError(f"{path}: a compressed parquet file cannot be read (datasets reads parquet only as it is); "
+                        "decompress it, or write the table with its own codec: pyarrow.parquet.write_table(..., "
+                        "compression='zstd')")
+    if suffix is not None and infer_compression(path) is None:
+        package = CODEC_PACKAGES.get(suffix, suffix.lstrip("."))
+        raise DataError(f"{path}: reading {suffix} files needs the {package} package, which is not installed: "
+                        f"pip install {package}")
+
+
+def open_data_file(path: str):
+    """The file's decompressed bytes, opened as ``datasets`` opens it (fsspec, compression inferred from the name),
+    buffered: zstandard's reader has no ``readline``."""
+    check_compression(path)
+    f = fsspec.open(path, mode="rb", compression="infer").open()
+    return f if infer_compression(path) is None else io.BufferedReader(f)
 
 
 def _first_invalid(chunk: bytes, encoding: str, whole: bool) -> int | None:
@@ -138,12 +164,13 @@ def _examine(path: str, text_column: str, encoding: str) -> tuple[str | None, st
     """(problem, note): why ``path`` cannot be used (None: it looks usable), and, for a usable file whose probe is not
     valid in ``encoding``, the warning that names it."""
     kind = kind_of(path)
+    check_compression(path)
     try:
         if kind == "parquet":
             with open(path, "rb"):
                 pass
             return _parquet_problem(path, text_column), None
-        with _open(path) as f:
+        with open_data_file(path) as f:
             chunk = f.read(PROBE_BYTES)
             if not chunk:
                 return None, None
@@ -156,10 +183,10 @@ def _examine(path: str, text_column: str, encoding: str) -> tuple[str | None, st
                 f"{path}: not valid {name} (first invalid byte {chunk[bad]:#04x} at offset {bad}); its invalid bytes are "
                 "read as U+FFFD" + ("; if the file is Latin-1 or cp1252 text set data.encoding: latin-1 or cp1252"
                                     if name == "UTF-8" else ""))
-            if kind == "json":
-                f.seek(0)
+        if kind == "json":
+            with open_data_file(path) as f:  # opened again: a zstd stream cannot seek back
                 return _json_problem(path, f, text_column, encoding), note
-            return None, note
+        return None, note
     except OSError as e:
         return f"{path}: cannot be read ({e.strerror or e})", None
     except EOFError as e:  # a truncated compressed file

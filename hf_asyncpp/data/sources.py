@@ -4,7 +4,7 @@
   extension (``.txt``/``.text``/``.md`` -> ``text``, one document per paragraph,
   i.e. per run of lines between blank lines; ``.jsonl``/``.json`` -> ``json``;
   ``.parquet`` -> ``parquet``; ``.gz``/``.bz2``/``.xz``/``.zst`` compression is
-  allowed on top);
+  allowed on top of text and JSON lines, read through fsspec as ``datasets`` reads it);
 * a Hub id, builder name or dataset folder (``data.dataset``, ``dataset_config``,
   ``train_split``); evaluation reads ``eval_split`` or, when there is none, the
   documents held out of the training stream by a hash of their text (1 in 50,

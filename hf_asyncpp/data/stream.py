@@ -183,10 +183,15 @@ class BlockStream:
                 self._end_of_epoch()
                 if not self.repeat:
                     raise
-                self.epoch, self.blocks, self._pos, self._skip_blocks, self._it = self.epoch + 1, 0, (0, 0), 0, None
+                self.next_epoch()
                 continue
             self.blocks += 1
             return block
+
+    def next_epoch(self) -> None:
+        """Start the next epoch (reshuffled) at its first block: what ``repeat`` does when an epoch ends; a mixture
+        calls it for a source that ran out (:mod:`hf_asyncpp.data.mixture`)."""
+        self.epoch, self.blocks, self._pos, self._skip_blocks, self._it = self.epoch + 1, 0, (0, 0), 0, None
 
     def _split_name(self) -> str:
         return (self.cfg.eval_split or "") if self.split == "eval" else self.cfg.train_split

@@ -8,11 +8,13 @@ with ``save_pretrained``, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Union
 
 from ..config.sections import ModelConfig
 from ..errors import DataError, RecipeError
@@ -36,12 +38,21 @@ def _capped(texts, max_chars: int | None, seen: list[int]):
             return
 
 
-def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text", *, encoding: str = "utf-8",
+Corpus = Union[list[str], list[tuple[list[str], str]]]
+"""Local files of one source (read with one ``text_column``), or a mixture's: ``(files, text_column)`` per source."""
+
+
+def _groups(files: Corpus, text_column: str) -> list[tuple[list[str], str]]:
+    return list(files) if files and isinstance(files[0], tuple) else [(list(files or []), text_column)]
+
+
+def train_tokenizer(files: Corpus, vocab_size: int, text_column: str = "text", *, encoding: str = "utf-8",
                     max_train_chars: int | None = 1_000_000_000):
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) on local files.
 
     Args:
-        files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data.stream` for how documents are read).
+        files: text/jsonl/parquet files (see :mod:`hf_asyncpp.data.stream` for how documents are read), or a
+            mixture's local sources as ``(files, text_column)`` pairs, read one source after the other.
         vocab_size: final vocabulary size; smaller when the corpus has too few distinct pairs.
         text_column: document column of jsonl/parquet files.
         encoding: text encoding of text/jsonl files (``data.encoding``); invalid bytes are read as U+FFFD,
@@ -62,9 +73,12 @@ def train_tokenizer(files: list[str], vocab_size: int, text_column: str = "text"
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     seen = [0]
-    tok.train_from_iterator(_capped(iter_documents(files, text_column, encoding), max_train_chars, seen), trainer=trainer)
+    groups = _groups(files, text_column)
+    documents = itertools.chain.from_iterable(iter_documents(f, column, encoding) for f, column in groups)
+    tok.train_from_iterator(_capped(documents, max_train_chars, seen), trainer=trainer)
     if not seen[0]:
-        raise DataError(f"no text to train a tokenizer on in {files[:5]} (data.text_column={text_column!r})")
+        raise DataError(f"no text to train a tokenizer on in {[f for g, _ in groups for f in g][:5]} "
+                        f"(data.text_column={', '.join(repr(c) for _, c in groups)})")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
 
 
@@ -118,14 +132,15 @@ def adopt_tokenizer(path: Path, out_dir) -> None:
     _save_atomic(None, out, copy_from=Path(path))
 
 
-def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | None, text_column: str, out_dir, *,
+def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: Corpus | None, text_column: str, out_dir, *,
                             encoding: str = "utf-8"):
     """The recipe's tokenizer, or one trained on ``train_files`` and saved to ``out_dir``.
 
     Order: ``model_cfg.tokenizer_name_or_path`` (path or Hub id), else the tokenizer of
     ``model_cfg.name_or_path``, else a tokenizer already saved in ``out_dir`` (idempotent: a
     second call, or a resumed run, reuses it whatever ``vocab_size`` says), else a new byte-level
-    BPE of ``model_cfg.vocab_size`` trained on ``train_files`` (decoded with ``encoding``, ``data.encoding``)
+    BPE of ``model_cfg.vocab_size`` trained on ``train_files`` (decoded with ``encoding``, ``data.encoding``; a
+    mixture's local sources, :data:`Corpus`)
     and saved to ``out_dir``.
     A tokenizer without a pad token gets its eos token as pad.
 
@@ -151,7 +166,8 @@ def load_or_train_tokenizer(model_cfg: ModelConfig, train_files: list[str] | Non
         t0 = time.perf_counter()
         tok = train_tokenizer(train_files, model_cfg.vocab_size, text_column, encoding=encoding)
         _save_atomic(tok, out)
-        log.info("trained a %d-token byte-level BPE on %d files in %.1fs; saved to %s", len(tok), len(train_files),
+        n_files = sum(len(f) for f, _ in _groups(train_files, text_column))
+        log.info("trained a %d-token byte-level BPE on %d files in %.1fs; saved to %s", len(tok), n_files,
                  time.perf_counter() - t0, out)
         source = str(out)
     if tok.eos_token_id is None:

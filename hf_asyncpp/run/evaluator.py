@@ -48,15 +48,24 @@ class Evaluator:
     gathers are collective); only the main process records."""
 
     def __init__(self, out: Path, recipe, engine, tokenizer, accelerator, runlog: RunLog, held_out: torch.Tensor,
-                 pusher: Pusher | None = None):
+                 pusher: Pusher | None = None, held_parts: dict[str, slice] | None = None):
         self.out, self.recipe, self.engine, self.tokenizer = Path(out), recipe, engine, tokenizer
         self.accelerator, self.runlog, self.held_out, self.pusher = accelerator, runlog, held_out, pusher
+        self.held_parts = held_parts  # a mixture's sources: their rows of held_out
+        self.data_sources: dict[str, int] | None = None  # a mixture's documents and tokens per source, at the end
 
     def perplexity(self, step: int) -> dict:
         """Held-out loss and perplexity of the newest weights, through the engine, recorded (``eval_loss``,
-        ``eval_ppl``, ``eval_tokens``); the shipped ``evaluate`` metric computes them."""
-        nll, n = self.engine.eval_nll(self.held_out, self.recipe.pipeline.microbatch_size)  # forward-only, through the stages
-        return self.runlog.eval(step, nll, n, perplexity_from_sums([nll], [n]))
+        ``eval_ppl``, ``eval_tokens``; for a mixture also ``eval_loss/<source>``, and ``eval_loss`` over all its
+        sources' held-out tokens); the shipped ``evaluate`` metric computes them."""
+        mbs = self.recipe.pipeline.microbatch_size
+        if not self.held_parts:
+            nll, n = self.engine.eval_nll(self.held_out, mbs)  # forward-only, through the stages
+            return self.runlog.eval(step, nll, n, perplexity_from_sums([nll], [n]))
+        sums = {name: self.engine.eval_nll(self.held_out[rows], mbs) for name, rows in self.held_parts.items()}
+        per_source = {f"eval_loss/{name}": perplexity_from_sums([nll], [n])["eval_loss"] for name, (nll, n) in sums.items()}
+        nlls, counts = zip(*sums.values())
+        return self.runlog.eval(step, sum(nlls), sum(counts), perplexity_from_sums(nlls, counts), per_source)
 
     def at_step(self, step: int) -> dict:
         """An evaluation point during training: :meth:`perplexity`, then :meth:`tasks`. Returns the perplexity record."""
@@ -127,6 +136,9 @@ class Evaluator:
             reloaded = evaluate_model_dir(export_dir, self.held_out, bf16=self.recipe.training.bf16)
         result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
                   "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+        if self.data_sources is not None:  # a mixture: what each source gave, and its held-out loss at the end
+            last = evals[-1] if evals else {}
+            result["data_sources"] = {**self.data_sources, **{k: v for k, v in last.items() if k.startswith("eval_loss/")}}
         if ev.tasks:
             if staged is not None:
                 res = {**staged, **({"perplexity": reloaded} if "perplexity" in ev.tasks else {})}

