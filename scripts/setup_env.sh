@@ -4,7 +4,7 @@
 #
 # Every install is constrained by constraints.txt: the exact versions the test suite
 # last passed with, so a library release made after that cannot change what a fresh
-# machine tests or trains with. setup.py keeps open ranges for users.
+# machine tests or trains with. setup.py's ranges start at tested versions.
 # HF_ASYNCPP_LATEST=1 (scripts/test.sh --latest): the newest releases instead, no
 # constraints, in their own .venv-latest, upgraded on every run; torch stays at
 # constraints.txt's version (the newest torch from the index is a CUDA build). When that passes,
