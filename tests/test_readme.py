@@ -19,7 +19,9 @@ from hf_asyncpp.config.recipe import load_recipe
 from hf_asyncpp.storage.names import checkpoint_name
 from support import FIXTURE, ROOT, TASK_FILES
 
-MAIN_JOB = ["accelerate", "launch", "scripts/pretrain.py", "recipes/cpu-tiny.yaml"]  # scripts/train.sh's last line
+MAIN_JOB = shlex.split(next(line for line in (ROOT / "scripts" / "train.sh").read_text().splitlines()
+                            if line.startswith("exec ")))[1:-1]
+"""scripts/train.sh's launch, as it runs it (less its ``exec`` and ``"$@"``)."""
 STEPS = 4
 TRAINING_CAPS = [f"--training.max_steps={STEPS}", f"--training.save_steps={STEPS}", "--training.eval_steps=2",
                  "--data.eval_blocks=4", f"--data.train_files={FIXTURE}"]
@@ -76,6 +78,7 @@ def test_the_readme_sequence_runs_as_written_after_the_main_job(tmp_path):
     before = checkout_status()
     out = {"main job": run([*MAIN_JOB, *TRAINING_CAPS], tmp_path, env)}
     assert (tmp_path / "runs" / "cpu-tiny" / checkpoint_name(STEPS)).is_dir()
+    assert MAIN_JOB[:2] == ["accelerate", "launch"] and "recipes/cpu-tiny.yaml" in MAIN_JOB
     for cmd in commands:
         out[" ".join(cmd[:3])] = run(capped(cmd), tmp_path, env)
     for folder in ("runs/a/export", "runs/b/export", "runs/c/export", "out"):
@@ -84,10 +87,12 @@ def test_the_readme_sequence_runs_as_written_after_the_main_job(tmp_path):
     assert any(tmp_path.glob("eval-*/eval_results.png"))  # the side-by-side chart, in a new folder where it ran
     assert (tmp_path / "moe-10b-8stages.png").is_file() and (tmp_path / "2bw.png").is_file()
     assert (tmp_path / "runs" / "compare-cpu-tiny" / "compare.json").is_file()
-    a = tmp_path / "runs" / "a"  # accelerate launch without a config: one process that started the 2 stages
+    a = tmp_path / "runs" / "a"  # accelerate's one process, which started the 2 stages
     assert {p.name for p in (a / checkpoint_name(STEPS)).iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
     assert (a / "export" / "model.safetensors.index.json").is_file()  # one shard per stage
     assert checkout_status() == before  # every tool wrote where it ran, nothing into the checkout
+    noisy = [name for name, text in out.items() if "had defaults used instead" in text]
+    assert noisy == [], f"accelerate warns about the defaults it used: {noisy}"
 
 
 def checkout_status() -> str:
