@@ -112,6 +112,24 @@ def test_resume_latest_with_nothing_to_resume_is_one_line_unless_a_restart(tmp_p
     assert train_steps(out) == [1, 2] and not list(out.glob(".tmp-checkpoint-*"))
 
 
+def test_a_wrong_checkpoint_path_says_what_it_is_and_lists_the_run_s_checkpoints(tmp_path, capsys):
+    """A checkpoint's file given as the resume path was called "not a complete checkpoint (no manifest.json)" with an
+    empty list, and ``export`` of a step never saved did not list the steps that were."""
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, training__max_steps=2, training__save_steps=1)
+    assert run_main(capsys, recipe)[0] == 0
+    for given, what in ((out / "checkpoint-0000002" / "manifest.json", "a file, not a checkpoint folder"),
+                        (out / "checkpoint-0000500", "no such folder")):
+        code, err = run_main(capsys, recipe, f"--training.resume_from_checkpoint={given}")
+        assert code == 5 and error_lines(err) == [
+            f"error: MissingCheckpoint: training.resume_from_checkpoint: '{given}' is {what}; the complete checkpoints "
+            f"in {out} are checkpoint-0000001, checkpoint-0000002"], err
+        code, err = export(capsys, given, tmp_path / "hf")
+        assert code == 1 and error_lines(err) == [
+            f"error: {given}: {what}; the complete checkpoints in {out} are checkpoint-0000001, checkpoint-0000002"], err
+    assert not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------------------- recipe checks
 
 
@@ -187,7 +205,7 @@ def test_a_pretrained_model_refuses_a_tokenizer_that_is_not_its_own(tmp_path, ca
         f"model.name_or_path '{tmp_path / 'my-model'}' was trained with (320 tokens, other ids): its 320 embeddings "
         "would mean other tokens; drop model.tokenizer_name_or_path to use the model's own, or train model.config "
         "from random init for a new vocabulary"], err
-    assert list(out.iterdir()) == []  # made, as training would, and nothing in it
+    assert not out.exists()  # made, as training would, and removed again: the start failed with nothing in it
     from hf_asyncpp.config.recipe import load_recipe
     from hf_asyncpp.run.preflight import check_model
 
@@ -203,6 +221,66 @@ def test_hub_model_id_is_checked_without_the_network(tmp_path, capsys):
     [line] = error_lines(err)
     assert code == 2 and line.startswith("error: hub.hub_model_id: Repo id must use alphanumeric chars") \
         and line.endswith("'not a valid id!!'. Write it as user/name"), err
+
+
+def test_a_hub_out_of_reach_is_asked_once_then_the_cache_is_used_or_one_line_says_how(tmp_path, capsys, monkeypatch):
+    """Without HF_HUB_OFFLINE on a machine that cannot reach the Hub, each load retried five times with backoff (11
+    retry lines and 38 s for one model id) before an error that did not name the way out. Now one request finds the
+    Hub out of reach (here an endpoint nothing listens on): a model in the cache is read from it and the run goes
+    offline (for the ranks too: the environment); one that is not gets one line with the fix, and no folder is left."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.config.recipe import load_recipe
+    from hf_asyncpp.run import offline
+    from hf_asyncpp.run.preflight import check_model
+
+    cache = tmp_path / "hub-cache"
+    snapshot = cache / "models--someone--tiny" / "snapshots" / ("0" * 40)  # huggingface_hub's cache layout
+    torch.manual_seed(0)
+    tok = train_tokenizer([str(FIXTURE)], 320)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **DIMS, num_hidden_layers=2,
+                                                          vocab_size=len(tok))).save_pretrained(snapshot)
+    tok.save_pretrained(snapshot)
+    (cache / "models--someone--tiny" / "refs").mkdir()
+    (cache / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(offline, "_said", [])
+    offline.hub_unreachable.cache_clear()
+    out = tmp_path / "run"
+    recipe = recipe_file(tmp_path, out, model__config=None, model__name_or_path="someone/other")
+    code, err = run_main(capsys, recipe)
+    assert code == 2 and error_lines(err) == [
+        "error: model.name_or_path: 'someone/other': the Hub (http://127.0.0.1:9) cannot be reached (ConnectError: "
+        f"[Errno 111] Connection refused) and 'someone/other' is not in the cache ({cache}); download it where the "
+        "Hub is reachable (`hf download someone/other`, into the same cache or HF_HOME), give a local folder, or set "
+        "HF_HUB_OFFLINE=1 once the cache holds it"], err
+    assert not out.exists() and not constants.HF_HUB_OFFLINE and "Retrying" not in err
+    r = load_recipe(recipe, ["--model.name_or_path=someone/tiny"])
+    assert check_model(r.model, r.data).vocab_size == len(tok)  # from the cache
+    assert constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"  # and offline from then on
+    said = capsys.readouterr().out
+    assert said.count("cannot be reached") == 1 and "model.name_or_path 'someone/tiny' is in the cache" in said, said
+    offline.hub_unreachable.cache_clear()
+
+
+def test_a_failed_start_leaves_no_folder_and_an_unwritable_one_exits_4(tmp_path, capsys):
+    """Failed starts left an empty output folder each (27 after a morning of mistakes). A folder that existed
+    before is kept, whatever the failure; one the run cannot write is a write error (4), as the exit-code table says."""
+    out = tmp_path / "new" / "run"
+    recipe = recipe_file(tmp_path, out, data__train_files=[str(tmp_path / "missing-*.jsonl")])
+    code, err = run_main(capsys, recipe)
+    assert code == 6 and len(error_lines(err)) == 1 and not out.exists(), err
+    out.mkdir()
+    code, err = run_main(capsys, recipe)
+    assert code == 6 and out.is_dir() and list(out.iterdir()) == [], err
+    (tmp_path / "file").write_text("x")
+    code, err = run_main(capsys, recipe, f"--training.output_dir={tmp_path / 'file' / 'run'}")
+    [line] = error_lines(err)
+    assert code == 4 and line.startswith("error: WriteError: training.output_dir:") and "cannot be written" in line, err
 
 
 # ---------------------------------------------------------------------------- the small tools

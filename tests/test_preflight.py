@@ -123,6 +123,18 @@ def test_a_shared_error_is_printed_even_when_the_first_process_meets_it_last(tmp
     assert error_lines(r.stdout + r.stderr) == ["error: training.report_to: 'nosuch' is not a tracker"], r.stderr[-3000:]
 
 
+def test_a_wrong_process_count_under_torchrun_is_said_once(tmp_path, recipe):
+    """Each of 3 ranks of a 2-stage recipe printed the 4-line message (12 lines, interleaved) before torchrun's
+    report: the count is checked with the other checks every rank meets alike, printed by the node's first process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+                        str(free_port()), "-m", "hf_asyncpp.cli.train", str(recipe), "--pipeline.schedule=1f1b",
+                        "--pipeline.num_stages=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert error_lines(r.stdout + r.stderr) == [
+        "error: pipeline.num_stages: 2 stages need a multiple of 2 processes, but 3 were started. Run:"], r.stderr[-3000:]
+
+
 def test_a_push_without_a_token_fails_before_training(tmp_path, recipe):
     code, out = train_alone(tmp_path, recipe, "--hub.push_to_hub=true", "--hub.hub_model_id=me/tiny")
     assert code == 8, out[-3000:]

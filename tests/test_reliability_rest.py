@@ -203,6 +203,22 @@ def same_size_edit(path: Path) -> None:
     path.write_text(text.replace(" the ", " tha "))
 
 
+def test_the_fingerprint_is_the_data_the_run_opened_not_what_is_there_at_its_first_save(tmp_path):
+    """Taken at the first save, a file deleted before it was recorded as missing, and a resume on the restored
+    files then rewound the stream to their beginning."""
+    from hf_asyncpp.run.checkpointer import Checkpointer
+    from hf_asyncpp.topology import Topology
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(FIXTURE, data)
+    recipe = recipe_from_dict(tiny(tmp_path / "run"))
+    first = Checkpointer(tmp_path / "run", recipe, Topology(rank=0, world_size=1, num_stages=1), None, None, [str(data)])
+    middle = Checkpointer(tmp_path / "run", recipe, Topology(rank=1, world_size=3, num_stages=3), None, None, [str(data)])
+    data.unlink()  # gone before the first save (a cleanup, a moved mount), back before the resume
+    assert first.data_files == [["train.jsonl", FIXTURE.stat().st_size, sampled_digest(str(FIXTURE))]]  # as opened
+    assert middle.data_files[0][1] is None  # a middle stage never reads them: nothing taken at its start
+
+
 def test_a_same_size_edit_of_a_training_file_is_named_on_resume(tmp_path, capsys, caplog):
     """The checkpoint's data fingerprint holds a digest of each file's bytes: a same-size edit is a change, named,
     and the stream starts at the beginning of the new text (it resumed at the old position on other text, silently).

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
-from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.errors import RecipeError, WriteError
 from hf_asyncpp.run.checkpointer import Checkpointer
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.hub import push_folder
@@ -170,7 +170,7 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(RecipeError, match=r"training.output_dir: .* cannot be written"):
+    with pytest.raises(WriteError, match=r"training.output_dir: .* cannot be written"):
         train(recipe_from_dict(tiny(blocker / "run")))
 
 

@@ -272,6 +272,19 @@ def test_sigusr1_to_torchrun_with_the_documented_setting_saves(tmp_path):
     _stopped_step(text, "SIGUSR1", out, longest=100000)
 
 
+def test_sigterm_to_accelerate_launch_alone_stops_the_run_saved(tmp_path):
+    """``kill PID`` (or ``docker stop``) of ``accelerate launch`` without a config: its one-process launcher ends at
+    once and passes nothing on; the process it started turns that end into a stop, so the run saves and ends
+    instead of training on unsupervised, and says why."""
+    recipe, out = _recipe(tmp_path, "accelerate_alone")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "scripts/pretrain.py", str(recipe),
+           "--training.max_steps=100000"]
+    rc, text = _interrupt(cmd, out, signal.SIGTERM)
+    assert rc == -signal.SIGTERM, text[-3000:]  # accelerate itself dies of it, before the run has saved
+    _stopped_step(text, "SIGTERM", out, longest=100000)  # communicate() returned: every writer of the output ended
+    assert "the accelerate launch that started this run" in text, text[-3000:]
+
+
 def _kill_rank_after_first_checkpoint(cmd: list[str], out: Path) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **RESTART_FIX}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

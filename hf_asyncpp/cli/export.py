@@ -55,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give the output folder: OUT or --out DIR")
     # imported here, after the arguments: they import torch and transformers
     from ..model.export import export_hf_model, load_checkpoint_state
+    from ..run.folder import checkpoints_near
     from ..run.model_card import card_from_checkpoint, card_writer
 
+    if not Path(args.checkpoint).is_dir():
+        what = "no such folder" if not Path(args.checkpoint).exists() else "a file, not a checkpoint folder"
+        print(f"error: {args.checkpoint}: {what}; {checkpoints_near(args.checkpoint)}", file=sys.stderr)
+        return 1
     try:
         state, config, tok = load_checkpoint_state(args.checkpoint, unverified=args.unverified)
         if not args.overwrite:

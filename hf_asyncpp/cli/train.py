@@ -53,6 +53,8 @@ def prepare(recipe: Recipe, recipe_path: str) -> bool:
     adopt_slurm()  # under srun: the ranks' variables, before the checks ask which rank this is
     if not started_by_launcher():  # one process (HF_ASYNCPP_NO_SPAWN=1): first the command that starts them all
         check_topology(recipe, 1, recipe_path)
+    elif os.environ.get("WORLD_SIZE", "").isdigit():  # every rank meets a wrong count: said once per node, here
+        check_topology(recipe, int(os.environ["WORLD_SIZE"]), recipe_path)
     if not os.environ.get(supervision.CHECKED):
         check_recipe(recipe, hub=supervision.is_main_rank())
     return False
@@ -137,18 +139,25 @@ def main(argv: list[str] | None = None) -> int:
     # Imported only now that the arguments and the recipe are known good: torch, transformers and datasets take
     # seconds to import, which --help and a recipe mistake should not wait for (test_cli_inputs.py checks it).
     from ..launch.failures import leave_finished, leave_for_launcher, report
-    from ..launch.spawn import spawn
+    from ..launch.spawn import spawn, started_by_launcher
     from ..run.trainer import train
+    from ..storage.write import remove_if_unused
 
+    made = not os.path.exists(recipe.training.output_dir) and not started_by_launcher()  # by this start, if it fails
     try:  # what every rank meets identically: printed by one process per node
         spawn_here = prepare(recipe, args[0])
     except Exception as e:  # noqa: BLE001
         code = report(e, debug, same_everywhere=True)
         if code is None:
             raise
+        if made:
+            remove_if_unused(Path(recipe.training.output_dir))
         return code
     if spawn_here:
-        return spawn(recipe, argv, debug)
+        code = spawn(recipe, argv, debug)
+        if made and code not in (0, EXIT_STOPPED):
+            remove_if_unused(Path(recipe.training.output_dir))
+        return code
     # for this process's whole life, not only while train() runs: a stop signal that comes after the run has ended
     # (a scheduler's time limit in its last seconds) is noted and ignored, never a kill that fails a finished run
     supervision.stop_on(recipe.training.stop_signals)
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         code = report(e, debug)
         if code is None:
             raise
+        if made:
+            remove_if_unused(Path(recipe.training.output_dir))
         return code
     line = end_summary(summary)
     stopped = bool(summary.get("stopped_by"))

@@ -67,6 +67,19 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+def _got(value: Any) -> str:
+    """How an error names a wrong value: a quoted number or boolean (``max_steps: "5"``) is a string to YAML, which
+    the value's ``repr`` alone does not make plain."""
+    if isinstance(value, str):
+        try:
+            plain = yaml.safe_load(value)
+        except yaml.YAMLError:
+            plain = value
+        if isinstance(plain, (bool, int, float)):
+            return f"the string {value!r} (quoted in the YAML: remove the quotes)"
+    return repr(value)
+
+
 def _convert(value: Any, tp, where: str):
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -81,7 +94,7 @@ def _convert(value: Any, tp, where: str):
                 return _convert(value, a, where)
             except RecipeError as e:
                 errors.append(e)
-        raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise RecipeError(f"{where}: expected {_type_name(tp)}, got {_got(value)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         # YAML reads `simulate_delay: 1` as an int; the allowed values are strings.
@@ -94,7 +107,7 @@ def _convert(value: Any, tp, where: str):
         if isinstance(value, (str, int, float)) and not isinstance(value, bool) and inner is str:
             value = [value]  # `report_to: tensorboard` is a common shorthand
         if not isinstance(value, (list, tuple)):
-            raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+            raise RecipeError(f"{where}: expected {_type_name(tp)}, got {_got(value)}")
         return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
@@ -102,11 +115,11 @@ def _convert(value: Any, tp, where: str):
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
-            raise RecipeError(f"{where}: expected true or false, got {value!r}")
+            raise RecipeError(f"{where}: expected true or false, got {_got(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{where}: expected an integer, got {value!r}")
+            raise RecipeError(f"{where}: expected an integer, got {_got(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
@@ -115,7 +128,7 @@ def _convert(value: Any, tp, where: str):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{where}: expected a number, got {value!r}")
+            raise RecipeError(f"{where}: expected a number, got {_got(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -18,6 +18,7 @@ the process group is created (``trainer.train`` calls it first).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -296,10 +297,13 @@ value the user set is kept."""
 
 def worker_env(recipe: Recipe, errors: str, debug: bool, gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables the started ranks get on top of this process's environment (``environ``): the checked-recipe
-    mark, where they leave their errors, torchrun's restart setting, and on CUDA (``gpus`` > 0) the
-    allocator's :data:`CUDA_ALLOC` unless the user set one."""
+    mark, where they leave their errors, torchrun's restart setting, ``OMP_NUM_THREADS=1`` unless the user set it
+    (torchrun's own default for several processes, set here so that its 4-line banner announcing it is not printed
+    on every run), and on CUDA (``gpus`` > 0) the allocator's :data:`CUDA_ALLOC` unless the user set one."""
     environ = os.environ if environ is None else environ
     env = {CHECKED: "1", ERROR_DIR: errors, **({DEBUG_ENV: "1"} if debug else {}), **RESTART_FIX}
+    if "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = "1"
     if gpus and CUDA_ALLOC[0] not in environ:
         env[CUDA_ALLOC[0]] = CUDA_ALLOC[1]
     return env
@@ -328,16 +332,21 @@ def spawn(recipe: Recipe, argv: list[str], debug: bool = False) -> int:
              "--module", "hf_asyncpp.cli.train", *argv])
         with _environment(worker_env(recipe, errors, debug, gpus)), _torchrun_quiet(not debug), \
                 _handlers_restored([*handled, "SIGINT"] if relay else handled):
+            parent = accelerate_parent()  # its end becomes a stop: the first stop signal torchrun passes on
+            on_parent_end = signal.Signals[next((n for n in recipe.training.stop_signals if n in handled), "SIGTERM")]
             try:
                 if relay:
                     signal.signal(signal.SIGINT, _sigint_relay())
-                torchrun.run(args)
+                with stop_with_parent(parent, on_parent_end):
+                    torchrun.run(args)
             except ChildFailedError as e:  # the workers left their errors in `errors`
                 line, code = first_error(e.failures, Path(errors))
                 print(line, file=sys.stderr, flush=True)
                 return code
             except SignalException as e:  # torchrun sent the signal on to the workers and waited for them to stop
                 name = signal.Signals(e.sigval).name
+                if (why := _parent_gone_line(parent, name)) is not None:
+                    print(why, file=sys.stderr, flush=True)
                 if finished(Path(errors)):  # it came after the run had finished: its own last line said so
                     print(f"hf_asyncpp: {name} arrived after the run had finished; nothing was stopped",
                           file=sys.stderr, flush=True)
@@ -442,6 +451,53 @@ def _sigint_relay() -> Callable[[int, object], None]:
                     os.killpg(child.pid, signal.SIGINT)
 
     return relay
+
+
+def accelerate_parent() -> int | None:
+    """The pid of the ``accelerate launch`` that started this process with its one-process launcher, if it did.
+
+    That launcher (``accelerate/commands/launch.py: simple_launcher``) only starts this process and waits: it passes
+    no signal on, and a SIGTERM or SIGINT sent to it alone (``kill PID``, ``docker stop``) ends it at once while the
+    run trains on unsupervised to its end. :func:`stop_with_parent` turns its death into a stop."""
+    with contextlib.suppress(psutil.Error, OSError):
+        parent = psutil.Process().parent()
+        cmd = parent.cmdline() if parent is not None else []
+        for i, word in enumerate(cmd):
+            if word.endswith("accelerate.commands.launch") or (Path(word).name == "accelerate"
+                                                               and "launch" in cmd[i + 1:i + 2]):
+                return parent.pid
+    return None
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def stop_with_parent(parent: int | None, signum: int) -> Iterator[bool]:
+    """For the block, have the kernel send ``signum`` (a stop signal: torchrun passes it on, the ranks save and exit
+    10) to this process when its parent ``parent`` ends (Linux's ``PR_SET_PDEATHSIG``: no thread, no polling); a
+    parent already gone when it is set counts as ended. Yields whether it is set (False: no parent given, or not
+    Linux). Unset after the block, so that a launcher ending later does not kill this process by the signal's
+    default action once torchrun's handlers are gone."""
+    libc = ctypes.CDLL(None, use_errno=True) if parent is not None and sys.platform.startswith("linux") else None
+    armed = libc is not None and libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    if armed and os.getppid() != parent:  # it ended before the request was in place
+        os.kill(os.getpid(), signum)
+    try:
+        yield armed
+    finally:
+        if armed:
+            libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+
+
+def _parent_gone_line(parent: int | None, name: str) -> str | None:
+    """The line saying why the run stopped when the ``accelerate launch`` above it ended (its own exit code, 143 or
+    1, is what the shell saw: this process's own code reaches no one)."""
+    if parent is None or os.getppid() == parent:
+        return None
+    return (f"hf_asyncpp: the accelerate launch that started this run (pid {parent}) ended, and it passes no signal "
+            f"on: the run was stopped with {name} so that nothing trains unsupervised; start it with `hf-asyncpp train` "
+            "to have signals and exit codes reach the run")
 
 
 def launch_command(recipe: Recipe, recipe_path: str) -> str:

@@ -108,7 +108,7 @@ class P2P:
         self.topo, self.timeout, self.device, self.groups = topo, timedelta(seconds=timeout_s), device, groups
         staged = device.type != "cpu" and dist.get_backend() == "gloo"
         self.wire = torch.device("cpu") if staged else device  # where transferred tensors live
-        self.pending: deque = deque()  # (work, tensor) of sends kept alive until they complete
+        self.pending: deque = deque()  # (work, tensor, peer) of sends kept alive until they complete
         self.transport = transport_from_env(self.timeout)
         # NCCL: a receive is waited for by the compute stream, not the host (no host sync per receive); a dead or
         # silent peer is then found by the point-to-point group's watchdog after its timeout (p2p_timeout_s)
@@ -148,14 +148,15 @@ class P2P:
             tensors = [header] + tensors
         pending, group = self.pending, self._group(self.topo.stage, stage)
         while pending and pending[0][0].is_completed():  # release finished sends: a stream never drains
-            self._wait(pending.popleft()[0], peer, "completing a send to")
+            work, _, to = pending.popleft()
+            self._wait(work, to, "completing a send to")
         for t in tensors:
             try:
                 work = self.transport.isend(t, peer, group)
             except RuntimeError as e:  # gloo: "Connection reset by peer" when the peer has died
                 raise PeerFailure(f"rank {self.topo.rank} (stage {self.topo.stage}): sending to rank {peer} failed; "
                                   f"the peer has probably died ({e})") from None
-            pending.append((work, t))
+            pending.append((work, t, peer))
 
     def recv(self, stage: int, like: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Receive from ``stage``: with ``like`` the shapes are known, otherwise a header comes first."""
@@ -194,8 +195,8 @@ class P2P:
         return [b.to(self.device) for _, b in pairs]
 
     def drain(self) -> None:
-        for work, _ in self.pending:
-            self._wait(work, -1, "completing a send to")
+        for work, _, peer in self.pending:
+            self._wait(work, peer, "completing a send to")
         self.pending.clear()
 
     def close(self) -> None:

@@ -139,11 +139,15 @@ class Checkpointer:
         self.out, self.recipe, self.topo, self.accelerator, self.tokenizer = out, recipe, topo, accelerator, tokenizer
         self.pusher = pusher  # the main process's background Hub pushes (None elsewhere or without push_to_hub)
         self._data_files, self._fingerprint = data_files, None
+        if topo.first or topo.last:  # the ranks that read the files: the data as the run opens it, not as it is later
+            self._fingerprint = data_fingerprint(data_files)
 
     @property
     def data_files(self) -> list | None:
-        """The training files' :func:`data_fingerprint`, taken when first needed (a save on the main process, a resume
-        on a rank that reads data): a middle stage never reads the files."""
+        """The training files' :func:`data_fingerprint`, taken when the run starts on the ranks that read them (the
+        first and last stages: the main process is one), so a file deleted or restored before the first save does
+        not change what the checkpoints say the run trained on; a middle stage, which never reads the files, takes
+        it only if asked."""
         if self._fingerprint is None:
             self._fingerprint = data_fingerprint(self._data_files)
         return self._fingerprint

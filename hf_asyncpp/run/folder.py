@@ -56,11 +56,24 @@ def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
         return [p for _, p in reversed(list_checkpoints(output_dir))]
     path = Path(resume)
     if not (path / MANIFEST).is_file():
-        raise MissingCheckpoint(
-            f"training.resume_from_checkpoint: {resume!r} is not a complete checkpoint (no {MANIFEST}); "
-            f"complete ones: {[str(p) for _, p in list_checkpoints(output_dir)]}"
-        )
+        what = ("no such folder" if not path.exists() else "a file, not a checkpoint folder" if not path.is_dir()
+                else f"not a complete checkpoint (no {MANIFEST})")
+        raise MissingCheckpoint(f"training.resume_from_checkpoint: {resume!r} is {what}; "
+                                f"{checkpoints_near(path, output_dir)}")
     return [path]
+
+
+def checkpoints_near(path: str | Path, output_dir: str | Path | None = None) -> str:
+    """Which complete checkpoints a mistyped or wrong checkpoint path may have meant: those of the nearest folder above
+    ``path`` that holds any (a step that was never saved, a checkpoint's own file given), else of ``output_dir``."""
+    path = Path(path)
+    for folder in [*path.parents[:3], *([Path(output_dir)] if output_dir is not None else [])]:
+        found = list_checkpoints(folder) if folder.is_dir() else []
+        if found:
+            names = [p.name for _, p in found]
+            shown = ", ".join(names[-5:]) + (f" (and {len(names) - 5} older)" if len(names) > 5 else "")
+            return f"the complete checkpoints in {folder} are {shown}"
+    return f"no complete checkpoint in {output_dir if output_dir is not None else path.parent}"
 
 
 def previous_run(output_dir: str | Path) -> list[Path]:

@@ -42,6 +42,7 @@ from ..schedules.records import pipelined
 from ..storage.write import check_output_dir, check_output_dir_free
 from .folder import check_fresh_run, check_something_to_resume
 from .hub import cause_of, check_repo
+from .offline import go_offline, hub_unreachable, offline_advice, switch_offline
 from .reporting import check_trackers
 
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
@@ -86,9 +87,17 @@ def _looks_local(name: str) -> bool:
 
 
 def _loadable(field: str, name: str, load, what: str):
-    """What ``load(name)`` returns; an error naming ``field`` when it cannot be loaded."""
+    """What ``load(name)`` returns; an error naming ``field`` when it cannot be loaded. A Hub id with the Hub out of
+    reach is read from the cache (offline mode from then on) or refused in one line (``run/offline.py``)."""
     if _looks_local(name) and not os.path.exists(os.path.expanduser(name)):
         raise RecipeError(f"{field}: {name!r}: no such folder (a Hub id is written user/name)")
+    if not os.path.exists(os.path.expanduser(name)) and (why := hub_unreachable()):
+        try:
+            loaded = load(name, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache (OSError), or cached incompletely
+            raise RecipeError(f"{field}: {name!r}: {offline_advice(name, why)}") from None
+        go_offline(why, f"{field} {name!r}")
+        return loaded
     try:
         return load(name)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, httpx errors
@@ -289,9 +298,16 @@ def check_tokenizer_fits(model: ModelConfig, config, tokenizer) -> None:
 def check_data(data: DataConfig) -> None:
     """A Hub dataset resolves (its builder, not its data); local files exist and at least one can be read."""
     if data.dataset:
+        why = None if os.path.exists(os.path.expanduser(data.dataset)) else hub_unreachable()
+        if why:  # datasets has no local_files_only: its offline mode reads the cache
+            switch_offline()
         try:
             datasets.load_dataset_builder(data.dataset, data.dataset_config)
+            if why:
+                go_offline(why, f"data.dataset {data.dataset!r}")
         except Exception as e:  # noqa: BLE001 - not found, offline, a wrong config name
+            if why:
+                raise DataError(f"data.dataset: {data.dataset!r}: {offline_advice(data.dataset, why)}") from None
             raise DataError(f"data.dataset: {data.dataset!r} cannot be loaded ({cause_of(e)}); check its name and "
                             "data.dataset_config, download it while online, or set data.train_files") from e
     fields = (("data.eval_files", data.eval_files),) if data.dataset else (

@@ -260,6 +260,25 @@ def lock_output_dir(out: Path) -> None:
     _held[out.resolve()] = fd
 
 
+def remove_if_unused(out: Path) -> bool:
+    """Remove the output folder a failed start created if it holds nothing but the run's lock (or nothing at all):
+    a mistyped field or an unreachable model would otherwise leave an empty folder per try (27 after a morning of
+    them), each one a folder the next try then looks at. Kept when it holds anything else, or when another process
+    holds its lock (a run that started into the same new folder meanwhile). Whether it was removed."""
+    try:
+        if {p.name for p in out.iterdir()} - {RUN_LOCK}:
+            return False
+        if (out / RUN_LOCK).exists() and out.resolve() not in _held:
+            os.close(_take_lock(out))  # refused (RecipeError) while another run holds it
+        shutil.rmtree(out)
+    except (OSError, RecipeError):
+        return False
+    fd = _held.pop(out.resolve(), None)
+    if fd is not None:
+        os.close(fd)
+    return True
+
+
 def check_output_dir_free(out: Path) -> None:
     """Refuse, naming the holder, a folder another run holds now (the launcher's check before it starts any rank, so
     a second run's first line is this and not what it would meet in the folder); takes nothing. The main rank takes
@@ -329,7 +348,7 @@ def check_output_dir(path: str) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise RecipeError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
+        raise WriteError(f"training.output_dir: {path!r} cannot be written ({e.strerror}); choose a writable directory") from None
     check_no_links(out)
     return out
 
