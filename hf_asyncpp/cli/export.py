@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint-* folder of a run")
     ap.add_argument("out", nargs="?", default=None, metavar="OUT",
-                    help="the Hugging Face folder to write, created if missing (or --out OUT)")
+                    help="the Hugging Face folder to write, created if missing (or --out DIR)")
     ap.add_argument("--out", dest="out_flag", default=None, metavar="DIR", help="the same as OUT")
     ap.add_argument("--max-shard-size", default="2GB", help="split safetensors shards above this size (e.g. 500MB)")
     ap.add_argument("--model-id", default=None, help="Hub id for the card title and the usage snippet")
