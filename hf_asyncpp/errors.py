@@ -51,6 +51,14 @@ class MissingCheckpoint(CheckpointError, FileNotFoundError):
     """``training.resume_from_checkpoint`` names no complete checkpoint."""
 
 
+def met_by_every_rank(e: BaseException) -> BaseException:
+    """``e`` marked as an error every rank meets identically (a collective verdict, such as the checkpoint a resume
+    may use): under a launcher each node's first process prints it, once, instead of every rank
+    (``launch.failures.report``)."""
+    e.same_everywhere = True
+    return e
+
+
 EXIT_PEER = 3  # a rank whose pipeline peer died leaves with this code, quietly: the peer printed the cause
 EXIT_CODES = (  # what main() returns for the errors a user can meet (docs/troubleshooting.md lists them)
     (RecipeError, 2), (NonFiniteError, 3), (PeerFailure, EXIT_PEER), (WriteError, 4), (CheckpointError, 5),

@@ -146,6 +146,12 @@ class Groups:
             dist.destroy_process_group(g)
 
 
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """The default process group's timeout from now on (the one accelerate made, which the checkpoint's gathers and
+    barriers use), through the same ``_set_pg_timeout`` as :meth:`Groups.set_timeouts`."""
+    _set_pg_timeout(timeout, None)
+
+
 def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None,
                 sharded_norm: str | None = None) -> Groups:
     """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and

@@ -1,6 +1,6 @@
 """A rank that hangs but stays alive (SIGSTOP: a stuck file system, a deadlocked library) ends the job within the
 timeouts, with one line naming it: mid-run (pipeline.p2p_timeout_s, collective_timeout_s) and while a checkpoint is
-written (pipeline.init_timeout_s). Short timeouts here; the defaults (120 s, 120 s, 900 s) follow the same code."""
+written (pipeline.checkpoint_timeout_s). Short timeouts here; the defaults (90 s, 90 s, 300 s) follow the same code."""
 from __future__ import annotations
 
 import contextlib
@@ -80,16 +80,27 @@ def test_a_rank_hung_mid_run_ends_the_job_naming_it(tmp_path):
 
 def test_a_rank_hung_during_a_checkpoint_is_named(tmp_path):
     recipe, out = _recipe(tmp_path, "ckpt")
-    took, text = _stall_rank_1(_torchrun(recipe, "--training.save_steps=4", "--pipeline.init_timeout_s=8"),
+    took, text = _stall_rank_1(_torchrun(recipe, "--training.save_steps=4", "--pipeline.checkpoint_timeout_s=8"),
                                lambda: any(out.glob(".tmp-checkpoint-*")))
     assert re.search(r"error: PeerFailure: rank 0: writing checkpoint-0000004: rank 1 stopped answering \(nothing "
-                     r"within pipeline.init_timeout_s=8s", text), text[-3000:]
+                     r"within pipeline.checkpoint_timeout_s=8s", text), text[-3000:]
     # Mostly rank 1 stops before its part is gathered, and nothing is committed. On a loaded machine it can stop
     # after the commit, in the save's last barrier: then the line must say that checkpoint is the latest, and it is.
     committed = (out / "checkpoint-0000004").exists()
     latest = "checkpoint-0000004 stays the latest checkpoint" if committed else "no checkpoint was completed yet"
     assert latest in text and "Traceback" not in text and took < 40, (took, text[-3000:])
     assert [step for step, _ in list_checkpoints(out)] == ([4] if committed else [])  # committed means complete
+
+
+def test_a_rank_hung_during_an_evaluation_is_named_within_the_checkpoint_budget(tmp_path):
+    """An evaluation after the first step waited init_timeout_s (15 minutes by default) and then named "rank -1"."""
+    recipe, out = _recipe(tmp_path, "eval")
+    took, text = _stall_rank_1(_torchrun(recipe, "--training.max_steps=100000", "--training.eval_steps=4",
+                                         "--pipeline.checkpoint_timeout_s=8", "--pipeline.p2p_timeout_s=600",
+                                         "--pipeline.collective_timeout_s=600"), lambda: _last_step(out) >= 4)
+    [line] = [x for x in text.splitlines() if x.startswith("error:")]
+    assert re.search(r"rank 1\b", line) and "rank -1" not in line and "Traceback" not in text, text[-3000:]
+    assert took < 45, (took, text[-3000:])  # 8 s, and the search for the silent rank (at most 30 s)
 
 
 def _report_with_a_stalled_rank(rank: int, world: int) -> str:

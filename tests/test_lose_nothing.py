@@ -307,3 +307,20 @@ def test_the_small_tools_refuse_counts_out_of_range_in_argparses_line_and_a_typo
     r = tool("timeline", "--schedule", "1f1b", "--steps", "2", "--out", str(tmp_path / "t.png"))
     assert r.returncode == 0 and "nan" not in r.stdout and "steady-state bubble n/a (no steady state: draw --steps 3" \
         in r.stdout, r.stdout
+
+
+def test_evaluate_names_its_own_flag_for_a_missing_text_column_once(tmp_path):
+    """The screening's line named ``data.text_column``, a recipe field, where evaluate's flag is ``--text-column``,
+    and a warning said the same before the error."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = train_tokenizer([str(FIXTURE)], 320)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **DIMS, num_hidden_layers=2, vocab_size=len(tok))
+                                     ).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    data = tmp_path / "content.jsonl"
+    data.write_text("".join(json.dumps({"content": f"document {i} " * 30}) + "\n" for i in range(20)))
+    r = tool("evaluate", str(tmp_path / "model"), "--data", str(data), "--out", str(tmp_path / "eval"))
+    assert r.returncode == 1 and r.stderr.splitlines()[-1:] == [
+        f"error: --data: no usable file: --text-column: 'text' is not a column of {data} (columns: ['content'])"], r.stderr
+    assert "skipping" not in r.stderr + r.stdout and not (tmp_path / "eval").exists()

@@ -4,6 +4,7 @@
 Hub is replaced by a stand-in HfApi (the network edge) only in-process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,6 +134,25 @@ def test_a_wrong_process_count_under_torchrun_is_said_once(tmp_path, recipe):
     assert r.returncode != 0
     assert error_lines(r.stdout + r.stderr) == [
         "error: pipeline.num_stages: 2 stages need a multiple of 2 processes, but 3 were started. Run:"], r.stderr[-3000:]
+
+
+def test_a_damaged_checkpoint_under_torchrun_is_said_once(tmp_path, recipe):
+    """Every rank verifies its share of the checkpoint and all learn every problem: the verdict is the same
+    everywhere, so the node's first process says it (each rank printed it before)."""
+    ckpt = tmp_path / "run" / "checkpoint-0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 2, "num_stages": 2, "files": {
+        "stage-00.safetensors": {"size": 4, "sha256": "0" * 64}}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "-m", "hf_asyncpp.cli.train", str(recipe), "--pipeline.schedule=1f1b",
+                        "--pipeline.num_stages=2", f"--training.resume_from_checkpoint={ckpt}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert error_lines(r.stdout + r.stderr) == [
+        f"error: CheckpointError: training.resume_from_checkpoint: {ckpt} does not match its manifest: "
+        f"{ckpt / 'stage-00.safetensors'}: missing; resume from another checkpoint (none in {ckpt.parent}) or start "
+        "afresh"], r.stderr[-3000:]
 
 
 def test_a_push_without_a_token_fails_before_training(tmp_path, recipe):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import at_least
 from ..config.sections import DataConfig
-from ..data.files import expand_files
+from ..errors import DataError
+from ..data.files import expand_files, screen_files
 from ..storage.write import json_text, replace_file, write_file
 
 
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error("task perplexity needs --data FILES")
             cfg = DataConfig(seq_len=args.seq_len, text_column=args.text_column, shuffle_buffer=0, min_document_tokens=0)
             files = expand_files(args.data, "--data")
+            usable, _, skipped = screen_files(files, args.text_column)
+            if not usable:  # said once, in this command's own flags (the screening speaks of the recipe's fields)
+                reasons = "; ".join(skipped.values()).replace("data.text_column", "--text-column")
+                raise DataError(f"--data: no usable file: {reasons}")
 
             def blocks(tokenizer):  # each model reads the text through its own tokenizer
                 counts.append(len(ids := eval_blocks(cfg, tokenizer, files, args.max_blocks)))

@@ -113,8 +113,8 @@ class PipelineConfig:
     """A neighbouring stage silent for this long (no activation or gradient arrives) once the stream's first step is
     done is declared hung, and the job ends with the rank named. A peer that dies is found at once whatever this is
     (gloo: its connection closes; NCCL: the launcher ends the other ranks), so this only bounds a hang: with the
-    launcher's 30 s for the other ranks to exit, a hung job ends within 2 minutes (torchtitan waits 100 s); the first
-    step and the checkpoints have ``init_timeout_s``."""
+    launcher's 30 s for the other ranks to exit, a hung job ends within 2 minutes (torchtitan waits 100 s); the run's
+    first step has ``init_timeout_s``, checkpoints and evaluations ``checkpoint_timeout_s``."""
     recv_wait: Literal["auto", "poll", "block"] = "auto"
     """How a rank waits for a neighbour's activations or gradients: ``poll`` spins on the transfer (yielding its
     core to its own threads at every turn), as MPI waits by default, so the core never idles between actions;
@@ -126,10 +126,15 @@ class PipelineConfig:
     """How long an all-reduce of a training step (data-parallel gradients, the grad norm, the loss reports; NCCL's
     watchdog) may wait for a slow replica once the stream's first step is done, before the job is declared hung."""
     init_timeout_s: float = field(default=900.0, metadata=bounds(lo=0.0, lo_open=True))
-    """The longer budget of what may be slow without hanging: setting up the process groups, the first step of each
-    stream of steps (after the start, a resume, an evaluation or a checkpoint: compiling, the data's first read, a
-    neighbour still writing its checkpoint), and the gathers of checkpoints, exports and evaluations. A rank that
-    does not answer within it is named (``PeerFailure``)."""
+    """The longer budget of what may be slow without hanging, until the run's first step is done: setting up the
+    process groups, compiling, the data's first read, and the evaluation and checkpoint before that step. A rank
+    that does not answer within it is named (``PeerFailure``)."""
+    checkpoint_timeout_s: float = field(default=300.0, metadata=bounds(lo=0.0, lo_open=True))
+    """Once the run's first step is done, how long the waits around a checkpoint or an evaluation may last (a rank
+    still writing its shards, the gathers of a save or an export, an evaluation's transfers, the first step after
+    them) before the job is declared hung and the silent rank named: a filesystem that stalls mid-save ends the job
+    in about 5 minutes instead of idling it for ``init_timeout_s``. Raise it where writing one stage's checkpoint
+    can take longer than this."""
 
     @property
     def split(self) -> Optional[list[int]]:

@@ -70,7 +70,9 @@ def error_line(e: BaseException) -> str:
 def report(e: BaseException, debug: bool, *, same_everywhere: bool = False) -> int | None:
     """Tell the user about ``e`` (called in an ``except`` block); its exit code, or None for a bug (re-raise it).
 
-    ``same_everywhere``: every rank meets this error identically (the recipe, the checks before training)."""
+    ``same_everywhere``: every rank meets this error identically (the recipe, the checks before training; an error
+    marked by ``errors.met_by_every_rank``)."""
+    same_everywhere = same_everywhere or getattr(e, "same_everywhere", False)
     code = exit_code(e)
     if code is None:
         return None

@@ -49,7 +49,7 @@ from ..partition import partition_model, shared_tensors
 from ..partition.split_backward import weight_gradients
 from ..schedules.actions import Action, ActionType
 from ..schedules.records import get_schedule, with_sync_start
-from ..topology import Topology, local_device, make_groups
+from ..topology import Topology, local_device, make_groups, set_default_group_timeout
 from . import forward_only, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
@@ -157,8 +157,8 @@ class PipelineEngine:
         if recipe.optimizer.shard_across_replicas and topo.dp_size > 1:
             sizes = {n: q.numel() for n, q in self.params.items()}
             self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
-        # every wait starts with the long budget (init_timeout_s: the first step of a stream); once this rank has run
-        # its first STEP, receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
+        # every wait starts with the long budget (init_timeout_s, until the run's first STEP); after a STEP of a stream
+        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
         self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
                                   p2p_timeout=timedelta(seconds=rc.init_timeout_s),
                                   sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage")
@@ -183,7 +183,8 @@ class PipelineEngine:
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.nonfinite_skipped = 0
         self.stopped = False  # the last ``run`` ended early, at a stop every rank agreed to
-        self._long_timeouts = True  # the groups and waits were made with init_timeout_s
+        self._timeouts = "init"  # the groups and waits were made with init_timeout_s (_use_timeouts)
+        self.stepped = False  # this rank has run a STEP: init_timeout_s is over for good
         self.peak_inflight = 0
         self.track_memory = False  # count saved activation bytes (memory_report); off in training: it costs a hook per tensor
         self.mem = {"activations": 0, "peak_activations": 0, "pending_grads": 0, "accumulating": 0, "peak_grad_sets": 1,
@@ -214,7 +215,7 @@ class PipelineEngine:
             w = _Window(first_step, head.shape[0], batches, tuple(head.shape), data={first_step: head},
                         end_step=first_step + num_steps)
         self.stopped = False
-        self._use_timeouts(first_step=True)  # until this rank's first STEP of the stream
+        self._use_timeouts("drain" if self.stepped else "init")  # until this rank's first STEP of the stream
         actions = self._window_actions(w, num_steps)
         try:
             yield from self._run_window(w, actions)
@@ -252,7 +253,7 @@ class PipelineEngine:
         if on_gpu:
             self.gpu_timer.collect(secs)
         yield from self.reports.drain()
-        self._use_timeouts(first_step=True)  # what follows a drain (a checkpoint, an evaluation) has the long budget
+        self._use_timeouts("drain" if self.stepped else "init")  # what follows a drain: a checkpoint, an evaluation
 
     def train_steps(self, batches: list[torch.Tensor], first_step: int) -> list[StepResult]:
         """``run`` over a list, collected (drained at the end)."""
@@ -286,19 +287,26 @@ class PipelineEngine:
         self.stopped = True
         yield from short
 
-    def _use_timeouts(self, first_step: bool) -> None:
-        """The first step of a stream (and what follows its drain) waits up to ``init_timeout_s``; the steps after it
-        ``p2p_timeout_s`` for a neighbour and ``collective_timeout_s`` for an all-reduce, so that a rank that hangs
-        mid-run ends the job within about two minutes (the process groups' own timeouts, which NCCL's watchdog
-        enforces, follow the same rule)."""
-        if first_step == self._long_timeouts:
+    def _use_timeouts(self, phase: str) -> None:
+        """The waits' budget for a phase of the run. ``init``: until the run's first STEP, everything waits up to
+        ``init_timeout_s`` (setting up, compiling, the data's first read). ``steady``: once this rank has run a STEP
+        of the stream, receives wait ``p2p_timeout_s`` for a neighbour and all-reduces ``collective_timeout_s``, so
+        that a rank that hangs mid-run ends the job within about two minutes. ``drain``: what follows a drain after
+        the run's first step (a checkpoint, an evaluation, the first step of the next stream) waits
+        ``checkpoint_timeout_s``, the default process group's collectives too (the gathers of a save, its barrier),
+        as torchtitan shortens every timeout after the first step. The process groups' own timeouts, which NCCL's
+        watchdog enforces, follow the same rule."""
+        if phase == self._timeouts:
             return
         rc = self.recipe.pipeline
-        p2p, coll = (rc.init_timeout_s, rc.init_timeout_s) if first_step else (rc.p2p_timeout_s, rc.collective_timeout_s)
+        p2p, coll = {"init": (rc.init_timeout_s, rc.init_timeout_s), "steady": (rc.p2p_timeout_s, rc.collective_timeout_s),
+                     "drain": (rc.checkpoint_timeout_s, rc.checkpoint_timeout_s)}[phase]
         self.p2p.set_timeout(timedelta(seconds=p2p))
         self.reducer.timeout = self.reports.timeout = timedelta(seconds=coll)
         self.groups.set_timeouts(timedelta(seconds=coll), p2p=timedelta(seconds=p2p))
-        self._long_timeouts = first_step
+        if phase != "steady" and dist.is_initialized():  # the checkpoint's and evaluation's gathers and barriers
+            set_default_group_timeout(timedelta(seconds=coll))
+        self._timeouts = phase
 
     def agree_stop(self) -> bool:
         """At a drain point: whether a stop signal reached any rank (collective, on the report group)."""
@@ -459,8 +467,9 @@ class PipelineEngine:
         lam = torch.stack([values[i] for i in self.lam_reported]).sum() if values and self.lam_reported else None
         self.reports.post(k, loss, norm, lr, finite, lam, len(self.lam_reported) if values else 0,
                           log_norm=self.global_norm)
-        if self._long_timeouts:  # this rank's first step of the stream is done
-            self._use_timeouts(first_step=False)
+        if self._timeouts != "steady":  # this rank's first step of the stream is done
+            self.stepped = True
+            self._use_timeouts("steady")
 
     def _broadcast_new_version(self) -> None:
         """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in buckets, in the same order on

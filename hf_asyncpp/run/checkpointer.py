@@ -190,17 +190,19 @@ class Checkpointer:
 
     def save(self, state: RunState, engine: Engine, stream) -> Path:
         """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied). A rank
-        that stops answering meanwhile (its gather waits ``pipeline.init_timeout_s``) is named in a PeerFailure,
+        that stops answering meanwhile (its gather waits ``pipeline.checkpoint_timeout_s``, ``init_timeout_s`` before
+        the run's first step) is named in a PeerFailure,
         instead of a gather's traceback blaming the rank that waited."""
         try:
             return self._save(state, engine, stream)
         except RuntimeError as e:
             if not timed_out(e) or isinstance(e, (WriteError, PeerFailure)):
                 raise
-            who = who_went_silent(checkpoint_name(state.step), wait_s=min(30.0, self.recipe.pipeline.init_timeout_s))
+            budget = "checkpoint_timeout_s" if getattr(engine, "stepped", False) else "init_timeout_s"
+            secs = getattr(self.recipe.pipeline, budget)
+            who = who_went_silent(checkpoint_name(state.step), wait_s=min(30.0, secs))
             raise PeerFailure(f"rank {self.topo.rank}: writing {checkpoint_name(state.step)}: {who} (nothing within "
-                              f"pipeline.init_timeout_s={self.recipe.pipeline.init_timeout_s:g}s: stalled or hung, see "
-                              f"its log); {self._latest()}") from None
+                              f"pipeline.{budget}={secs:g}s: stalled or hung, see its log); {self._latest()}") from None
 
     def _save(self, state: RunState, engine: Engine, stream) -> Path:
         acc, topo = self.accelerator, self.topo

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import supervision
-from ..errors import CheckpointError, MissingCheckpoint, RecipeError
+from ..errors import CheckpointError, MissingCheckpoint, RecipeError, met_by_every_rank
 from ..storage import checkpoint_io as ckpt
 from ..storage.names import CHECKPOINT_DIR, EXPORT_DIR, FINAL_EVAL, MANIFEST, RUN_OUTPUTS, RUN_STATE
 from ..storage.write import check_output_dir_free
@@ -192,8 +192,17 @@ def choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None
     """The checkpoint to resume (collective): ``training.resume_from_checkpoint`` verified against its manifest.
 
     ``latest`` falls back to the newest checkpoint that verifies, with a warning naming what was skipped and why;
-    an explicit path that fails is an error naming the file. None: nothing to resume.
+    an explicit path that fails is an error naming the file. None: nothing to resume. Every rank reaches the same
+    verdict (the verification is shared), so an error is said once per node.
     """
+    try:
+        return _choose_resume(out, setting, topo)
+    except CheckpointError as e:
+        met_by_every_rank(e)
+        raise
+
+
+def _choose_resume(out: Path, setting: str | None, topo: Topology) -> Path | None:
     check_something_to_resume(out, setting)
     candidates = resume_candidates(out, setting)
     incomplete = incomplete_checkpoints(out) if setting == "latest" and topo.is_main else []

@@ -27,7 +27,7 @@ UNCHANGED_NUMBERS = {
                  "stop_after_steps", "export", "stop_signals", "max_restarts", "max_consecutive_skips",
                  "max_skipped_fraction"},
     "pipeline": {"schedule", "num_stages", "layers_per_stage", "extra_warmup", "p2p_timeout_s", "collective_timeout_s",
-                 "init_timeout_s"},
+                 "init_timeout_s", "checkpoint_timeout_s"},
     "data": {"train_files"},
 }
 """Recipe fields whose change leaves every computed number as it was (None: the whole section)."""
