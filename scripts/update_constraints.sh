@@ -9,7 +9,7 @@ VENV="${1:-$ROOT/.venv-latest}"
 [ -x "$VENV/bin/python" ] || { echo "error: no environment at $VENV: run 'bash scripts/test.sh --latest' first" >&2; exit 1; }
 {
   echo "# The exact versions the test suite passed with: every install of scripts/setup_env.sh (the README's two"
-  echo "# commands, CI) is constrained by this file. setup.py keeps open ranges for users."
+  echo "# commands, CI) is constrained by this file. setup.py's ranges start at tested versions."
   echo "# Test against the newest releases: bash scripts/test.sh --latest"
   echo "# Then pin them: bash scripts/update_constraints.sh (written from $(basename "$VENV"), $(date -u +%Y-%m-%d))"
   # torch without its local label (+cpu): the same pin takes the CPU wheel here and the CUDA build on a GPU machine

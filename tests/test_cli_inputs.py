@@ -98,3 +98,57 @@ def test_the_debug_flag_read_before_the_imports_is_the_launchers():
     from hf_asyncpp.launch import failures
 
     assert (train.DEBUG_FLAG, train.DEBUG_ENV) == (failures.DEBUG_FLAG, failures.DEBUG_ENV)
+
+
+TOOLS = {"plan": ["recipes/cpu-tiny.yaml"], "timeline": [], "evaluate": ["model"], "export": ["ckpt", "out"],
+         "compare": ["recipes/cpu-tiny.yaml", "--steps", "3"], "prepare-data": [], "train": ["recipes/cpu-tiny.yaml"]}
+"""Each command with arguments that parse (nothing runs: each call below adds a bad flag or --help)."""
+
+
+def test_every_commands_argument_errors_come_before_torch_is_imported():
+    """argparse's usage line, and ``--help``, of every command answer without importing torch, transformers or
+    datasets (seconds on a loaded machine): as typed, and for all commands in one process."""
+    r = run("-X", "importtime", "-m", "hf_asyncpp", "plan", "x.yaml", "--bad-flag")
+    assert r.returncode == 2 and "unrecognized arguments: --bad-flag" in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "hf_asyncpp.config.recipe" in imported and not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    code = ("import sys\nfrom hf_asyncpp.cli import main\ncodes = []\n"
+            f"for name, args in {TOOLS!r}.items():\n"
+            "    for extra in ('--bad-flag', '--help'):\n"
+            "        try:\n            codes.append(main([name, *args, extra]))\n"
+            "        except SystemExit as e:\n            codes.append(e.code)\n"
+            f"print(codes, [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)\n")
+    r = run("-c", code)
+    assert r.stderr.splitlines()[-1] == f"{[2, 0] * len(TOOLS)} []", r.stderr[-3000:]
+    assert r.stderr.count("unrecognized arguments: --bad-flag") == len(TOOLS) - 1  # train names the flag its own way
+
+
+def test_every_tool_spells_its_outputs_the_same_way(tmp_path, capsys):
+    """``--out DIR``: the folder a tool writes into, for every tool; ``--png FILE``: the picture's own path, where a
+    tool draws one; as the README says. ``timeline --out FILE.png`` (the old spelling) still works."""
+    from hf_asyncpp.cli import main
+
+    for name in ("plan", "timeline", "evaluate", "compare", "export"):
+        try:
+            main([name, "--help"])
+        except SystemExit:
+            pass
+        text = capsys.readouterr().out
+        assert "--out DIR" in text, name
+        assert ("--png FILE" in text) == (name in ("plan", "timeline")), name
+    readme = (ROOT / "README.md").read_text()
+    assert "`--out DIR`" in readme and "`--png FILE`" in readme
+    small = ["--stages", "2", "--microbatches", "2"]
+    assert main(["timeline", *small, "--out", str(tmp_path / "figures")]) == 0
+    assert main(["timeline", *small, "--png", str(tmp_path / "mine.png")]) == 0
+    assert main(["timeline", *small, "--out", str(tmp_path / "old.png")]) == 0
+    assert main(["plan", str(ROOT / "recipes" / "cpu-tiny.yaml"), "--top", "0", "--out", str(tmp_path / "plans")]) == 0
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png"))
+    assert written == ["figures/2bw.png", "mine.png", "old.png", "plans/cpu-tiny-2stages.png"], written
+    for args, why in ((["ckpt"], "give the output folder: OUT or --out DIR"),
+                      (["ckpt", "a", "--out", "b"], "two output folders, a and --out b: give one")):
+        try:
+            main(["export", *args])
+        except SystemExit as e:
+            assert e.code == 2
+        assert why in capsys.readouterr().err

@@ -191,6 +191,57 @@ def test_the_checks_catch_a_cycle_a_climb_and_torch_in_the_schedules(tmp_path):
     assert third_party_imports(root, PURE) - PURE_ALLOWED == {"torch"}
 
 
+# ---------------------------------------------------------------------------- the dependencies, declared
+
+NOT_IMPORTED = {"tensorboard": "the shipped recipes' tracker, imported by accelerate's TensorBoardTracker"}
+"""Distributions ``install_requires`` names that the package never imports itself, each with why it is there."""
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalized as PEP 503 does (``PyYAML`` -> ``pyyaml``)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group()).lower()
+
+
+def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """``install_requires`` and ``extras_require`` as setup.py writes them (literals, read with ``ast``)."""
+    call = next(n for n in ast.walk(ast.parse((PACKAGE.parent / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    return kw["install_requires"], kw["extras_require"]
+
+
+def test_every_third_party_import_is_declared_in_setup_py():
+    """Each distribution the package imports is declared (not left for another package to pull in), and each hard
+    requirement is imported or says why it is there; the import names map to distributions as the installed
+    environment maps them (``yaml`` -> PyYAML)."""
+    from importlib.metadata import packages_distributions
+
+    requires, extras = setup_requirements()
+    hard = {_name(r) for r in requires}
+    optional = {_name(r) for rs in extras.values() for r in rs}
+    dists = packages_distributions()
+    imported = {_name(d) for module in third_party_imports(PACKAGE, "") for d in dists.get(module, [module])}
+    assert {"torch", "transformers", "numpy", "pyyaml"} <= imported  # the walk and the mapping see the package
+    assert sorted(imported - hard - optional) == [], "declare these in setup.py's install_requires"
+    assert sorted(hard - imported - set(NOT_IMPORTED)) == [], "no longer imported: remove from install_requires"
+    assert set(NOT_IMPORTED) <= hard
+
+
+def test_setup_py_ranges_start_at_tested_versions():
+    """Every requirement of setup.py (but the test tools) has a lower bound, and the versions the suite passed with
+    (constraints.txt) satisfy it: an install that follows setup.py can get what was tested."""
+    from packaging.requirements import Requirement
+
+    requires, extras = setup_requirements()
+    pins = {_name(line): line.split("==")[1].strip() for line in (PACKAGE.parent / "constraints.txt").read_text().splitlines()
+            if "==" in line and not line.startswith("#")}
+    for text in [*requires, *extras["eval"]]:
+        req = Requirement(text)
+        assert any(s.operator == ">=" for s in req.specifier), f"setup.py: {text} has no lower bound"
+        pin = pins.get(_name(text))
+        assert pin is not None and req.specifier.contains(pin), f"setup.py: {text} excludes the tested {pin}"
+
+
 # ---------------------------------------------------------------------------- the maps, kept true
 
 def _package_map():

@@ -86,10 +86,12 @@ def test_the_readme_sequence_runs_as_written_after_the_main_job(tmp_path):
     assert any(tmp_path.glob("eval-*/eval_results.png"))  # the side-by-side chart, in a new folder where it ran
     assert (tmp_path / "moe-10b-8stages.png").is_file() and (tmp_path / "2bw.png").is_file()
     assert (tmp_path / "runs" / "compare-cpu-tiny" / "compare.json").is_file()
-    a = tmp_path / "runs" / "a"  # accelerate launch without a config: one process that started the 2 stages
+    a = tmp_path / "runs" / "a"  # accelerate's one process, which started the 2 stages
     assert {p.name for p in (a / checkpoint_name(STEPS)).iterdir()} >= {"stage-00.safetensors", "stage-01.safetensors"}
     assert (a / "export" / "model.safetensors.index.json").is_file()  # one shard per stage
     assert checkout_status() == before  # every tool wrote where it ran, nothing into the checkout
+    noisy = [name for name, text in out.items() if "had defaults used instead" in text]
+    assert noisy == [], f"accelerate warns about the defaults it used: {noisy}"
 
 
 def checkout_status() -> str:

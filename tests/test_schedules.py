@@ -8,7 +8,7 @@ import pytest
 from hf_asyncpp.schedules.actions import Action, ActionType as T, format_actions, parse_actions
 from hf_asyncpp.schedules.records import SCHEDULES, TWO_BW, VIRTUAL_SCHEDULES, get_schedule, schedule_actions, version_lag
 from hf_asyncpp.schedules.simulator import Costs, ScheduleError, simulate
-from hf_asyncpp.schedules.timeline import plot_timeline
+from hf_asyncpp.schedules.timeline import plot_steady_step, plot_timeline, steady_step, step_shares, step_timeline
 
 
 def semantic_version(schedule, step, stage, p):
@@ -299,6 +299,33 @@ def test_plot_timeline_writes_a_png(tmp_path):
         out = plot_timeline(what, str(tmp_path / "t.png"), "2bw")
         with open(out, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_steady_step_is_the_schedules_period_and_its_picture_stays_readable(tmp_path):
+    """The window ``plan`` draws is one step of the steady state, whose length is known by hand: 2BW keeps every
+    stage busy, m (F + B) + STEP; a flushed 1F1B adds its fill and drain, (m + p - 1)(F + B) + STEP. At a planned
+    recipe's 64 microbatches x 8 stages the picture keeps a fixed, readable size (the whole run's would be a blur
+    of 8 x 128 x 8 bars), with each row's idle share written beside it."""
+    from PIL import Image
+
+    m, p = 8, 4
+    for name, period in (("2bw", m * 3 + 0.5), ("1f1b", (m + p - 1) * 3 + 0.5)):
+        res = simulate(schedule_actions(name, p, m, 8), Costs(1, 2, 0.5), name, m)
+        t0, t1 = steady_step(res)
+        assert t1 - t0 == period and 0 < t0 < res.makespan - period
+    assert steady_step(simulate(schedule_actions("2bw", p, m, 1), Costs(1, 2, 0.5), "2bw", m)) is None
+    work = {T.F: 1.0, T.B: 2.0, T.STEP: 0.5}  # transfers and reductions free
+    heavy = lambda a, stage: work.get(a.type, 0.0) * (1.25 if stage == 6 and a.type != T.STEP else 1.0)
+    res = simulate(schedule_actions("2bw", 8, 64, 8), heavy, "2bw", 64)
+    window = steady_step(res)
+    shares = step_shares(step_timeline(res, window), window[1] - window[0])
+    busy = [sum(x) for x in zip(*shares.values())]
+    # stage 6, 1.25x the work, sets the pace: the others idle a fifth of each step but for their (equal) STEP
+    assert math.isclose(busy[6], 1.0) and all(math.isclose(1 - b, 0.2 * (1 - 0.5 / (window[1] - window[0])))
+                                              for s, b in enumerate(busy) if s != 6), busy
+    out = plot_steady_step(res, str(tmp_path / "moe.png"), "2bw on 8 stages, 64 microbatches per step")
+    width, height = Image.open(out).size
+    assert width <= 16 * 110 and height <= 6 * 110  # 16 x 6 inches at most, at 110 dpi
 
 
 # ---------------------------------------------------------------------------- NCCL's ordering rule

@@ -68,16 +68,16 @@ def _ranks(launcher: int) -> list[psutil.Process]:
 
 
 def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = False, meanwhile=None,
-               to_all: bool = False, preexec=None, env: dict | None = None) -> tuple[int, str]:
+               to_all: bool = False, preexec=None, env: dict | None = None, at: int = SIGNAL_AT) -> tuple[int, str]:
     """Start ``cmd`` (in its own session, after ``preexec()`` in the child), send ``sig`` to the launcher (or to the
     ranks alone, or with ``to_all`` to the launcher's process group and every rank, as SLURM signals a step) once
-    metrics.jsonl reaches SIGNAL_AT (after running ``meanwhile(proc)`` while it trains), and return its exit code
+    metrics.jsonl reaches step ``at`` (after running ``meanwhile(proc)`` while it trains), and return its exit code
     and output."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=preexec)
     try:
         deadline = time.time() + 300
-        while _last_step(out) < SIGNAL_AT and proc.poll() is None and time.time() < deadline:
+        while _last_step(out) < at and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         if meanwhile is not None:
             meanwhile(proc)
@@ -94,12 +94,17 @@ def _interrupt(cmd: list[str], out: Path, sig: signal.Signals, to_ranks: bool = 
     return proc.returncode, text
 
 
-def _stopped_step(text: str, sig: str, out: Path, longest: int = MAX_STEPS) -> int:
+def _stopped_step(text: str, sig: str, out: Path, longest: int = MAX_STEPS, first: int = SIGNAL_AT,
+                  complete: set[str] | None = None) -> int:
+    """The step a run that printed ``text`` says ``sig`` stopped it at, checked: at or after the step it was sent at
+    (``first``), saved there as a complete checkpoint (in ``complete``, the names of those seen just after the run,
+    where later runs in the folder may have removed it since)."""
     m = re.search(rf"stopped by {sig} at step (\d+): saved (\S+); resume with", text)
     assert m, text[-3000:]
     step = int(m.group(1))
-    assert SIGNAL_AT <= step < longest and Path(m.group(2)) == out / f"checkpoint-{step:07d}", text[-3000:]
-    assert (out / f"checkpoint-{step:07d}" / "manifest.json").exists()
+    assert first <= step < longest and Path(m.group(2)) == out / f"checkpoint-{step:07d}", text[-3000:]
+    name = f"checkpoint-{step:07d}"
+    assert name in complete if complete is not None else (out / name / "manifest.json").exists(), (name, complete)
     assert "Traceback" not in text.split("stopped by")[0], text[-3000:]  # the ranks stopped cleanly
     return step
 
@@ -114,14 +119,60 @@ def _resumes_exactly(recipe: Path, out: Path, never_stopped: Path) -> None:
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_sigterm_to_hf_asyncpp_train_saves_and_resumes_exactly(tmp_path, never_stopped):
-    """What SLURM's preemption and ``scancel`` send, to the launcher ``hf-asyncpp train`` started: one line, no
-    traceback, exit code EXIT_STOPPED."""
-    recipe, out = _recipe(tmp_path, "term")
-    rc, text = _interrupt([*HF_ASYNCPP, "train", str(recipe)], out, signal.SIGTERM)
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory):
+    """One run stopped by each launcher in turn, each resuming where the one before stopped: SIGTERM (what SLURM's
+    preemption and ``scancel`` send) to ``hf-asyncpp train``, SIGTERM to torchrun, Ctrl-C to ``accelerate launch``
+    with the shipped 2-process config. Three launches where a stop and a resume per launcher took six; the tests
+    below check each leg and the end. {launcher: (exit code, output, the signal's name, step it was sent at, the
+    complete checkpoints just after)}, the recipe and the folder."""
+    recipe, out = _recipe(tmp_path_factory.mktemp("relay"), "relay")
+    resume = "--training.resume_from_checkpoint=latest"
+    legs = {}
+    at = SIGNAL_AT
+    for launcher, sig in (("hf-asyncpp", signal.SIGTERM), ("torchrun", signal.SIGTERM), ("accelerate", signal.SIGINT)):
+        cmd = {"hf-asyncpp": [*HF_ASYNCPP, "train", str(recipe)],
+               "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                            str(free_port()), "-m", "hf_asyncpp.cli.train", str(recipe), resume],
+               "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                              str(ROOT / "recipes/accelerate/cpu-2proc.yaml"), "--main_process_port", str(free_port()),
+                              "-m", "hf_asyncpp.cli.train", str(recipe), resume]}[launcher]
+        rc, text = _interrupt(cmd, out, sig, at=at)
+        complete = {p.parent.name for p in out.glob("checkpoint-*/manifest.json")}
+        legs[launcher] = (rc, text, sig.name, at, complete)
+        m = re.search(rf"stopped by {sig.name} at step (\d+)", text)
+        at = (int(m.group(1)) if m else _last_step(out)) + SIGNAL_AT
+    return legs, recipe, out
+
+
+def test_sigterm_to_hf_asyncpp_train_saves_and_exits_10(relay):
+    """To the launcher ``hf-asyncpp train`` started: one line, no traceback, exit code EXIT_STOPPED."""
+    (rc, text, sig, at, complete), _, out = relay[0]["hf-asyncpp"], *relay[1:]
     assert rc == EXIT_STOPPED, text[-3000:]
-    _stopped_step(text, "SIGTERM", out)
+    _stopped_step(text, sig, out, first=at, complete=complete)
     assert text.count("stopped by SIGTERM") == 1 and "Traceback" not in text, text[-3000:]
+
+
+def test_sigterm_to_torchrun_saves(relay):
+    """torchrun passes SIGTERM on to the ranks and gives them its shutdown timeout (30 s) to save; torchrun itself
+    then ends with its own report of the signal."""
+    (rc, text, sig, at, complete), _, out = relay[0]["torchrun"], *relay[1:]
+    assert rc != 0
+    _stopped_step(text, sig, out, first=at, complete=complete)
+
+
+def test_ctrl_c_to_accelerate_launch_saves(relay):
+    """SIGINT (Ctrl-C) to ``accelerate launch`` with the shipped 2-process config."""
+    (rc, text, sig, at, complete), _, out = relay[0]["accelerate"], *relay[1:]
+    assert rc != 0
+    _stopped_step(text, sig, out, first=at, complete=complete)
+
+
+def test_a_run_stopped_under_each_launcher_resumes_exactly(relay, never_stopped):
+    """The run the three stops left, resumed to its end: every step's loss and the final weights equal a run never
+    stopped, bitwise (each leg's steps are in its metrics, so a leg that resumed wrong shows)."""
+    legs, recipe, out = relay
+    assert all(f"stopped by {sig} at step" in text for _, text, sig, _, _ in legs.values())
     _resumes_exactly(recipe, out, never_stopped)
 
 
@@ -210,18 +261,6 @@ def test_the_launchers_second_sigint_reaches_the_workers_at_once():
             worker.wait()
 
 
-def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, never_stopped):
-    """torchrun passes SIGTERM on to the ranks and gives them its shutdown timeout (30 s) to save; torchrun itself
-    then ends with its own report of the signal."""
-    recipe, out = _recipe(tmp_path, "torchrun")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "hf_asyncpp.cli.train", str(recipe)]
-    rc, text = _interrupt(cmd, out, signal.SIGTERM)
-    assert rc != 0
-    _stopped_step(text, "SIGTERM", out)
-    _resumes_exactly(recipe, out, never_stopped)
-
-
 def test_sigusr1_to_torchrun_with_the_documented_setting_saves(tmp_path):
     """The documented form for a torchrun of your own: ``PET_SIGNALS_TO_HANDLE`` (torchrun's
     ``--signals-to-handle``) with SIGUSR1 makes torchrun send it on to the ranks, which save."""
@@ -231,17 +270,6 @@ def test_sigusr1_to_torchrun_with_the_documented_setting_saves(tmp_path):
     rc, text = _interrupt(cmd, out, signal.SIGUSR1, env={**ENV, "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR1"})
     assert rc != 0
     _stopped_step(text, "SIGUSR1", out, longest=100000)
-
-
-def test_ctrl_c_to_accelerate_launch_saves_and_resumes_exactly(tmp_path, never_stopped):
-    """SIGINT (Ctrl-C) to ``accelerate launch`` with the shipped 2-process config."""
-    recipe, out = _recipe(tmp_path, "accelerate")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/cpu-2proc.yaml"),
-           "--main_process_port", str(free_port()), "-m", "hf_asyncpp.cli.train", str(recipe)]
-    rc, text = _interrupt(cmd, out, signal.SIGINT)
-    assert rc != 0
-    _stopped_step(text, "SIGINT", out)
-    _resumes_exactly(recipe, out, never_stopped)
 
 
 def test_sigterm_to_accelerate_launch_alone_stops_the_run_saved(tmp_path):

@@ -9,7 +9,8 @@ Prints the time 2BW needs to reach the synchronous run's final eval loss over th
 excluded; the crossing is interpolated linearly between evaluations) and writes ``time_to_loss.png`` (eval loss
 against training time, both arms) and ``compare.json`` into ``--out``. The arms run one after the other, never at
 the same time; extra ``--section.field=value`` arguments go to both. A recipe of one stage is run on
-``--num-stages`` (default 2).
+``--num-stages`` (default 2). The arguments and the recipe are read before torch is imported (the metrics reader
+imports it), so a mistake in them answers at once.
 
 ``--async-steps``: the 2BW arm's own step budget (default ``--steps``). Trained for the same steps, 2BW ends at a
 slightly higher loss (its gradients are one step old) and so never reaches the synchronous run's final loss, however
@@ -28,7 +29,6 @@ from . import at_least
 from ..config.recipe import load_recipe, split_overrides
 from ..errors import RecipeError
 from ..figures import pyplot
-from ..run.reporting import read_metrics
 from ..storage.names import METRICS
 from ..storage.write import json_text, write_file
 
@@ -50,6 +50,8 @@ def arm_overrides(name: str, out: Path, steps: int, eval_steps: int, num_stages:
 def run_arm(recipe: str, name: str, out: Path, steps: int, eval_steps: int, num_stages: int, extra: list[str],
             reuse: bool = False) -> Path:
     """Train one arm with ``hf-asyncpp train`` (it starts the stage processes); its log goes to ``out``.log."""
+    from ..run.reporting import read_metrics  # see main()
+
     if reuse and any(r.get("step") == steps and "train_s" in r for r in read_metrics(out / METRICS)):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +70,8 @@ def run_arm(recipe: str, name: str, out: Path, steps: int, eval_steps: int, num_
 
 def curve(run: Path) -> tuple[list[tuple[float, float]], float, int]:
     """([(training seconds, eval loss) at each evaluation], training seconds of the whole run, its steps)."""
+    from ..run.reporting import read_metrics  # see main()
+
     rows = read_metrics(run / METRICS)
     train_s = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
     train_s[0] = 0.0
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-steps", type=at_least(1), default=None, help="optimizer steps of the 2BW arm (default --steps)")
     ap.add_argument("--eval-steps", type=at_least(1), default=None, help="evaluate every this many steps (default: steps / 10)")
     ap.add_argument("--num-stages", type=at_least(1), default=None, help="pipeline stages (default: the recipe's, at least 2)")
-    ap.add_argument("--out", default=None, help="folder of both runs, the PNG and compare.json (default runs/compare-<recipe>)")
+    ap.add_argument("--out", default=None, metavar="DIR", help="folder of both runs, the PNG and compare.json (default runs/compare-<recipe>)")
     ap.add_argument("--reuse", action="store_true", help="keep an arm whose run in --out already has --steps steps")
     own, extra = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = ap.parse_args(own)

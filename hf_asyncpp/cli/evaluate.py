@@ -10,7 +10,8 @@ Prints a table and writes everything into one folder, --out (default: a new eval
 current directory): eval_results.json, eval_results.png (a bar chart of the tasks) and, unless --no-card, each
 model's card with the results added (NAME/README.md, to publish with the model). It writes nothing into the folders
 it scores (an --out inside one is refused) and never through a symbolic link: a Hugging Face cache snapshot is a
-folder of links into blobs that other snapshots share.
+folder of links into blobs that other snapshots share. The arguments are read before torch and transformers are
+imported (seconds), so a mistake in them answers at once.
 """
 import argparse
 import sys
@@ -21,9 +22,6 @@ from . import at_least
 from ..config.sections import DataConfig
 from ..errors import DataError
 from ..data.files import expand_files, screen_files
-from ..data.stream import eval_blocks
-from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
-from ..run.model_card import add_eval_results
 from ..storage.write import json_text, replace_file, write_file
 
 
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=at_least(1), default=64)
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--batch-size", type=at_least(1), default=8, help="starting batch size; halved on an out-of-memory error")
-    ap.add_argument("--out", default=None, help="the folder for the results, created if missing: eval_results.json, "
+    ap.add_argument("--out", default=None, metavar="DIR", help="the folder for the results, created if missing: eval_results.json, "
                     "eval_results.png and each model's card with the results (NAME/README.md); never inside a folder "
                     "it scores (default: a new eval-YYYYMMDD-HHMMSS folder in the current directory)")
     ap.add_argument("--names", default=None, help="comma-separated column and legend names, one per model (default: "
@@ -57,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         task_files = dict(tf.split("=", 1) for tf in args.task_file)
     except ValueError:
         ap.error("--task-file takes TASK=FILE")
+    # imported here, after the arguments: they import torch and transformers
+    from ..data.stream import eval_blocks
+    from ..eval.downstream import check_model_dir, evaluate_models, model_names, plot_results, results_table
+    from ..run.model_card import add_eval_results
+
     names = args.names.split(",") if args.names else model_names(args.model_dirs)
     if len(names) != len(args.model_dirs) or len(set(names)) != len(names):
         ap.error(f"--names: give {len(args.model_dirs)} distinct names, one per model")

@@ -15,7 +15,11 @@ layers), the microbatch size and so the microbatch count at the same global batc
 simulated tokens/s with their bubble, reduction stall (seconds per step waiting for the data-parallel all-reduce),
 memory per GPU and feasibility, and the overrides that select the best.
 
-The timeline PNG goes to the current directory (``<recipe>-<p>stages.png``) or ``--png``.
+The timeline PNG, one steady step of the recipe's schedule with each stage's busy and idle shares, goes into
+``--out`` (default: the current directory) as ``<recipe>-<p>stages.png``, or to ``--png FILE``.
+
+The arguments and the recipe are read before the planner's modules are imported (they import torch and
+transformers: seconds), so a mistake in either answers at once.
 
 ``--measure`` builds the model (random weights) on ``--device`` and times each layer's forward + backward at the
 recipe's microbatch shape, as training runs them (the layers compiled where training compiles them, with its
@@ -30,22 +34,10 @@ import argparse
 import os
 import sys
 
-import torch
-
 from . import at_least
 from ..config.recipe import load_recipe, split_overrides
-from ..model.build import autocast
 from ..errors import RecipeError
-from ..model.build import build_model
-from ..model.fused_loss import use_fused_loss
-from ..optim import apply_delay_correction, build_optimizer
-from ..plan.costs import measure_costs, trainer_compile
-from ..plan.memory import meta_model, plan_memory
-from ..plan.search import (PLANNED_SCHEDULES, PLANNED_STEPS, STEP_WORTH_SOURCE, planned_microbatches, reduction_stall,
-                           schedule_memory, search_plans, simulate_schedules, step_worth, why_not_planned)
 from ..schedules.records import get_schedule
-from ..schedules.timeline import plot_timeline
-
 
 def parse_bytes(text: str) -> float:
     """``80GB`` (or ``80GiB``, ``512MB``, ``1TB``, ``1000B``) in bytes. A bare number is refused: ``80`` meant 80 GB
@@ -90,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=at_least(0), default=5, help="plans of the search to print (0: no search)")
     ap.add_argument("--link-gbs", type=float, default=25.0,
                     help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
-    ap.add_argument("--png", default=None, help="timeline PNG (default: <recipe>-<p>stages.png in the current directory)")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for the timeline PNG, created if missing (default: the current directory)")
+    ap.add_argument("--png", default=None, metavar="FILE",
+                    help="the timeline PNG's own path (default: <recipe>-<p>stages.png in --out)")
     own, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = ap.parse_args(own)
 
@@ -104,6 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return report(recipe, args, cap)
+
+
+def report(recipe, args, cap: float) -> int:
+    """The plan of a loaded recipe, printed, and its timeline PNG."""
+    # imported here, after the arguments and the recipe are read: they import torch and transformers
+    from ..plan.memory import meta_model, plan_memory
+    from ..plan.search import planned_microbatches, schedule_memory, simulate_schedules
+    from ..schedules.timeline import plot_steady_step
+
     p = args.num_stages or recipe.pipeline.num_stages
     dp = max(1, (args.gpus or p) // p)
     model = meta_model(recipe)
@@ -141,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
           "virtual-stage schedules on the model split into more stages, balanced by FLOPs, planner only):")
     print("\n".join(schedule_lines(sims, recipe, fullest, not_planned(sims, plan.num_layers, recipe, p))))
     name = os.path.splitext(os.path.basename(args.recipe))[0]
-    png = args.png or f"{name}-{p}stages.png"
+    png = args.png or os.path.join(args.out or "", f"{name}-{p}stages.png")
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    plot_timeline(sims["2bw"], png, f"{name}: 2bw on {p} stages (simulated)")
+    shown = recipe.pipeline.schedule if recipe.pipeline.schedule in sims else "2bw"
+    plot_steady_step(sims[shown], png, f"{name}: {shown} on {p} stages, "
+                     f"{planned_microbatches(recipe, p)} microbatches per step (simulated)")
     print(f"\ntimeline: {png}")
     if args.top:
         search(recipe, args.gpus or p, cap, args)
@@ -157,6 +164,8 @@ def schedule_lines(sims: dict, recipe, fullest: dict | None = None, skipped: dic
     where a step is worth less than a synchronous one (2BW), the speed to the same loss; the fullest stage's (or
     rank's) planned memory where ``fullest`` has it, and for a virtual-stage schedule its stages per rank. Then one
     line per schedule in ``skipped``: why it does not fit."""
+    from ..plan.search import PLANNED_STEPS, STEP_WORTH_SOURCE, step_worth  # see report()
+
     base = sims["1f1b"].makespan
     lines = []
     for name, r in sims.items():
@@ -184,12 +193,16 @@ def schedule_lines(sims: dict, recipe, fullest: dict | None = None, skipped: dic
 
 def not_planned(sims: dict, num_layers: int, recipe, p: int) -> dict[str, str]:
     """Why each planned schedule missing from ``sims`` was left out."""
+    from ..plan.search import PLANNED_SCHEDULES, planned_microbatches, why_not_planned  # see report()
+
     m = planned_microbatches(recipe, p)
     return {name: why_not_planned(get_schedule(name), num_layers, p, m) or "no per-layer costs to split it by"
             for name in PLANNED_SCHEDULES if name not in sims}
 
 
 def search(recipe, gpus: int, cap: float, args) -> None:
+    from ..plan.search import reduction_stall, search_plans  # see report()
+
     cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9)
     feasible = [c for c in cands if c.feasible]
     batch = recipe.pipeline.num_microbatches * recipe.pipeline.microbatch_size * max(1, gpus // recipe.pipeline.num_stages)
@@ -210,6 +223,14 @@ def search(recipe, gpus: int, cap: float, args) -> None:
 
 
 def measure(recipe, plan, p: int, device: str | None) -> None:
+    import torch  # see report()
+
+    from ..model.build import autocast, build_model
+    from ..model.fused_loss import use_fused_loss
+    from ..optim import apply_delay_correction, build_optimizer
+    from ..plan.costs import measure_costs, trainer_compile
+    from ..plan.search import simulate_schedules
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         torch.set_num_threads(1)  # as one pipeline rank on CPU

@@ -1,6 +1,6 @@
 """Draw a pipeline schedule's simulated timeline as a PNG (a row per stage: forward, backward, step, idle).
 
-    hf-asyncpp timeline --schedule 2bw --stages 4 --microbatches 8 --steps 3 --out 2bw.png
+    hf-asyncpp timeline --schedule 2bw --stages 4 --microbatches 8 --steps 3 --out figures/
 
 ``pipedream`` updates after every microbatch: it runs steps x microbatches steps of one microbatch (the
 same data). ``--print-actions`` also prints each stage's action list. The virtual-stage schedules (``interleaved1f1b``,
@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reduce-scope", default="global", choices=["global", "stage"],
                     help="global: a STEP waits for every stage's reduction (global grad norm, as the executor)")
     ap.add_argument("--print-actions", action="store_true")
-    ap.add_argument("--out", default=None, help="PNG path (default: <schedule>.png in the current directory)")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for the PNG, created if missing (default: the current directory)")
+    ap.add_argument("--png", default=None, metavar="FILE", help="the PNG's own path (default: <schedule>.png in --out)")
     args = ap.parse_args(argv)
+    if args.out and args.out.lower().endswith(".png") and not args.png:  # the spelling of earlier versions
+        args.out, args.png = None, args.out
 
     sched = get_schedule(args.schedule)
     pd = sched.one_update_per_microbatch
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     v = sched.stages_per_rank
     costs = Costs(args.forward / v, args.backward / v, args.step_cost, args.reduce, args.comm)
     res = simulate(acts, costs, args.schedule, m, reduce_scope=args.reduce_scope)
-    out = args.out or f"{args.schedule}.png"
+    out = args.png or os.path.join(args.out or "", f"{args.schedule}.png")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     scope = "" if args.reduce_scope == "global" else ", stage-local reductions"
     title = (f"{args.schedule}: p={args.stages}, m={m}, {steps} steps; F={args.forward:g} B={args.backward:g} "
