@@ -193,7 +193,8 @@ def test_the_checks_catch_a_cycle_a_climb_and_torch_in_the_schedules(tmp_path):
 
 # ---------------------------------------------------------------------------- the dependencies, declared
 
-NOT_IMPORTED = {"tensorboard": "the shipped recipes' tracker, imported by accelerate's TensorBoardTracker"}
+NOT_IMPORTED = {"tensorboard": "the shipped recipes' tracker, imported by accelerate's TensorBoardTracker",
+                "zstandard": ".zst corpora: fsspec's zstd codec imports it when such a file is opened"}
 """Distributions ``install_requires`` names that the package never imports itself, each with why it is there."""
 
 
