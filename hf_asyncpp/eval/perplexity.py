@@ -13,12 +13,15 @@ from pathlib import Path
 import torch
 from accelerate.utils import find_executable_batch_size
 
+from .. import __version__
 from ..model.nll import nll_per_block
 
-__all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
+__all__ = ["METRICS_DIR", "SCORER", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
            "perplexity_from_sums", "resolve_device"]
 
 METRICS_DIR = Path(__file__).parent / "metrics"
+SCORER = f"hf_asyncpp {__version__}"
+"""Who computed a perplexity (the model card's ``metric_config``); zero-shot scores name lm-eval and its version."""
 
 
 def load_metric(name: str = "perplexity"):
