@@ -28,7 +28,10 @@ setup(
         "psutil>=5.9",  # the launcher passes a second Ctrl-C on to its workers (accelerate needs it too)
     ],
     extras_require={
-        # lm-evaluation-harness as a scorer (eval.backend: lm_eval); the parity test runs it too
+        # lm-evaluation-harness, the zero-shot scorer (eval.tasks, hf-asyncpp evaluate --tasks; during training too,
+        # through the pipeline's stages). An extra, not a requirement: training and perplexity do not need it (nor
+        # its scikit-learn, sacrebleu, rouge-score), and a recipe or command that asks for a task without it stops
+        # at once with one line naming `pip install hf_asyncpp[eval]`
         "eval": ["lm-eval>=0.4.13,<0.5"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "lm-eval>=0.4.13,<0.5"],
         "wandb": ["wandb>=0.17"],

@@ -79,6 +79,7 @@ def test_bad_inputs(tmp_path, folders, monkeypatch, capsys):
     check_eval_tasks(EvalConfig(tasks=["perplexity"]))  # perplexity needs nothing more
     assert main([str(folders["trained"]), "--tasks", "arc_easy", "--out", str(tmp_path / "scores")]) == 1
     err = capsys.readouterr().err
+    record_errors("hf-asyncpp evaluate", 1, err)
     assert err.endswith("not installed: pip install hf_asyncpp[eval]\n") and err.count("\n") == 1, err
 
 
@@ -172,19 +173,22 @@ def test_re_evaluating_replaces_card_results(tmp_path):
 
     from hf_asyncpp.run.model_card import add_eval_results
 
-    first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"},
-             "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
+    arc_data = {"path": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test"}  # as lm-eval's task config names it
+    first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "lm-eval 0.4.12",
+                          "dataset": arc_data}, "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
     add_eval_results(tmp_path, first)
     arc = [e for e in ModelCard.load(tmp_path / "README.md").data.eval_results if e.metric_type == "acc_norm"][0]
     assert arc.dataset_args == {"num_few_shot": 0, "limit": 200, "n": 200} and "limit 200 per task" in arc.metric_name
     add_eval_results(tmp_path, {"arc_easy": {"acc": 0.75, "acc_norm": 0.5, "n": 2376, "limit": None, "num_fewshot": 0,
-                                             "scorer": "lm-eval 0.4.13"}, "piqa": {"acc": 0.6, "acc_norm": 0.7, "n": 1838}})
+                                             "scorer": "lm-eval 0.4.13", "dataset": arc_data},
+                                "piqa": {"acc": 0.6, "acc_norm": 0.7, "n": 1838}})
     card = ModelCard.load(tmp_path / "README.md")
     got = {(e.dataset_name, e.metric_type): e for e in card.data.eval_results}
     assert len(card.data.eval_results) == len(got) == 5  # arc_easy x2, piqa x2, perplexity: no duplicates
     arc = got[("arc_easy", "acc_norm")]
     assert arc.metric_value == 0.5 and arc.dataset_args == {"num_few_shot": 0, "n": 2376}  # no limit
     assert arc.metric_config == "lm-eval 0.4.13" and "n=2376" in arc.metric_name and arc.dataset_split == "test"
+    assert (arc.dataset_type, arc.dataset_config) == ("allenai/ai2_arc", "ARC-Easy")
     assert got[("held-out", "perplexity")].metric_value == 12.0
     assert card.text.count("## Downstream evaluation") == 1
     assert "| arc_easy | acc_norm | 0.5000 | 2376 | none | 0 | lm-eval 0.4.13 |" in card.text

@@ -139,9 +139,13 @@ def _task_yaml(upstream: Path, name: str, data_file: Path) -> dict:
 
 
 @lru_cache(maxsize=1)
+def _upstream() -> TaskManager:
+    """lm-eval's own tasks (scanning its thousands of YAMLs takes seconds: once per process)."""
+    return TaskManager()
+
+
 def _upstream_index() -> dict:
-    """lm-eval's own task index (scanning its thousands of YAMLs takes seconds: once per process)."""
-    return TaskManager().task_index
+    return _upstream().task_index
 
 
 def write_local_tasks(task_files: dict[str, str], out_dir) -> dict[str, str]:
@@ -216,13 +220,13 @@ def load_tasks(tasks: list[str], task_files: dict[str, str] | None = None, limit
     files = {t: f for t, f in (task_files or {}).items() if t in tasks}
     with tempfile.TemporaryDirectory(prefix="hf_asyncpp-lm_eval-") as tmp:
         names = write_local_tasks(files, tmp) if files else {}
-        # lm-eval's own index is only needed for tasks without a file (the local ones include lm-eval's YAMLs by path)
-        manager = TaskManager(include_path=tmp if files else None, include_defaults=len(files) < len(tasks))
+        # the local tasks from tmp alone (they include lm-eval's YAMLs by path), the others from lm-eval's own index
+        local = TaskManager(include_path=tmp, include_defaults=False) if files else None
         loaded = {"tasks": {}, "groups": {}, "group_map": {}}
         for t in tasks:  # one at a time: an error names its task; the data is read here, before tmp goes
             name = names.get(t, t)
             try:
-                one = manager.load([name])
+                one = (local if t in files else _upstream()).load([name])
             except KeyError as e:
                 raise ValueError(f"unknown task {t!r}: lm-eval {lm_eval_version()} has no task or group of that name "
                                  f"(lm_eval --tasks list shows them)") from e
