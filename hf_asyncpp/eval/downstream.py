@@ -65,10 +65,11 @@ def evaluate_models(model_dirs: list[str], tasks: list[str], *, task_files: dict
         taskset = taskset or lm_eval.load_tasks(mc_tasks, task_files, limit)
     results = {}
     for d in model_dirs:
-        res = lm_eval.score(lm_eval.hf_lm(d, device=device, batch_size=batch_size), taskset)[0] if mc_tasks else {}
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(d)
+        res = lm_eval.score(lm_eval.hf_lm(model, tokenizer, batch_size=batch_size), taskset)[0] if mc_tasks else {}
         if "perplexity" in tasks:  # a callable tokenizes for this model: ids are only comparable within a vocabulary
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device)
-            blocks = perplexity_blocks(AutoTokenizer.from_pretrained(d)) if callable(perplexity_blocks) else perplexity_blocks
+            blocks = perplexity_blocks(tokenizer) if callable(perplexity_blocks) else perplexity_blocks
             res["perplexity"] = evaluate_perplexity(model, blocks, batch_size)
         results[str(d)] = res
     return results

@@ -25,6 +25,7 @@ from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
+import torch
 import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.evaluator import evaluate
@@ -99,11 +100,17 @@ class PipelineLM(TemplateLM):
 
 
 def hf_lm(model, tokenizer=None, device=None, batch_size: int = 16) -> HFLM:
-    """lm-eval's ``HFLM`` on a model in one process: a model folder, or a model with its ``tokenizer``, in fp32 on
-    ``device`` (None: see ``resolve_device``)."""
-    pretrained = str(model) if isinstance(model, (str, Path)) else model
-    return HFLM(pretrained=pretrained, tokenizer=tokenizer, device=str(resolve_device(device)), batch_size=batch_size,
-                dtype="float32")
+    """lm-eval's ``HFLM`` on a model in one process: a model folder (loaded here in fp32 on ``device``; None: see
+    ``resolve_device``), or a model already on its device with its ``tokenizer``.
+
+    ``HFLM`` always gets the model itself, never a path: given a path it starts an ``Accelerator``, and inside a
+    multi-process run (the main process scoring the export alone) it would then wait on ranks that never come."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
+        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(resolve_device(device))
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,8 +267,7 @@ def score(lm, taskset: TaskSet, log_samples: bool = False) -> tuple[dict[str, di
     if getattr(lm, "quiet", False):
         quiet.setLevel(logging.ERROR)
     try:
-        raw = evaluate(lm=lm, task_dict=taskset.loaded, limit=taskset.limit, log_samples=log_samples,
-                       bootstrap_iters=100000)
+        raw = evaluate(lm=lm, task_dict=taskset.loaded, limit=taskset.limit, log_samples=log_samples)
     finally:
         quiet.setLevel(level)
     scorer = f"lm-eval {lm_eval_version()}"
