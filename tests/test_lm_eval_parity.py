@@ -49,8 +49,9 @@ def pipeline_worker(rank, world, folders, num_stages, task_files):
         tok = AutoTokenizer.from_pretrained(folder)
         runs = {}
         for weights, scorer in (("newest", eng.scorer()), ("export", eng.scorer(Path(folder)))):
-            res, raw = score(PipelineLM(scorer, tok, batch_size=3, quiet=rank != 0), taskset, log_samples=True)
-            runs[weights] = (res, _answers(raw))  # batches of 3: the requests split unevenly over the replicas
+            # 220 requests in batches of 16: 14 batches, the last one short, split unevenly over the two replicas
+            res, raw = score(PipelineLM(scorer, tok, batch_size=16, quiet=rank != 0), taskset, log_samples=True)
+            runs[weights] = (res, _answers(raw))
         eng.close()
         out[name] = runs
     return out
