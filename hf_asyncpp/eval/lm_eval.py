@@ -58,9 +58,10 @@ def lm_eval_version() -> str:
 class PipelineLM(TemplateLM):
     """lm-eval's model over a scorer with ``config`` and ``score_requests(requests, batch_size, pad_id, length) ->
     [(logprob, is_greedy)]`` (``StageScorer``: through a pipeline's stages). Tokenization, the context length and the
-    batches are ``HFLM``'s (the tokenizer's default special tokens, none before a text that starts with the prefix
-    token; left truncation; longest first), so the same model gives ``HFLM``'s numbers to float rounding. Only
-    log-likelihoods: the multiple-choice tasks this package reports."""
+    request order are ``HFLM``'s (the tokenizer's default special tokens, none before a text that starts with the
+    prefix token; left truncation; longest first), so the same model gives ``HFLM``'s numbers to float rounding
+    (``HFLM`` also shares one forward between choices that differ only in their last token; this runs one per
+    request). Only log-likelihoods: the multiple-choice tasks this package reports."""
 
     def __init__(self, scorer, tokenizer, batch_size: int = 16, quiet: bool = False):
         super().__init__()
