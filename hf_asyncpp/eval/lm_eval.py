@@ -20,7 +20,7 @@ import json
 import logging
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
@@ -213,6 +213,8 @@ class TaskSet:
     names: dict[str, str]
     loaded: dict
     limit: int | None
+    inverse_choices: dict[str, list[float]] = field(default_factory=dict)
+    """1 / the number of choices of each scored document, by lm-eval task: the chance baseline, computed once."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -281,13 +283,15 @@ def score(lm, taskset: TaskSet, log_samples: bool = False) -> tuple[dict[str, di
 
 def _chance(taskset: TaskSet, leaves: list[str]) -> float:
     """The accuracy of a uniform guess over the documents scored (the mean of 1 / their number of choices): the
-    baseline an untrained model is read against."""
+    baseline an untrained model is read against. Per task once per run (a task set is scored at every evaluation)."""
     inverse = []
     for leaf in leaves:
-        task = taskset.loaded["tasks"][leaf]
-        docs = list(task.eval_docs)
-        for doc in docs[: taskset.limit] if taskset.limit else docs:
-            inverse.append(1 / len(task.doc_to_choice(doc)))
+        if leaf not in taskset.inverse_choices:
+            task = taskset.loaded["tasks"][leaf]
+            docs = list(task.eval_docs)
+            taskset.inverse_choices[leaf] = [1 / len(task.doc_to_choice(doc))
+                                             for doc in (docs[: taskset.limit] if taskset.limit else docs)]
+        inverse += taskset.inverse_choices[leaf]
     return sum(inverse) / len(inverse)
 
 
