@@ -9,7 +9,7 @@ setup(
     # recipes/accelerate/) and ship inside the package, so a wheel install can export and print launch commands
     packages=find_packages(include=["hf_asyncpp", "hf_asyncpp.*"]) + ["hf_asyncpp.model_cards", "hf_asyncpp.accelerate_configs"],
     package_dir={"hf_asyncpp.model_cards": "model_cards", "hf_asyncpp.accelerate_configs": "recipes/accelerate"},
-    package_data={"hf_asyncpp.eval": ["metrics/*/*.py"], "hf_asyncpp.model_cards": ["*.md"],
+    package_data={"hf_asyncpp.model_cards": ["*.md"],
                   "hf_asyncpp.accelerate_configs": ["*.yaml"]},
     entry_points={"console_scripts": ["hf-asyncpp=hf_asyncpp.cli:run"]},
     # Each lower bound is the version the test suite passed with (constraints.txt): older ones are untested, and the
@@ -26,9 +26,6 @@ setup(
         "transformers>=5.23,<6",
         "accelerate>=1.15",
         "datasets>=5.2",
-        # the built-in zero-shot scorer's accuracy metric (eval/metrics/accuracy) is an evaluate module; perplexity
-        # is plain arithmetic (eval/perplexity.py) and needs it not
-        "evaluate>=0.4.6",
         "tokenizers>=0.23.3",
         "safetensors>=0.8",
         "huggingface_hub>=2.4",
@@ -45,7 +42,10 @@ setup(
         "psutil>=7.2.2",  # the launcher passes a second Ctrl-C on to its workers (accelerate needs it too)
     ],
     extras_require={
-        # lm-evaluation-harness as a scorer (eval.backend: lm_eval); the parity test runs it too
+        # lm-evaluation-harness, the zero-shot scorer (eval.tasks, hf-asyncpp evaluate --tasks; during training too,
+        # through the pipeline's stages). An extra, not a requirement: training and perplexity do not need it (nor
+        # its scikit-learn, sacrebleu, rouge-score), and a recipe or command that asks for a task without it stops
+        # at once with one line naming `pip install hf_asyncpp[eval]`
         "eval": ["lm-eval>=0.4.13,<0.5"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "lm-eval>=0.4.13,<0.5"],
         "wandb": ["wandb>=0.17"],

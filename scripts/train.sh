@@ -5,6 +5,8 @@
 # e.g. --training.max_steps=50. `hf-asyncpp train` rather than `accelerate launch`:
 # accelerate's one-process launcher passes no signal on and turns every exit code
 # into 1, and this script's code (10: stopped and saved) is what a scheduler reads.
-source "$(dirname "$0")/setup_env.sh"
+# The `eval` extra (lm-evaluation-harness) comes with it: the README's own runs
+# score zero-shot tasks (hf-asyncpp evaluate --tasks, eval.tasks) with it.
+HF_ASYNCPP_EXTRAS=eval source "$(dirname "$0")/setup_env.sh"
 python scripts/prepare_data.py
 exec hf-asyncpp train recipes/cpu-tiny.yaml "$@"

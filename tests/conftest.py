@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from support import TASK_FILES  # noqa: E402
+from support import TASK_FILES, task_requests  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -21,16 +21,13 @@ torch.set_num_threads(1)
 def folders(tmp_path_factory):
     """Three exported models: one trained on the fixtures' correct answers, one half-trained (step 60: its acc_norm
     picks differ from the old with-delimiter definition on arc_easy, arc_challenge and hellaswag), one untrained."""
-    from hf_asyncpp.eval.tasks import load_items
     from hf_asyncpp.model.export import export_hf_model
     from hf_asyncpp.data.tokenizer import train_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("models")
-    texts = []
-    for t, f in TASK_FILES.items():
-        for ctx, choices, label in load_items(t, f):
-            texts.append(ctx + choices[label])
+    # each fixture document's prompt and correct continuation, as lm-eval renders them
+    texts = ["".join(pairs[label]) for docs in task_requests(TASK_FILES).values() for pairs, label in docs]
     corpus = root / "answers.txt"
     corpus.write_text("\n".join(texts * 3) + "\n")
     tok = train_tokenizer([str(corpus)], 300)

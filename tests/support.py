@@ -20,6 +20,27 @@ TASK_DIR = Path(__file__).resolve().parent / "fixtures" / "tasks"
 TASK_FILES = {t: str(TASK_DIR / f"{t}.jsonl") for t in ("arc_easy", "arc_challenge", "mmlu", "piqa", "hellaswag")}
 """Local task files in each Hub dataset's record format (tests/test_downstream.py, tests/test_lm_eval_parity.py)."""
 
+
+def task_requests(task_files: dict[str, str], limit: int | None = None) -> dict[str, list[tuple[list, int]]]:
+    """{task: [(the (context, continuation) pairs lm-eval scores for a document, the correct one's index)]}, documents
+    in file order (MMLU: subject by subject, as the fixture file is sorted), rendered by lm-eval from its own task
+    YAMLs: the texts the test models learn, and the requests the tests score directly."""
+    from hf_asyncpp.eval.lm_eval import load_tasks
+
+    out = {}
+    for t, f in task_files.items():
+        tasks = load_tasks([t], {t: f}, limit).loaded["tasks"]
+        out[t] = []
+        for name in sorted(tasks):
+            task = tasks[name]
+            task.build_all_requests(limit=limit, rank=0, world_size=1)
+            by_doc = {}
+            for inst in sorted(task.instances, key=lambda i: (i.doc_id, i.idx)):
+                by_doc.setdefault(inst.doc_id, []).append(tuple(inst.args))
+            for doc_id, pairs in sorted(by_doc.items()):
+                out[t].append((pairs, int(task.doc_to_target(task.eval_docs[doc_id]))))
+    return out
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE = FIXTURES / "sotu_slice.jsonl"  # 41 documents of the default corpus (~100 KB)

@@ -1,6 +1,9 @@
-"""Zero-shot multiple-choice scoring against direct computations; a model trained on the answers beats chance."""
+"""Zero-shot tasks by lm-evaluation-harness on exported models, in training and from the command line: side by side,
+the card, the errors, the devices; a model trained on the answers beats chance. The pipeline's scorer against
+lm-eval's HFLM is tests/test_lm_eval_parity.py."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asyncpp.eval.downstream import (choice_logliks, evaluate_models, model_names, plot_results, predictions,
-                                        results_table, score_task)
-from hf_asyncpp.eval.tasks import Item, load_items, load_task
+from hf_asyncpp.eval.downstream import evaluate_models, model_names, plot_results, results_table
+from hf_asyncpp.eval.lm_eval import hf_lm, load_tasks, score
 
 from support import TASK_FILES as FILES, record_errors
 from hf_asyncpp.storage.names import checkpoint_name
@@ -19,36 +21,18 @@ from hf_asyncpp.storage.names import checkpoint_name
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_choice_logliks_equal_a_direct_computation(folders):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folders["trained"]).eval()
-    tok = AutoTokenizer.from_pretrained(folders["trained"])
-    items = load_items("arc_easy", FILES["arc_easy"], limit=3)
-    got = choice_logliks(model, tok, items, batch_size=5)  # batches mix items and padding
-    for (ctx, choices, _), row in zip(items, got):
-        for c, score in zip(choices, row):
-            ctx_ids = tok(ctx, add_special_tokens=False)["input_ids"]
-            whole = tok(ctx + c, add_special_tokens=False)["input_ids"]
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
-            direct = sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx_ids), len(whole)))
-            assert score == pytest.approx(direct, abs=1e-4)
-
-
-def test_accuracy_equals_the_predictions_and_training_beats_chance(folders):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folders["trained"])
-    tok = AutoTokenizer.from_pretrained(folders["trained"])
-    for task, f in FILES.items():
-        items = load_items(task, f)
-        res = score_task(model, tok, items)
-        ll = choice_logliks(model, tok, items)
-        by_hand = sum(int(max(range(len(s)), key=s.__getitem__) == lab) for s, (_, _, lab) in zip(ll, items)) / len(items)
-        assert res["acc"] == pytest.approx(by_hand)
+def test_lm_eval_scores_of_a_model_trained_on_the_answers_beat_chance(folders):
+    """lm-eval on the fixtures (all five tasks, local copies read through task YAMLs that include lm-eval's own),
+    each task's accuracy its per-document mean, well above the uniform guess."""
+    res, raw = score(hf_lm(folders["trained"], device="cpu"), load_tasks(list(FILES), FILES), log_samples=True)
+    for task, r in res.items():
+        docs = [d for name, ds in raw["samples"].items() if name.endswith(task) or task in name for d in ds]
+        assert r["n"] == len(docs) and r["acc"] == pytest.approx(sum(d["acc"] for d in docs) / len(docs))
+        assert r["num_fewshot"] == 0 and r["scorer"] == "lm-eval 0.4.13" and r["dataset"]["path"] == "json"
         # MMLU answers with a letter after the listed options: harder to memorize for a 2-layer model
-        assert res["acc_norm"] > res["chance"] + (0.1 if task == "mmlu" else 0.25), (task, res)
+        assert r.get("acc_norm", r["acc"]) > r["chance"] + (0.1 if task == "mmlu" else 0.25), (task, r)
+    assert res["mmlu"]["chance"] == 0.25 and "acc_norm" not in res["mmlu"]
+    assert set(res["mmlu"]["subjects"]) == {"miscellaneous", "nutrition"}
 
 
 def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
@@ -73,18 +57,30 @@ def test_two_models_side_by_side_with_chart_and_cards(folders, tmp_path):
     assert not any(e.dataset_name.startswith("mmlu") and e.metric_type == "acc_norm" for e in card.data.eval_results)
 
 
-def test_bad_inputs(tmp_path, folders):
-    with pytest.raises(ValueError, match=r"unknown task 'boolq'; known tasks: arc_challenge, arc_easy, hellaswag, mmlu, piqa, perplexity"):
-        load_items("boolq")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "ok?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"}\n{"question": "no choices"}\n')
-    with pytest.raises(ValueError, match=r"record 1 is not a arc_easy record .*missing \['choices', 'answerKey'\]"):
-        load_items("arc_easy", str(bad))
+def test_bad_inputs(tmp_path, folders, monkeypatch, capsys):
+    from hf_asyncpp.cli.evaluate import main
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.run.preflight import check_eval_tasks
+    from hf_asyncpp.config.sections import EvalConfig
+
+    with pytest.raises(ValueError, match=r"unknown task 'no_such_task': lm-eval 0.4.13 has no task or group"):
+        load_tasks(["no_such_task"], FILES)
     empty = tmp_path / "model"
     empty.mkdir()
     (empty / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"no tokenizer_config.json; the tokenizer is missing"):
         evaluate_models([str(empty)], ["arc_easy"], task_files=FILES)
+    # without lm-eval installed (the `eval` extra): one line naming the install, before a run or a scoring starts
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(RecipeError, match=r"^eval.tasks: the zero-shot tasks arc_easy are scored by "
+                                          r"lm-evaluation-harness, which is not installed: pip install hf_asyncpp\[eval\]$"):
+        check_eval_tasks(EvalConfig(tasks=["arc_easy", "perplexity"]))
+    check_eval_tasks(EvalConfig(tasks=["perplexity"]))  # perplexity needs nothing more
+    assert main([str(folders["trained"]), "--tasks", "arc_easy", "--out", str(tmp_path / "scores")]) == 1
+    err = capsys.readouterr().err
+    record_errors("hf-asyncpp evaluate", 1, err)
+    assert err.endswith("not installed: pip install hf_asyncpp[eval]\n") and err.count("\n") == 1, err
 
 
 def test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out(tmp_path, folders, monkeypatch, capsys):
@@ -98,14 +94,13 @@ def test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out(tmp_path, folde
     assert main([str(folders["trained"]), "--tasks", "hellaswag", "--out", str(tmp_path / "scores")]) == 1
     err = capsys.readouterr().err
     record_errors("hf-asyncpp evaluate", 1, err)
-    assert err.startswith("error: task hellaswag: 'Rowan/hellaswag' (default, validation) cannot be loaded from the "
-                          "Hub (") and err.count("\n") == 1, err
+    assert err.startswith("error: task hellaswag: lm-eval cannot load its data from the Hub (") and err.count("\n") == 1, err
     assert "--task-file hellaswag=FILE" in err and not (tmp_path / "scores").exists()
 
 
 def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
-    import json
-
+    """One process: the tasks at an evaluation point (step 1) and on the export at the end, by lm-eval; the step-1
+    score equals lm-eval's HFLM on step 1's checkpointed weights."""
     from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.run.trainer import train
     from support import tiny
@@ -116,11 +111,12 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
                                 eval__task_files={"arc_easy": FILES["arc_easy"]}, eval__during_training=True)))
     final = json.loads((out / "final_eval.json").read_text())
     assert set(final["downstream"]) == {"arc_easy", "perplexity"} and final["downstream"]["arc_easy"]["n"] == 12
+    assert final["downstream"]["arc_easy"]["scorer"] == "lm-eval 0.4.13"
     # eval.during_training: the tasks on the newest weights at the evaluation point (step 1), in metrics.jsonl
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     during = [r for r in rows if "eval/arc_easy/acc_norm" in r]
     assert [r["step"] for r in during] == [1]
-    # ... equal to scoring step 1's checkpointed weights directly
+    # ... equal to lm-eval's HFLM on step 1's checkpointed weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_asyncpp.storage import checkpoint_io as ckpt
@@ -129,35 +125,21 @@ def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     missing, unexpected = model.load_state_dict(ckpt.load_tensors(out / checkpoint_name(1) / "model.safetensors"),
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
-    step1 = score_task(model, AutoTokenizer.from_pretrained(out / "export"), load_items("arc_easy", FILES["arc_easy"]))
+    step1 = score(hf_lm(model, AutoTokenizer.from_pretrained(out / "export"), device="cpu"),
+                  load_tasks(["arc_easy"], FILES))[0]["arc_easy"]
     assert (during[0]["eval/arc_easy/acc"], during[0]["eval/arc_easy/acc_norm"]) == (step1["acc"], step1["acc_norm"])
 
 
-def test_acc_norm_divides_by_the_choice_without_the_delimiter():
-    # a flip between the two normalizations: -8 over " abcd" (4 characters + the delimiter) against -38 over 20 characters
-    items = [Item("Q:", [" abcd", " " + "x" * 20], 0)]
-    assert predictions([[-8.0, -38.0]], items) == {"acc": [0], "acc_norm": [1]}  # lm-eval: -2.00 < -1.90
-    assert predictions([[-8.0, -38.0]], [Item("Q:", ["abcd", "x" * 20], 0)])["acc_norm"] == [1]  # no delimiter: as is
-
-
-def test_mmlu_prompt_subjects_and_limit_per_subject():
-    items, subjects = load_task("mmlu", FILES["mmlu"], limit=2)
-    assert subjects == ["miscellaneous", "miscellaneous", "nutrition", "nutrition"]  # lm-eval: --limit per subject
-    assert items[2].context.startswith("The following are multiple choice questions (with answers) about nutrition.\n\n")
-    assert items[2].context.endswith("\nA. green\nB. orange\nC. yellow\nD. purple\nAnswer:")
-    assert items[2].choices == [" A", " B", " C", " D"]
-    assert len(load_items("mmlu_nutrition", FILES["mmlu"])) == 6
-    with pytest.raises(ValueError, match="no mmlu_anatomy records"):
-        load_items("mmlu_anatomy", FILES["mmlu"])
-
-
-def _devices_seen(model, fn):
-    seen = set()
-    handle = model.register_forward_pre_hook(lambda m, args, kwargs: seen.add(kwargs["input_ids"].device), with_kwargs=True)
-    try:
-        return fn(), seen
-    finally:
-        handle.remove()
+def test_limit_and_one_subject_as_lm_eval_applies_them(folders):
+    """``limit`` is per task, and each MMLU subject is a task (``mmlu`` with limit 2 scores 2 documents of every
+    subject in the file); ``mmlu_<subject>`` reads that subject's rows of a file of several."""
+    res = evaluate_models([folders["half"]], ["mmlu", "mmlu_nutrition", "piqa"], limit=2, device="cpu",
+                          task_files={**FILES, "mmlu_nutrition": FILES["mmlu"]})[folders["half"]]
+    assert res["mmlu"]["n"] == 4 and {s: r["n"] for s, r in res["mmlu"]["subjects"].items()} == {"miscellaneous": 2,
+                                                                                              "nutrition": 2}
+    assert res["mmlu_nutrition"]["n"] == 2 and res["piqa"]["n"] == 2 and res["piqa"]["limit"] == 2
+    nutrition = res["mmlu"]["subjects"]["nutrition"]["acc"]
+    assert res["mmlu_nutrition"]["acc"] == nutrition  # the same two documents, scored alone
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -173,14 +155,15 @@ def test_evaluation_runs_on_the_model_device(folders, device):
     tok = AutoTokenizer.from_pretrained(folders["trained"])
     cpu = AutoModelForCausalLM.from_pretrained(folders["trained"])
     model = AutoModelForCausalLM.from_pretrained(folders["trained"]).to(device)
-    items = load_items("arc_easy", FILES["arc_easy"], limit=4)
-    ll, seen = _devices_seen(model, lambda: choice_logliks(model, tok, items, batch_size=3))
-    assert {d.type for d in seen} == {device}
-    assert ll == [pytest.approx(row, abs=1e-3) for row in choice_logliks(cpu, tok, items)]
     blocks = torch.randint(0, len(tok), (3, 16), generator=torch.Generator().manual_seed(0))
-    ppl, seen = _devices_seen(model, lambda: evaluate_perplexity(model, blocks))
+    seen = set()
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: seen.add(kwargs["input_ids"].device), with_kwargs=True)
+    ppl = evaluate_perplexity(model, blocks)
+    handle.remove()
     assert {d.type for d in seen} == {device}
     assert ppl["eval_ppl"] == pytest.approx(evaluate_perplexity(cpu, blocks)["eval_ppl"], rel=1e-3)
+    lm = hf_lm(folders["trained"], device=device)
+    assert lm.device.type == device
     res = evaluate_models([folders["trained"]], ["arc_easy"], task_files=FILES, limit=4, device=device)
     assert res[folders["trained"]]["arc_easy"]["n"] == 4
 
@@ -190,19 +173,22 @@ def test_re_evaluating_replaces_card_results(tmp_path):
 
     from hf_asyncpp.run.model_card import add_eval_results
 
-    first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"},
-             "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
+    arc_data = {"path": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test"}  # as lm-eval's task config names it
+    first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "lm-eval 0.4.12",
+                          "dataset": arc_data}, "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
     add_eval_results(tmp_path, first)
     arc = [e for e in ModelCard.load(tmp_path / "README.md").data.eval_results if e.metric_type == "acc_norm"][0]
     assert arc.dataset_args == {"num_few_shot": 0, "limit": 200, "n": 200} and "limit 200 per task" in arc.metric_name
     add_eval_results(tmp_path, {"arc_easy": {"acc": 0.75, "acc_norm": 0.5, "n": 2376, "limit": None, "num_fewshot": 0,
-                                             "scorer": "lm-eval 0.4.13"}, "piqa": {"acc": 0.6, "acc_norm": 0.7, "n": 1838}})
+                                             "scorer": "lm-eval 0.4.13", "dataset": arc_data},
+                                "piqa": {"acc": 0.6, "acc_norm": 0.7, "n": 1838}})
     card = ModelCard.load(tmp_path / "README.md")
     got = {(e.dataset_name, e.metric_type): e for e in card.data.eval_results}
     assert len(card.data.eval_results) == len(got) == 5  # arc_easy x2, piqa x2, perplexity: no duplicates
     arc = got[("arc_easy", "acc_norm")]
     assert arc.metric_value == 0.5 and arc.dataset_args == {"num_few_shot": 0, "n": 2376}  # no limit
     assert arc.metric_config == "lm-eval 0.4.13" and "n=2376" in arc.metric_name and arc.dataset_split == "test"
+    assert (arc.dataset_type, arc.dataset_config) == ("allenai/ai2_arc", "ARC-Easy")
     assert got[("held-out", "perplexity")].metric_value == 12.0
     assert card.text.count("## Downstream evaluation") == 1
     assert "| arc_easy | acc_norm | 0.5000 | 2376 | none | 0 | lm-eval 0.4.13 |" in card.text
@@ -243,50 +229,3 @@ def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_o
     assert side_by_side == json.loads((alone / "eval_results.json").read_text())["eval_ppl"]
     card = ModelCard.load(both / "async--export" / "README.md")
     assert "Downstream evaluation" not in card.text and card.data.eval_results[0].metric_type == "perplexity"
-
-
-def staged_scoring_worker(rank, world, folder, num_stages, task_files, limit):
-    """A pipeline of ``num_stages`` stages (the rest data parallel) built from an exported folder scores the tasks
-    through its stages: with its newest weights, and with the tensors each stage reads from the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_asyncpp.config.recipe import recipe_from_dict
-    from hf_asyncpp.eval.downstream import score_tasks
-    from hf_asyncpp.pipeline.executor import PipelineEngine
-    from hf_asyncpp.topology import Topology
-
-    recipe = recipe_from_dict({"model": {"name_or_path": folder}, "data": {"seq_len": 32},
-                               "pipeline": {"schedule": "2bw", "num_stages": num_stages, "num_microbatches": 2,
-                                            "microbatch_size": 1},
-                               "training": {"max_steps": 1, "report_to": []}})
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    eng = PipelineEngine(recipe, model, Topology(rank=rank, world_size=world, num_stages=num_stages), log=lambda *a: None)
-    tok = AutoTokenizer.from_pretrained(folder)
-    items = {t: load_task(t, f, limit) for t, f in task_files.items()}
-    newest = score_tasks(eng.scorer(), tok, items, batch_size=3, limit=limit)  # batches of 3: requests split unevenly
-    exported = score_tasks(eng.scorer(Path(folder)), tok, items, batch_size=3, limit=limit)
-    lls = choice_logliks(eng.scorer(), tok, items["arc_easy"][0], batch_size=3)
-    eng.close()
-    return newest, exported, lls
-
-
-def test_tasks_scored_through_the_pipeline_equal_the_whole_model(folders):
-    """Downstream scoring through a pipeline (2 stages x 2 replicas; ``PipelineEngine.scorer``), each stage holding
-    only its weights, gives every rank the one-device scorer's results: the same accuracies, log-likelihoods equal
-    to float rounding, from the newest weights and from the export read back stage by stage."""
-    from dist_utils import run_distributed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tasks = {t: FILES[t] for t in ("arc_easy", "piqa", "mmlu")}
-    whole = evaluate_models([folders["trained"]], list(tasks), task_files=tasks, limit=6, batch_size=3,
-                            device="cpu")[folders["trained"]]
-    model = AutoModelForCausalLM.from_pretrained(folders["trained"]).eval()
-    direct = choice_logliks(model, AutoTokenizer.from_pretrained(folders["trained"]),
-                            load_task("arc_easy", FILES["arc_easy"], 6)[0], batch_size=3)
-    results = run_distributed(staged_scoring_worker, 4, folders["trained"], 2, tasks, 6)
-    for newest, exported, lls in results:  # every rank, the first stage's included
-        assert newest == exported == whole
-        assert len(lls) == len(direct)
-        for got, ref in zip(lls, direct):
-            assert got == pytest.approx(ref, abs=1e-5)
-    assert whole["arc_easy"]["acc"] > whole["arc_easy"]["chance"]

@@ -1,35 +1,13 @@
-"""Perplexity, the shipped accuracy metric and the evaluation helpers against hand computations."""
+"""Perplexity and the evaluation helpers against hand computations."""
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
 
-from hf_asyncpp.eval.perplexity import (block_nll, evaluate_model_dir, evaluate_perplexity, load_metric,
-                                        perplexity_from_sums)
+from hf_asyncpp.eval.perplexity import block_nll, evaluate_model_dir, evaluate_perplexity, perplexity_from_sums
 from support import make_config, make_model
-
-
-def test_metric_loads_by_path_without_the_network(monkeypatch):
-    import evaluate
-
-    def no_network(*a, **k):
-        raise AssertionError("the network was touched")
-
-    monkeypatch.delenv("HF_EVALUATE_OFFLINE", raising=False)
-    monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", False)
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    m = load_metric("accuracy")
-    res = m.compute(predictions=[0, 1, 2, 3], references=[0, 1, 0, 0])
-    assert res == {"accuracy": 0.5}
-    m.add_batch(predictions=[0, 1], references=[0, 1])  # batches one at a time
-    m.add_batch(predictions=[2, 3], references=[0, 0])
-    assert m.compute() == res
-    with pytest.raises(ValueError, match="unknown metric 'bleu'; shipped metrics: .*'accuracy'"):
-        load_metric("bleu")
 
 
 def test_perplexity_from_sums():

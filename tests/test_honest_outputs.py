@@ -21,13 +21,15 @@ from hf_asyncpp.storage.names import INDEX_FILE, MANIFEST, checkpoint_name
 from hf_asyncpp.storage.write import umask
 from support import TASK_FILES, make_model, tiny, tiny_llama
 
-ARC = {"acc": 0.5, "acc_norm": 0.25, "n": 12, "limit": None, "num_fewshot": 0, "scorer": "hf_asyncpp 0.1.0"}
+ARC = {"acc": 0.5, "acc_norm": 0.25, "n": 12, "limit": None, "num_fewshot": 0, "scorer": "lm-eval 0.4.13",
+       "dataset": {"path": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test"}}  # as lm-eval's task config says
 
 
 def test_a_local_task_file_is_labelled_as_local_never_as_the_public_dataset(tmp_path):
     from huggingface_hub import ModelCard
 
-    add_eval_results(tmp_path, {"arc_easy": ARC}, task_files={"arc_easy": TASK_FILES["arc_easy"]})
+    local = {**ARC, "dataset": {"path": "json", "config": None, "split": "test"}}  # lm-eval read the file
+    add_eval_results(tmp_path, {"arc_easy": local}, task_files={"arc_easy": TASK_FILES["arc_easy"]})
     card = ModelCard.load(tmp_path / "README.md")
     for e in card.data.eval_results:
         assert e.dataset_type == "arc_easy.jsonl" and "allenai" not in e.dataset_type

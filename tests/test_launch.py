@@ -169,20 +169,28 @@ def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
     # forward of the reloaded export on the same blocks
     assert last_eval["step"] == 8 and abs(last_eval["eval_loss"] - final["export_eval_loss"]) < 1e-6
     assert (out / "export" / "README.md").exists() and "exported" in log
-    # the downstream task, scored through the stages (each its own tensors of the export), equals the whole exported
-    # model scored in one process; during training (eval.during_training) it ran through the stages at step 4
+    # lm-eval's scores through the stages (PipelineLM: each stage its own tensors of the export) equal lm-eval's HFLM
+    # on the exported folder; during training (eval.during_training) they ran through the stages at step 4 on the
+    # newest weights, and equal HFLM on step 4's checkpointed weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_asyncpp.eval.downstream import score_task
-    from hf_asyncpp.eval.tasks import load_items
+    from hf_asyncpp.eval.lm_eval import hf_lm, load_tasks, score
 
-    whole = score_task(AutoModelForCausalLM.from_pretrained(out / "export").eval(),
-                       AutoTokenizer.from_pretrained(out / "export"), load_items("arc_easy", TASK_FILES["arc_easy"]))
+    taskset = load_tasks(["arc_easy"], {"arc_easy": TASK_FILES["arc_easy"]})
+    whole = score(hf_lm(out / "export", device="cpu"), taskset)[0]["arc_easy"]
     staged = final["downstream"]["arc_easy"]
     assert (staged["acc"], staged["acc_norm"], staged["n"]) == (whole["acc"], whole["acc_norm"], whole["n"])
+    assert staged["scorer"] == whole["scorer"] == "lm-eval 0.4.13"
     assert final["downstream"]["perplexity"]["eval_loss"] == final["export_eval_loss"]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval/arc_easy/acc" in r] == [4]  # the end scores the export instead
+    during = [r for r in rows if "eval/arc_easy/acc" in r]
+    assert [r["step"] for r in during] == [4]  # the end scores the export instead
+    step4 = AutoModelForCausalLM.from_pretrained(out / "export").eval()
+    newest = {k: v for f in sorted((out / "checkpoint-0000004").glob("stage-??.safetensors")) for k, v in load_file(str(f)).items()}
+    missing, unexpected = step4.load_state_dict(newest, strict=False)  # each stage's newest weights, by HF name
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    at4 = score(hf_lm(step4, AutoTokenizer.from_pretrained(out / "export"), device="cpu"), taskset)[0]["arc_easy"]
+    assert (during[0]["eval/arc_easy/acc"], during[0]["eval/arc_easy/acc_norm"]) == (at4["acc"], at4["acc_norm"])
     ckpt = out / "checkpoint-0000008"
     assert {"stage-00.safetensors", "stage-01.safetensors", "stage-00-versions.safetensors"} <= {p.name for p in ckpt.iterdir()}
     prof = json.loads((out / "pipeline_profile.json").read_text())  # where each stage's time went, and its picture

@@ -1,10 +1,10 @@
-"""Evaluate exported (or any AutoModelForCausalLM) folders: zero-shot multiple-choice tasks and perplexity,
-several models side by side.
+"""Evaluate exported (or any AutoModelForCausalLM) folders: zero-shot tasks by lm-evaluation-harness (its HFLM on
+each folder; pip install hf_asyncpp[eval]) and perplexity, several models side by side.
 
     hf-asyncpp evaluate runs/sync/export runs/async/export --tasks hellaswag,piqa,arc_easy,mmlu --limit 500
     hf-asyncpp evaluate runs/cpu-tiny/export --data data/sotu/eval-00-of-01.jsonl            # perplexity
     hf-asyncpp evaluate MODEL --tasks arc_easy --task-file arc_easy=my_arc.jsonl               # local task data
-    hf-asyncpp evaluate MODEL --tasks mmlu,hellaswag --backend lm_eval --device cuda:0     # lm-eval itself
+    hf-asyncpp evaluate MODEL --tasks mmlu,hellaswag --device cuda:0                          # on a GPU
 
 Prints a table and writes everything into one folder, --out (default: a new eval-YYYYMMDD-HHMMSS folder in the
 current directory): eval_results.json, eval_results.png (a bar chart of the tasks) and, unless --no-card, each
@@ -29,12 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-asyncpp evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dirs", nargs="+")
-    ap.add_argument("--tasks", default=None, help="comma-separated: hellaswag, piqa, arc_easy, arc_challenge, mmlu, "
-                    "mmlu_<subject>, perplexity (--backend lm_eval: any lm-eval task)")
+    ap.add_argument("--tasks", default=None, help="comma-separated lm-eval task or group names (hellaswag, piqa, "
+                    "arc_easy, arc_challenge, mmlu, mmlu_<subject>, ...) and perplexity")
     ap.add_argument("--task-file", action="append", default=[], help="TASK=FILE: local data in the Hub record format")
     ap.add_argument("--limit", type=at_least(1), default=None, help="first documents per task, as lm-eval's --limit (per MMLU subject)")
-    ap.add_argument("--backend", choices=["hf_asyncpp", "lm_eval"], default="hf_asyncpp",
-                    help="scorer: ours (lm-eval's task definitions, offline) or lm-evaluation-harness itself (pip install hf_asyncpp[eval])")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the current GPU if there is one, else the CPU)")
     ap.add_argument("--data", nargs="+", default=None, help="text/jsonl/parquet files or globs for perplexity")
     ap.add_argument("--seq-len", type=at_least(2), default=128)
@@ -85,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts.append(len(ids := eval_blocks(cfg, tokenizer, files, args.max_blocks)))
                 return ids
         results = evaluate_models(args.model_dirs, tasks, task_files=task_files, limit=args.limit, perplexity_blocks=blocks,
-                                  batch_size=args.batch_size, device=args.device, backend=args.backend)
+                                  batch_size=args.batch_size, device=args.device)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

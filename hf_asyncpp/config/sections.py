@@ -322,15 +322,13 @@ class HubConfig:
 @dataclass(kw_only=True)
 class EvalConfig:
     tasks: list[str] = field(default_factory=list)
-    """Tasks run on the export at the end: hellaswag, piqa, arc_easy, arc_challenge, mmlu, mmlu_<subject>, perplexity
-    (with ``backend: lm_eval``: any lm-eval task name)."""
+    """Tasks run on the export at the end: any lm-evaluation-harness task or group name (hellaswag, piqa, arc_easy,
+    arc_challenge, mmlu, mmlu_<subject>, ...; scored by lm-eval, the ``eval`` extra: ``pip install
+    hf_asyncpp[eval]``), and perplexity."""
     task_files: Optional[dict] = None
     """Local task data by task name (the Hub record format); tasks without a file stream from the Hub."""
     limit: Optional[int] = field(default=None, metadata=bounds(lo=1))
     """Documents per task, the first ones, as lm-eval's ``--limit`` (per subject for MMLU; None: all)."""
-    backend: Literal["hf_asyncpp", "lm_eval"] = "hf_asyncpp"
-    """Scorer of the tasks on the export: this package's (offline, lm-eval's task definitions) or lm-evaluation-harness
-    itself (needs ``pip install hf_asyncpp[eval]``)."""
     during_training: bool = False
     """Also score ``tasks`` (not perplexity) every ``training.eval_steps`` on the newest weights, logged as
-    ``eval/<task>/acc_norm``; always with this package's scorer."""
+    ``eval/<task>/acc_norm``: lm-eval's tasks, the log-likelihoods through the pipeline's stages."""

@@ -2,11 +2,8 @@
 writes folders, ``run/evaluator.py`` decides when a run is evaluated.
 
 ==============  =========================================================================================
-``tasks``       the zero-shot task registry, as lm-evaluation-harness defines the tasks, and their data
 ``perplexity``  held-out perplexity of a model, a folder or NLL sums: exp(total NLL / predicted tokens)
-``downstream``  our zero-shot scorer with lm-eval's task definitions; several models side by side, tables, plots
-``lm_eval``     lm-evaluation-harness itself as the scorer (``eval.backend: lm_eval``), local task YAMLs
+``lm_eval``     lm-evaluation-harness, the zero-shot scorer: PipelineLM over the stages, HFLM, local task YAMLs
+``downstream``  exported models side by side (lm-eval's tasks and perplexity), tables, plots; the extra's check
 ==============  =========================================================================================
-
-``metrics/`` holds the ``evaluate`` metric script of the zero-shot scorer (accuracy), loaded by path.
 """

@@ -3,40 +3,22 @@
 A pipeline runtime computes per-block NLL sums on its last stage (``model/nll.py``, the one definition) and hands
 them to :func:`perplexity_from_sums`; a plain model goes through :func:`evaluate_perplexity`. Both end in
 :func:`perplexity_from_sums`: two lines of arithmetic, where an ``evaluate`` metric cost seconds of import and an
-Arrow write per call in every evaluating process. The shipped ``evaluate`` metrics (Hub metric scripts cannot be
-fetched offline) are loaded by path with :func:`load_metric`.
+Arrow write per call in every evaluating process.
 """
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import torch
 from accelerate.utils import find_executable_batch_size
 
+from .. import __version__
 from ..model.nll import nll_per_block
 
-__all__ = ["METRICS_DIR", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "load_metric",
-           "perplexity_from_sums", "resolve_device"]
+__all__ = ["SCORER", "block_nll", "evaluate_model_dir", "evaluate_perplexity", "perplexity_from_sums", "resolve_device"]
 
-METRICS_DIR = Path(__file__).parent / "metrics"
-
-
-def load_metric(name: str):
-    """A fresh ``evaluate`` module for a metric shipped with the package, loaded by absolute path.
-
-    Sets ``HF_EVALUATE_OFFLINE=1`` unless the environment sets it: loading by path needs no network,
-    and the flag makes any other lookup fail at once instead of trying the Hub.
-    """
-    os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
-    import evaluate
-
-    path = METRICS_DIR / name / f"{name}.py"
-    if not path.is_file():
-        known = sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
-        raise ValueError(f"unknown metric {name!r}; shipped metrics: {known}")
-    return evaluate.load(str(path.resolve()))
+SCORER = f"hf_asyncpp {__version__}"
+"""Who computed a perplexity (the model card's ``metric_config``); zero-shot scores name lm-eval and its version."""
 
 
 def resolve_device(device=None) -> torch.device:

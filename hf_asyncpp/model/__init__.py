@@ -3,7 +3,7 @@
 ===============  ========================================================================================
 ``build``        the model a recipe asks for (config or ``from_pretrained``), whole or one stage at a time
 ``seeded_init``  random initialisation that does not depend on how the model is split
-``nll``          the held-out loss of a block and the downstream scorer's log-likelihoods, defined once
+``nll``          the held-out loss of a block and the log-likelihoods lm-eval asks for, defined once
 ``fused_loss``   the head and loss without the ``[tokens, vocab]`` logits: chunked fused linear cross-entropy
 ``export``       a standard Hugging Face folder (``from_pretrained`` works), written stage by stage
 ===============  ========================================================================================

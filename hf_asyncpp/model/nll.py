@@ -1,8 +1,8 @@
-"""The held-out loss of a block of tokens, and the downstream scorer's log-likelihoods, defined once.
+"""The held-out loss of a block of tokens, and the continuation log-likelihoods lm-eval asks for, defined once.
 
 The engines compute them on their own device (the single-process engine on the model, the pipeline on its last
-stage) and evaluation (``eval/perplexity.py``, ``eval/downstream.py``) on a reloaded model; one definition keeps
-those numbers comparable. It lives outside ``eval/`` because the core engines need it and must not depend on
+stage) and evaluation (``eval/perplexity.py``; ``eval/lm_eval.py`` hands lm-evaluation-harness the pipeline's
+log-likelihoods) on a reloaded model; one definition keeps those numbers comparable. It lives outside ``eval/`` because the core engines need it and must not depend on
 evaluation.
 """
 from __future__ import annotations
@@ -21,11 +21,15 @@ def nll_per_block(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def request_batches(requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
                     length: int) -> list[tuple[list[int], torch.Tensor, list[int]]]:
-    """The scorer's batches, as lm-eval makes them: requests longest first (less padding), each input the context
-    and continuation cut from the left to ``length`` + 1 tokens minus the last, right-padded with ``pad_id`` (no
-    mask: causal attention never looks at the pads after a sequence). Per batch: the request indices, the ids
-    ``(B, T)`` and each input's length."""
-    order = sorted(range(len(requests)), key=lambda k: -len(requests[k][0]) - len(requests[k][1]))
+    """The scorer's batches, as lm-eval's ``HFLM`` makes them: requests longest first, equal lengths by their tokens
+    (HFLM's sort key, so that the same requests share a batch), each input the context and continuation cut from the
+    left to ``length`` + 1 tokens minus the last, right-padded with ``pad_id`` (no mask: causal attention never looks
+    at the pads after a sequence). Per batch: the request indices, the ids ``(B, T)`` and each input's length."""
+    def key(k):
+        toks = requests[k][0] + requests[k][1]
+        return -len(toks), tuple(toks)
+
+    order = sorted(range(len(requests)), key=key)
     out = []
     for i in range(0, len(order), batch_size):
         chunk = order[i : i + batch_size]
@@ -39,12 +43,13 @@ def request_batches(requests: list[tuple[list[int], list[int]]], batch_size: int
 
 def continuation_logprobs(logits: torch.Tensor, chunk: list[int], lengths: list[int],
                           requests: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Summed log p(continuation | context) of each request of a batch, from the model's logits ``(B, T, V)``: float64
-    ``(B,)`` on the logits' device (float32 sums, so no host sync per request)."""
+    """lm-eval's answer to each request of a batch, from the model's logits ``(B, T, V)``: float64 ``(B, 2)`` on the
+    logits' device, the summed log p(continuation | context) (float32 sums) and ``is_greedy`` (1.0 when every
+    continuation token is the argmax), with no host sync per request."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     out = []
     for j, k in enumerate(chunk):
-        cont = requests[k][1]
-        pos = torch.arange(lengths[j] - len(cont), lengths[j], device=logits.device)
-        out.append(logp[j, pos, torch.tensor(cont, device=logits.device)].sum())
+        cont = torch.tensor(requests[k][1], device=logits.device)
+        rows = logp[j, torch.arange(lengths[j] - len(cont), lengths[j], device=logits.device)]
+        out.append(torch.stack([rows.gather(1, cont[:, None]).sum(), (rows.argmax(-1) == cont).all().float()]))
     return torch.stack(out).double()

@@ -86,26 +86,27 @@ def read_export(engine, folder: Path) -> dict[str, torch.Tensor] | None:
 
 
 class StageScorer:
-    """The downstream scorer's model (``eval.downstream.choice_logliks``) as a pipeline: its ``score_requests``
-    runs the request batches through the stages with the newest weights, or ``weights`` (an export read back by
-    :func:`read_export`). Collective: every rank scores the same requests."""
+    """The model behind lm-eval's log-likelihood requests (``eval.lm_eval.PipelineLM``) as a pipeline: its
+    ``score_requests`` runs the request batches through the stages with the newest weights, or ``weights`` (an
+    export read back by :func:`read_export`). Collective: every rank scores the same requests."""
 
     def __init__(self, engine, weights: dict[str, torch.Tensor] | None = None):
         self.engine, self.weights, self.config = engine, weights, engine.config
 
     def score_requests(self, requests: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
-                       length: int) -> list[float]:
-        """Summed log p(continuation | context) of each request, on every rank. The batches are the one-device
-        scorer's (``request_batches``); replica r scores batches r, r + dp, ...; the last stages fill their
-        requests' scores and a sum over all ranks gives everyone all of them."""
+                       length: int) -> list[tuple[float, bool]]:
+        """lm-eval's answer to each (context ids, continuation ids) request, on every rank: the summed
+        log p(continuation | context) and whether the continuation is the greedy one. The batches are ``HFLM``'s
+        (``request_batches``); replica r scores batches r, r + dp, ...; the last stages fill their requests' answers
+        and a sum over all ranks gives everyone all of them."""
         topo = self.engine.topo
         batches = request_batches(requests, batch_size, pad_id, length)[topo.dp_rank :: topo.dp_size]
-        scores = torch.zeros(len(requests), dtype=torch.float64, device=self.engine.device)
+        answers = torch.zeros(len(requests), 2, dtype=torch.float64, device=self.engine.device)
 
         def fill(i, logits, _):
             chunk, _, lengths = batches[i]
-            scores[chunk] = continuation_logprobs(logits, chunk, lengths, requests)
+            answers[chunk] = continuation_logprobs(logits, chunk, lengths, requests)
 
         forward_batches(self.engine, [ids for _, ids, _ in batches], fill, self.weights)
-        dist.all_reduce(scores)
-        return scores.tolist()
+        dist.all_reduce(answers)
+        return [(logprob, greedy == 1.0) for logprob, greedy in answers.tolist()]

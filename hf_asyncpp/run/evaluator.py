@@ -9,33 +9,29 @@ pipeline, each stage reading its own tensors, or a ``from_pretrained`` reload in
 (through the pipeline too, on the tensors each stage reads from the export), the card's results, the final Hub push
 and ``final_eval.json``.
 
-The evaluation itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
+The zero-shot tasks are lm-evaluation-harness's (``eval/lm_eval.py``), built once per run: under a pipeline its
+requests go through the stages (``PipelineLM``), in one process lm-eval's ``HFLM`` scores the model. The evaluation
+itself lives in ``eval/``; this module only decides when, on which weights, and where results go.
 """
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from ..eval.downstream import evaluate_models, results_table, score_tasks
+from ..eval.downstream import evaluate_models, results_table, zero_shot_tasks
 from ..eval.perplexity import evaluate_model_dir, perplexity_from_sums
-from ..eval.tasks import load_task
 from ..model.export import assemble_model, export_engine
 from ..storage import checkpoint_io as ckpt
 from ..storage.names import EXPORT_DIR, FINAL_EVAL, METRICS
 from ..supervision import is_main_process
 from .hub import Pusher
 from .model_card import add_eval_results, card_from_recipe, card_writer, held_out_prompt
+from .preflight import check_eval_tasks
 from .reporting import RunLog, read_metrics
 
 log = logging.getLogger("hf_asyncpp")
-
-
-@lru_cache(maxsize=None)
-def _cached_task(task: str, path: str | None, limit: int | None):
-    return load_task(task, path, limit)  # read once per run, scored at every evaluation
 
 
 def evaluation_due(training, step: int) -> bool:
@@ -53,6 +49,29 @@ class Evaluator:
         self.accelerator, self.runlog, self.held_out, self.pusher = accelerator, runlog, held_out, pusher
         self.held_parts = held_parts  # a mixture's sources: their rows of held_out
         self.data_sources: dict[str, int] | None = None  # a mixture's documents and tokens per source, at the end
+        check_eval_tasks(recipe.eval)  # lm-eval missing: said now, not after the training
+        self._taskset = None
+
+    def taskset(self):
+        """lm-eval's tasks of ``eval.tasks``, built on first use and kept for the run (their data read once)."""
+        if self._taskset is None:
+            from ..eval import lm_eval  # the `eval` extra, checked at the start (check_eval_tasks)
+
+            ev = self.recipe.eval
+            self._taskset = lm_eval.load_tasks(zero_shot_tasks(ev.tasks), ev.task_files, ev.limit)
+        return self._taskset
+
+    def score_tasks(self, scorer=None, model=None) -> dict:
+        """``{task: metrics}`` by lm-eval: through the pipeline's ``scorer`` (collective: every rank calls it, with
+        the same tasks) or, in one process, on ``model`` with lm-eval's ``HFLM``."""
+        from ..eval import lm_eval
+
+        main = self.accelerator.is_main_process
+        if scorer is not None:
+            lm = lm_eval.PipelineLM(scorer, self.tokenizer, quiet=not main)
+        else:
+            lm = lm_eval.hf_lm(model, self.tokenizer, device=self.accelerator.device)
+        return lm_eval.score(lm, self.taskset())[0]
 
     def perplexity(self, step: int) -> dict:
         """Held-out loss and perplexity of the newest weights, through the engine, recorded (``eval_loss``,
@@ -77,19 +96,18 @@ class Evaluator:
     def tasks(self, step: int) -> dict | None:
         """``eval.tasks`` on the newest weights, when ``eval.during_training`` is set.
 
-        Under the pipeline the tasks are scored through the stages (``engine.scorer()``: collective, each rank its
-        stage's weights, forward only); in one process the weights are gathered (``engine.full_state_dict``) into a
-        model on the main process's training device. Either way with this package's scorer, recorded as
-        ``eval/<task>/<metric>``. Returns the results on the main process, None elsewhere or when there is nothing to do.
+        lm-eval scores them. Under the pipeline its requests go through the stages (``engine.scorer()``: collective,
+        each rank its stage's weights, forward only); in one process the weights are gathered
+        (``engine.full_state_dict``) into a model on the main process's training device, scored by ``HFLM``.
+        Recorded as ``eval/<task>/<metric>``. Returns the results on the main process, None elsewhere or when there
+        is nothing to do.
         """
         ev = self.recipe.eval
-        tasks = [t for t in ev.tasks if t != "perplexity"]
-        if not (ev.during_training and tasks):
+        if not (ev.during_training and zero_shot_tasks(ev.tasks)):
             return None
-        task_items = {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}
         scorer = self.engine.scorer()
         if scorer is not None:  # every rank: the batches go through the stages
-            res = score_tasks(scorer, self.tokenizer, task_items, limit=ev.limit)
+            res = self.score_tasks(scorer)
             if not self.accelerator.is_main_process:
                 return None
         else:
@@ -97,7 +115,7 @@ class Evaluator:
             if not self.accelerator.is_main_process:
                 return None
             model = assemble_model(weights, self.engine.config).to(self.accelerator.device)  # shares the weights
-            res = score_tasks(model, self.tokenizer, task_items, limit=ev.limit)
+            res = self.score_tasks(model=model)
         self.runlog.record(step, {f"eval/{t}/{m}": r[m] for t, r in res.items() for m in ("acc", "acc_norm") if m in r})
         return res
 
@@ -117,15 +135,14 @@ class Evaluator:
         # device beside a stage; None where a stage cannot be read alone, or in one process
         sums = self.engine.reload_nll(out / EXPORT_DIR, self.held_out, self.recipe.pipeline.microbatch_size)
         ev = recipe.eval
-        tasks = [t for t in ev.tasks if t != "perplexity"]
+        tasks = zero_shot_tasks(ev.tasks)
         # the downstream tasks of the export through the stages too (collective), each stage scoring with the
-        # tensors it reads from the folder; None in one process, with lm-eval's backend, or for a folder a stage
-        # cannot read alone: then the main process loads the folder whole (evaluate_models)
-        scorer = self.engine.scorer(out / EXPORT_DIR) if tasks and ev.backend == "hf_asyncpp" else None
+        # tensors it reads from the folder; None in one process, or for a folder a stage cannot read alone: then
+        # the main process scores the folder whole with lm-eval's HFLM (evaluate_models)
+        scorer = self.engine.scorer(out / EXPORT_DIR) if tasks else None
         staged = None
         if scorer is not None:
-            staged = score_tasks(scorer, self.tokenizer,
-                                 {t: _cached_task(t, (ev.task_files or {}).get(t), ev.limit) for t in tasks}, limit=ev.limit)
+            staged = self.score_tasks(scorer)
             del scorer
         if not main:
             return {}
@@ -144,7 +161,8 @@ class Evaluator:
                 res = {**staged, **({"perplexity": reloaded} if "perplexity" in ev.tasks else {})}
             else:
                 res = evaluate_models([str(export_dir)], ev.tasks, task_files=ev.task_files, limit=ev.limit,
-                                      perplexity_blocks=self.held_out, backend=ev.backend)[str(export_dir)]
+                                      perplexity_blocks=self.held_out,
+                                      taskset=self.taskset() if tasks else None)[str(export_dir)]
             add_eval_results(export_dir, res, task_files=ev.task_files)
             result["downstream"] = res
             log.info("downstream evaluation of the export:\n%s", results_table({str(export_dir): res}))

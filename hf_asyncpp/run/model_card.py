@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..config.recipe import Recipe, load_recipe
-from ..eval.tasks import SCORER, task_spec
+from ..eval.perplexity import SCORER
 from ..model.build import ties
 from ..partition.plan import moe_shape
 from ..schedules.records import SCHEDULES, get_simulated_delay
@@ -313,13 +313,9 @@ def _eval_results(task_results: dict[str, dict], task_files: dict[str, str] | No
         local = Path((task_files or {}).get(t) or "").name or None
         if local:
             hub_id, name, config, split = local, f"{t} (local file {local}, {r['n']} items)", None, None
-        else:
-            try:
-                spec = task_spec(t)
-                hub_id, config, split = spec.hub_id, spec.hub_config, spec.split
-            except ValueError:  # an lm-eval task this package does not define: lm-eval knows its data
-                hub_id, config, split = t, None, None
-            name = t
+        else:  # the Hub dataset lm-eval scored, as its task config names it
+            ds = r.get("dataset") or {}
+            hub_id, config, split, name = ds.get("path") or t, ds.get("config"), ds.get("split"), t
         shots, limit = r.get("num_fewshot", 0), r.get("limit")
         scope = f"{shots}-shot, n={r['n']}" + (f", limit {limit} per task" if limit else "")
         for m in ("acc", "acc_norm"):
@@ -339,8 +335,8 @@ def _downstream_section(results: list) -> str | None:
     if not rows:
         return None
     lines = [DOWNSTREAM_BEGIN, "## Downstream evaluation", "",
-             "Zero-shot multiple-choice scores. `hf_asyncpp` scores with lm-evaluation-harness's task definitions "
-             "(prompts, choices, acc/acc_norm, limit per task); `lm-eval` rows come from lm-evaluation-harness itself. "
+             "Zero-shot multiple-choice scores by lm-evaluation-harness (its tasks, prompts and acc/acc_norm; through "
+             "the training pipeline's stages or on the exported folder, the scorer column names its version). "
              "A score with a limit covers only the first documents of each task, not the full split.", "",
              "| task | metric | value | items (n) | limit | shots | scorer |", "|---|---|---|---|---|---|---|"]
     for e in rows:

@@ -32,10 +32,11 @@ from transformers.trainer_utils import SchedulerType
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ..config.recipe import Recipe
-from ..config.sections import DataConfig, ModelConfig, PipelineConfig, TrainingConfig
+from ..config.sections import DataConfig, EvalConfig, ModelConfig, PipelineConfig, TrainingConfig
 from ..data.files import expand_files, screen_files
 from ..data.sources import nothing_usable
 from ..errors import DataError, RecipeError
+from ..eval.downstream import require_lm_eval
 from ..optim.lr import build_scheduler
 from ..partition import PartitionError, partition_plan
 from ..schedules.records import pipelined
@@ -57,6 +58,7 @@ def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
     if config is not None:
         check_stage_split(recipe.pipeline, config, recipe.data.seq_len)
     check_trackers(t.report_to)
+    check_eval_tasks(recipe.eval)
     check_something_to_resume(Path(t.output_dir), t.resume_from_checkpoint)  # before the folder is made
     out = check_output_dir(t.output_dir)
     check_output_dir_free(out)  # another run holds it: said first, whatever else the folder holds
@@ -70,6 +72,15 @@ def check_recipe(recipe: Recipe, *, hub: bool = True) -> None:
         check_repo_id(recipe.hub.hub_model_id)
     if hub and recipe.hub.push_to_hub:
         check_repo(recipe.hub)
+
+
+def check_eval_tasks(ev: EvalConfig) -> None:
+    """``eval.tasks`` other than perplexity are scored by lm-evaluation-harness, the ``eval`` extra: without it the
+    run stops before it starts (one line naming the install), not after its training."""
+    try:
+        require_lm_eval(ev.tasks, "eval.tasks")
+    except ImportError as e:
+        raise RecipeError(str(e)) from None
 
 
 def check_repo_id(repo_id: str) -> None:
