@@ -98,6 +98,32 @@ def test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out(tmp_path, folde
     assert "--task-file hellaswag=FILE" in err and not (tmp_path / "scores").exists()
 
 
+def test_a_hub_task_with_the_hub_unreachable_is_one_request_then_one_line(tmp_path, folders, monkeypatch, capsys):
+    """Without HF_HUB_OFFLINE, each file of the task took five retries with backoff (11 lines, 30 s) before its
+    line, which named neither the variable nor the cache. One request (an endpoint nothing listens on) finds the
+    Hub out of reach; the cache is then read at once, and the line says so."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    from hf_asyncpp import offline
+    from hf_asyncpp.cli.evaluate import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    offline.hub_unreachable.cache_clear()
+    assert main([str(folders["trained"]), "--tasks", "hellaswag", "--out", str(tmp_path / "scores")]) == 1
+    offline.hub_unreachable.cache_clear()
+    err = capsys.readouterr().err
+    record_errors("hf-asyncpp evaluate", 1, err)
+    assert err == ("error: task hellaswag: its data is not in the cache and the Hub (http://127.0.0.1:9) cannot be "
+                   "reached (ConnectError: [Errno 111] Connection refused); download it where the Hub is reachable (it "
+                   "is then read from the cache), or give a local copy with --task-file hellaswag=FILE\n"), err
+    assert not (tmp_path / "scores").exists()
+
+
 def test_trainer_runs_the_recipe_tasks_on_its_export(tmp_path):
     """One process: the tasks at an evaluation point (step 1) and on the export at the end, by lm-eval; the step-1
     score equals lm-eval's HFLM on step 1's checkpointed weights."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_asyncpp"
 LAYERS = (
-    ("errors", "figures"),  # leaves: every user-facing error; matplotlib set up once
+    ("errors", "figures", "offline"),  # leaves: every user-facing error; matplotlib set up once; the Hub reachable?
     ("schedules",),  # schedules as data and their simulator (no torch)
     ("storage", "topology", "supervision"),  # the disk; where a process sits; a rank never outlives its launcher
     ("config",),  # the recipe

@@ -232,7 +232,7 @@ def test_a_hub_out_of_reach_is_asked_once_then_the_cache_is_used_or_one_line_say
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_asyncpp.config.recipe import load_recipe
-    from hf_asyncpp.run import offline
+    from hf_asyncpp import offline
     from hf_asyncpp.run.preflight import check_model
 
     cache = tmp_path / "hub-cache"

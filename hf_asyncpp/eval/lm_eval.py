@@ -35,6 +35,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 from ..errors import DataError
+from ..offline import hub_unreachable, switch_offline, unreachable
 from ..storage.write import write_file
 from .perplexity import resolve_device
 
@@ -228,6 +229,9 @@ def load_tasks(tasks: list[str], task_files: dict[str, str] | None = None, limit
     and the two ways out, never the datasets library's traceback. Zero-shot: a task's few-shot default is lm-eval's
     (0 for the tasks above; a local file holds no few-shot split)."""
     files = {t: f for t, f in (task_files or {}).items() if t in tasks}
+    why = hub_unreachable() if any(t not in files for t in tasks) else None
+    if why:  # the cache only, at once, instead of five retries with backoff per file (datasets' offline mode)
+        switch_offline()
     with tempfile.TemporaryDirectory(prefix="hf_asyncpp-lm_eval-") as tmp:
         names = write_local_tasks(files, tmp) if files else {}
         # the local tasks from tmp alone (they include lm-eval's YAMLs by path), the others from lm-eval's own index
@@ -244,6 +248,10 @@ def load_tasks(tasks: list[str], task_files: dict[str, str] | None = None, limit
                 if t in files:
                     raise DataError(f"--task-file {t}={files[t]}: cannot be read ({type(e).__name__}: "
                                     f"{_first_line(e)})") from e
+                if why:
+                    raise DataError(f"task {t}: its data is not in the cache and {unreachable(why)}; download it "
+                                    f"where the Hub is reachable (it is then read from the cache), or "
+                                    f"give a local copy with --task-file {t}=FILE") from None
                 raise DataError(f"task {t}: lm-eval cannot load its data from the Hub ({type(e).__name__}: "
                                 f"{_first_line(e)}); download it while online (it is then read from the cache), or "
                                 f"give a local copy with --task-file {t}=FILE") from e

@@ -11,7 +11,6 @@
 ``resume_report``  what a resume does with a recipe that differs from its checkpoint's
 ``model_card``     the model card of an export or a checkpoint
 ``hub``            pushes to the Hugging Face Hub, in the background
-``offline``        whether the Hub can be reached, asked once; the cache and offline mode when it cannot
 ``preflight``      every check that needs no process group, before the processes start
 =================  ======================================================================================
 """

@@ -43,7 +43,7 @@ from ..schedules.records import pipelined
 from ..storage.write import check_output_dir, check_output_dir_free
 from .folder import check_fresh_run, check_something_to_resume
 from .hub import cause_of, check_repo
-from .offline import go_offline, hub_unreachable, offline_advice, switch_offline
+from ..offline import go_offline, hub_unreachable, offline_advice, switch_offline
 from .reporting import check_trackers
 
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)

@@ -50,13 +50,18 @@ def go_offline(why: str, what: str) -> None:
     """:func:`switch_offline`, after ``what`` was found in the cache; one line says so, the first time."""
     if not _said:
         _said.append(what)
-        print(f"hf_asyncpp: the Hub ({constants.ENDPOINT}) cannot be reached ({why}); {what} is in the cache, so "
+        print(f"hf_asyncpp: {unreachable(why)}; {what} is in the cache, so "
               "this run reads the cache only (HF_HUB_OFFLINE=1 for it; set it yourself to skip this check)", flush=True)
     switch_offline()
 
 
+def unreachable(why: str) -> str:
+    """The words for the Hub out of reach, in every line that says so."""
+    return f"the Hub ({constants.ENDPOINT}) cannot be reached ({why})"
+
+
 def offline_advice(name: str, why: str) -> str:
     """The end of an error line for a Hub id that the Hub cannot serve and the cache does not hold."""
-    return (f"the Hub ({constants.ENDPOINT}) cannot be reached ({why}) and {name!r} is not in the cache "
+    return (f"{unreachable(why)} and {name!r} is not in the cache "
             f"({constants.HF_HUB_CACHE}); download it where the Hub is reachable (`hf download {name}`, into the "
             "same cache or HF_HOME), give a local folder, or set HF_HUB_OFFLINE=1 once the cache holds it")
