@@ -187,7 +187,7 @@ def test_evaluation_runs_on_the_model_device(folders, device):
     ppl = evaluate_perplexity(model, blocks)
     handle.remove()
     assert {d.type for d in seen} == {device}
-    assert ppl["eval_ppl"] == pytest.approx(evaluate_perplexity(cpu, blocks)["eval_ppl"], rel=1e-3)
+    assert ppl["eval_perplexity"] == pytest.approx(evaluate_perplexity(cpu, blocks)["eval_perplexity"], rel=1e-3)
     lm = hf_lm(folders["trained"], device=device)
     assert lm.device.type == device
     res = evaluate_models([folders["trained"]], ["arc_easy"], task_files=FILES, limit=4, device=device)
@@ -201,7 +201,7 @@ def test_re_evaluating_replaces_card_results(tmp_path):
 
     arc_data = {"path": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test"}  # as lm-eval's task config names it
     first = {"arc_easy": {"acc": 0.5, "acc_norm": 0.25, "n": 200, "limit": 200, "num_fewshot": 0, "scorer": "lm-eval 0.4.12",
-                          "dataset": arc_data}, "perplexity": {"eval_ppl": 12.0, "num_tokens": 100}}
+                          "dataset": arc_data}, "perplexity": {"eval_perplexity": 12.0, "num_tokens": 100}}
     add_eval_results(tmp_path, first)
     arc = [e for e in ModelCard.load(tmp_path / "README.md").data.eval_results if e.metric_type == "acc_norm"][0]
     assert arc.dataset_args == {"num_few_shot": 0, "limit": 200, "n": 200} and "limit 200 per task" in arc.metric_name
@@ -251,7 +251,7 @@ def test_models_with_other_tokenizers_side_by_side_each_read_the_text_in_their_o
     assert "| task | metric | sync/export | async/export |" in table
     alone = tmp_path / "alone"
     assert main([str(b), "--data", data, "--text-column", "question", "--out", str(alone), "--no-card"]) == 0
-    side_by_side = json.loads((both / "eval_results.json").read_text())[str(b)]["perplexity"]["eval_ppl"]
-    assert side_by_side == json.loads((alone / "eval_results.json").read_text())["eval_ppl"]
+    side_by_side = json.loads((both / "eval_results.json").read_text())[str(b)]["perplexity"]["eval_perplexity"]
+    assert side_by_side == json.loads((alone / "eval_results.json").read_text())["eval_perplexity"]
     card = ModelCard.load(both / "async--export" / "README.md")
     assert "Downstream evaluation" not in card.text and card.data.eval_results[0].metric_type == "perplexity"

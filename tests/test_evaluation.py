@@ -12,8 +12,8 @@ from support import make_config, make_model
 
 def test_perplexity_from_sums():
     res = perplexity_from_sums(torch.tensor([10.0, 20.0]), [5, 10])
-    assert res == {"eval_loss": 2.0, "eval_ppl": math.exp(2.0), "num_tokens": 15}
-    assert perplexity_from_sums([1e6], [1])["eval_ppl"] == math.inf
+    assert res == {"eval_loss": 2.0, "eval_perplexity": math.exp(2.0), "num_tokens": 15}
+    assert perplexity_from_sums([1e6], [1])["eval_perplexity"] == math.inf
     with pytest.raises(ValueError, match="2 NLL sums but 1 token counts"):
         perplexity_from_sums([1.0, 2.0], [3])
     with pytest.raises(ValueError, match="perplexity of 0 tokens"):
@@ -30,13 +30,13 @@ def test_perplexity_equals_a_direct_computation():
     res = evaluate_perplexity(model, blocks, batch_size=2)
     assert res["num_tokens"] == n
     assert math.isclose(res["eval_loss"], nll / n, rel_tol=1e-6)
-    assert math.isclose(res["eval_ppl"], math.exp(nll / n), rel_tol=1e-6)
+    assert math.isclose(res["eval_perplexity"], math.exp(nll / n), rel_tol=1e-6)
     sums, counts = block_nll(model, blocks, batch_size=3)
     assert counts == [11] * 5
     torch.testing.assert_close(torch.tensor(sums, dtype=torch.float64), per_block, rtol=1e-6, atol=1e-6)
     with torch.no_grad():
         single = model(blocks[:1], labels=blocks[:1]).loss.item()  # HF's own shifted loss
-    assert math.isclose(evaluate_perplexity(model, blocks[:1])["eval_ppl"], math.exp(single), rel_tol=1e-6)
+    assert math.isclose(evaluate_perplexity(model, blocks[:1])["eval_perplexity"], math.exp(single), rel_tol=1e-6)
 
 
 def test_forward_only_in_eval_mode_and_mode_restored():

@@ -216,8 +216,8 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
                 ckpt / "recipe.yaml")
     (ckpt / "run_state.json").write_text(json.dumps({"step": 10, "tokens": 2560}))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (
-        {"step": 0, "eval_loss": 5.8, "eval_ppl": 330.3}, {"step": 5, "loss": 5.0}, {"step": 10, "eval_loss": 4.5, "eval_ppl": 90.0},
-        {"step": 20, "eval_loss": 4.0, "eval_ppl": 54.6})))  # written after this checkpoint: not its result
+        {"step": 0, "eval_loss": 5.8, "eval_perplexity": 330.3}, {"step": 5, "loss": 5.0}, {"step": 10, "eval_loss": 4.5, "eval_perplexity": 90.0},
+        {"step": 20, "eval_loss": 4.0, "eval_perplexity": 54.6})))  # written after this checkpoint: not its result
 
     env = {"HF_EVALUATE_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -233,7 +233,7 @@ def test_scripts_export_and_evaluate(tmp_path, tok):
             "--out", str(tmp_path / "ppl"), "--no-card")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "ppl" / "eval_results.json").read_text())
-    assert res["blocks"] == 4 and res["num_tokens"] == 4 * 15 and math.isclose(res["eval_ppl"], math.exp(res["eval_loss"]))
+    assert res["blocks"] == 4 and res["num_tokens"] == 4 * 15 and math.isclose(res["eval_perplexity"], math.exp(res["eval_loss"]))
     cfg = DataConfig(seq_len=16, shuffle_buffer=0, min_document_tokens=0)  # the blocks the script scores, in process
     direct = evaluate_model_dir(tmp_path / "hf", eval_blocks(cfg, tok, [str(data)], 4))
     assert math.isclose(res["eval_loss"], direct["eval_loss"], rel_tol=1e-9)

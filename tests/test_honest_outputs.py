@@ -129,9 +129,9 @@ def test_a_run_ends_with_one_summary_saying_the_result_once_and_where_its_output
     said = capsys.readouterr()
     console = said.out + said.err + caplog.text
     final = json.loads((out / "final_eval.json").read_text())
-    result = (f"exported {out / 'export'}: perplexity {final['export_eval_ppl']:.2f} "
-              f"(untrained {final['untrained_eval_ppl']:.2f}), eval_loss {final['export_eval_loss']:.4f}")
-    assert console.count(f"perplexity {final['export_eval_ppl']:.2f}") == 1, console
+    result = (f"exported {out / 'export'}: perplexity {final['export_eval_perplexity']:.2f} "
+              f"(untrained {final['untrained_eval_perplexity']:.2f}), eval_loss {final['export_eval_loss']:.4f}")
+    assert console.count(f"perplexity {final['export_eval_perplexity']:.2f}") == 1, console
     assert console.count("exported ") == 1 and "step 2: eval_loss" in caplog.text  # each evaluation is said
     first, *where = said.out.strip().splitlines()
     assert first == result

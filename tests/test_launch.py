@@ -163,7 +163,7 @@ def straight_24(tmp_path_factory):
 def test_two_stage_2bw_run_exports_and_evaluates(two_stage_run):
     out, log = two_stage_run
     final = json.loads((out / "final_eval.json").read_text())
-    assert final["export_eval_ppl"] < final["untrained_eval_ppl"]
+    assert final["export_eval_perplexity"] < final["untrained_eval_perplexity"]
     last_eval = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r][-1]
     # the evaluation through the stages (the newest weights, whatever version 2BW still holds) equals transformers'
     # forward of the reloaded export on the same blocks

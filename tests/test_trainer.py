@@ -101,7 +101,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         assert key in train_rows[-1]
     assert not {"lr", "tokens"} & set(train_rows[-1])
     assert train_rows[-1]["num_input_tokens_seen"] == 8 * 2 * 2 * 32
-    assert any("eval_ppl" in r for r in rows)
+    assert any("eval_perplexity" in r for r in rows)
 
 
 def test_a_checkpoints_trainer_state_json_is_transformers_own(tmp_path):
@@ -180,7 +180,7 @@ def test_export_and_perplexity_at_the_end(tmp_path):
     ref = ckpt.load_tensors(out / checkpoint_name(20) / "model.safetensors")
     for k, v in ref.items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
-    assert summary["export_eval_ppl"] < summary["untrained_eval_ppl"]
+    assert summary["export_eval_perplexity"] < summary["untrained_eval_perplexity"]
     assert model(ids).logits.shape[-1] >= 300
 
 

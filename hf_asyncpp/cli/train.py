@@ -99,12 +99,12 @@ def end_summary(summary: dict) -> str | None:
         return (f"stopped after step {summary['step']} (training.stop_after_steps); resume with "
                 "--training.resume_from_checkpoint=latest")
     if summary.get("export_dir"):
-        untrained = summary.get("untrained_eval_ppl")
-        line = (f"exported {summary['export_dir']}: perplexity {summary['export_eval_ppl']:.2f}"
+        untrained = summary.get("untrained_eval_perplexity")
+        line = (f"exported {summary['export_dir']}: perplexity {summary['export_eval_perplexity']:.2f}"
                 + (f" (untrained {untrained:.2f})" if untrained is not None else "")
                 + f", eval_loss {summary['export_eval_loss']:.4f}")
     else:
-        line = f"done: step {summary['step']} eval_loss {summary['eval_loss']:.4f} perplexity {summary['eval_ppl']:.2f}"
+        line = f"done: step {summary['step']} eval_loss {summary['eval_loss']:.4f} perplexity {summary['eval_perplexity']:.2f}"
     return "\n".join([line, *where_lines(summary.get("files") or {})])
 
 

@@ -100,7 +100,7 @@ def results_table(results: dict[str, dict[str, dict]], names: list[str] | None =
     first = next(iter(results.values()))
     lines = ["| task | metric | " + " | ".join(names or model_names(models)) + " |", "|---|---|" + "---|" * len(models)]
     for t, res in first.items():
-        metrics = ["eval_ppl"] if t == "perplexity" else [m for m in ("acc", "acc_norm") if m in res]
+        metrics = ["eval_perplexity"] if t == "perplexity" else [m for m in ("acc", "acc_norm") if m in res]
         for m in metrics:
             lines.append(f"| {t} | {m} | " + " | ".join(f"{results[d][t][m]:.4f}" for d in models) + " |")
     return "\n".join(lines)

@@ -94,7 +94,7 @@ class PipelineLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         raise NotImplementedError("PipelineLM scores multiple-choice tasks only; for perplexity use the held-out "
-                                  "evaluation (eval_ppl), or score the exported folder with lm-eval's HFLM")
+                                  "evaluation (eval_perplexity), or score the exported folder with lm-eval's HFLM")
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         raise NotImplementedError("PipelineLM does not generate; score generative tasks on the exported folder with "

@@ -32,7 +32,7 @@ def resolve_device(device=None) -> torch.device:
 
 
 def perplexity_from_sums(nll_sums, token_counts) -> dict:
-    """``{eval_loss, eval_ppl, num_tokens}`` from per-block (or per-batch) summed next-token NLLs and the
+    """``{eval_loss, eval_perplexity, num_tokens}`` from per-block (or per-batch) summed next-token NLLs and the
     number of predicted tokens in each, e.g. as computed by the last pipeline stage."""
     nll_sums, token_counts = [float(x) for x in nll_sums], [int(x) for x in token_counts]
     if len(nll_sums) != len(token_counts):
@@ -41,7 +41,7 @@ def perplexity_from_sums(nll_sums, token_counts) -> dict:
     if n <= 0:
         raise ValueError(f"perplexity of {n} tokens: give the number of predicted tokens of each block")
     loss = total / n
-    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 709.0 else math.inf, "num_tokens": n}
+    return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 709.0 else math.inf, "num_tokens": n}
 
 
 @torch.no_grad()
@@ -73,7 +73,7 @@ def block_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> tuple[list[fl
 
 
 def evaluate_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> dict:
-    """``{eval_loss, eval_ppl, num_tokens}`` of ``model`` on ``blocks`` (LongTensor ``(n, seq_len)``)."""
+    """``{eval_loss, eval_perplexity, num_tokens}`` of ``model`` on ``blocks`` (LongTensor ``(n, seq_len)``)."""
     return perplexity_from_sums(*block_nll(model, blocks, batch_size))
 
 

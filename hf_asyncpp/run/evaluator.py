@@ -75,7 +75,7 @@ class Evaluator:
 
     def perplexity(self, step: int) -> dict:
         """Held-out loss and perplexity of the newest weights, through the engine, recorded (``eval_loss``,
-        ``eval_ppl``, ``eval_tokens``; for a mixture also ``eval_loss/<source>``, and ``eval_loss`` over all its
+        ``eval_perplexity``, ``eval_tokens``; for a mixture also ``eval_loss/<source>``, and ``eval_loss`` over all its
         sources' held-out tokens); the shipped ``evaluate`` metric computes them."""
         mbs = self.recipe.pipeline.microbatch_size
         if not self.held_parts:
@@ -89,7 +89,7 @@ class Evaluator:
     def at_step(self, step: int) -> dict:
         """An evaluation point during training: :meth:`perplexity`, then :meth:`tasks`. Returns the perplexity record."""
         rec = self.perplexity(step)
-        log.info("step %d: eval_loss %.4f perplexity %.2f", step, rec["eval_loss"], rec["eval_ppl"])
+        log.info("step %d: eval_loss %.4f perplexity %.2f", step, rec["eval_loss"], rec["eval_perplexity"])
         self.tasks(step)
         return rec
 
@@ -152,7 +152,7 @@ class Evaluator:
         else:  # the whole folder with from_pretrained, on this process's training device (resolve_device)
             reloaded = evaluate_model_dir(export_dir, self.held_out, bf16=self.recipe.training.bf16)
         result = {"export_dir": str(export_dir), "export_eval_loss": reloaded["eval_loss"],
-                  "export_eval_ppl": reloaded["eval_ppl"], "untrained_eval_ppl": evals[0]["eval_ppl"] if evals else None}
+                  "export_eval_perplexity": reloaded["eval_perplexity"], "untrained_eval_perplexity": evals[0]["eval_perplexity"] if evals else None}
         if self.data_sources is not None:  # a mixture: what each source gave, and its held-out loss at the end
             last = evals[-1] if evals else {}
             result["data_sources"] = {**self.data_sources, **{k: v for k, v in last.items() if k.startswith("eval_loss/")}}

@@ -260,7 +260,7 @@ def card_from_recipe(recipe: Recipe | None, steps: int | None, tokens: int | Non
                     library_versions=library_versions(), **_continued_from(r.model.name_or_path))
     evals = [m for m in metrics if "eval_loss" in m and (steps is None or m.get("step", 0) <= steps)]
     if evals:
-        card.update(eval_loss=evals[-1]["eval_loss"], perplexity=evals[-1].get("eval_ppl"),
+        card.update(eval_loss=evals[-1]["eval_loss"], perplexity=evals[-1].get("eval_perplexity"),
                     eval_tokens=evals[-1].get("eval_tokens"))
     return {k: v for k, v in card.items() if v is not None}
 
@@ -307,7 +307,7 @@ def _eval_results(task_results: dict[str, dict], task_files: dict[str, str] | No
     for t, r in task_results.items():
         if t == "perplexity":
             results.append(EvalResult(task_type="text-generation", dataset_type="held-out", dataset_name="held-out",
-                                      metric_type="perplexity", metric_value=round(r["eval_ppl"], 4),
+                                      metric_type="perplexity", metric_value=round(r["eval_perplexity"], 4),
                                       dataset_args={"n": r.get("num_tokens")}, metric_config=SCORER))
             continue
         local = Path((task_files or {}).get(t) or "").name or None

@@ -5,7 +5,7 @@ num_input_tokens_seen, tokens_per_s, applied, elapsed_s, train_s``: seconds sinc
 the result arrived, and of those the seconds spent training, evaluations and checkpoints excluded, the clock of a
 time-to-loss comparison; a single-process MoE run whose config sets ``output_router_logits`` adds
 ``router_aux_loss`` and ``expert_tokens``, the tokens each layer's router sent to each expert that step) and one per
-evaluation (``eval_loss, eval_ppl, eval_tokens``); a compiled run (``training.torch_compile``) one per drain point
+evaluation (``eval_loss, eval_perplexity, eval_tokens``); a compiled run (``training.torch_compile``) one per drain point
 (``compile``: Dynamo's counts per rank, :meth:`RunLog.compile_stats`). Where a number is one the HF
 Trainer logs, it has the Trainer's name, so a script written for a Trainer's ``log_history`` reads ours. The trackers
 and the log get the mean over each ``training.logging_steps`` interval, as the HF Trainer does (:func:`interval_log`).
@@ -253,12 +253,12 @@ class RunLog:
         """One evaluation record per step: a run resumed at its end (to write an export a kill interrupted) measures
         the same weights again, and its second record would read as another evaluation. ``per_source``: a
         mixture's ``eval_loss/<source>``, in the same record (the trackers get ``eval/loss/<source>``)."""
-        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_ppl": res["eval_ppl"], "eval_tokens": tokens,
+        rec = {"step": step, "eval_loss": res["eval_loss"], "eval_perplexity": res["eval_perplexity"], "eval_tokens": tokens,
                **(per_source or {})}
         if self.main and step not in self.evaluated:
             self.evaluated.add(step)
             self._write(rec)
-            self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_ppl"],
+            self.accelerator.log({"eval/loss": rec["eval_loss"], "eval/perplexity": rec["eval_perplexity"],
                                   "eval/tokens": tokens, **{f"eval/{k[5:]}": v for k, v in (per_source or {}).items()}},
                                  step=step)
         return rec

@@ -264,7 +264,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher, held_parts)
     if state.step == 0 and resume is None:
         first_eval = evaluator.perplexity(0)
-        log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_ppl"])
+        log.info("untrained: eval_loss %.4f perplexity %.2f", first_eval["eval_loss"], first_eval["eval_perplexity"])
 
     batches = stream  # None on a middle stage
     skips = SkipLimit(t.max_consecutive_skips, math.ceil(t.max_skipped_fraction * t.max_steps))
@@ -316,7 +316,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
         evaluator.data_sources = source_report(stream, topo, recipe.data.seq_len)
     last_eval = evaluator.perplexity(state.step)
     summary = {"step": state.step, "tokens": state.tokens, "is_main": accelerator.is_main_process,
-               **{k: last_eval[k] for k in ("eval_loss", "eval_ppl")}}
+               **{k: last_eval[k] for k in ("eval_loss", "eval_perplexity")}}
     prof = engine.profile()  # collective under the pipeline; None in one process
     if prof is not None:
         summary["pipeline_profile"] = write_report(out, prof, rp, t.max_grad_norm)
