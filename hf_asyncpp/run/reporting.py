@@ -96,13 +96,18 @@ def compile_fallback_line(ranks: list[int]) -> str:
             "run with TORCH_LOGS=recompiles to see the guard and remove its cause, or set training.torch_compile: false")
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, whole_lines: bool = False) -> list[dict]:
     """The records of a metrics.jsonl (a missing file reads as none). A line that is not a JSON record (a run
-    killed, or a disk filled, in the middle of writing it) is left out with a warning naming it."""
+    killed, or a disk filled, in the middle of writing it) is left out with a warning naming it. ``whole_lines``:
+    read while the run appends (the checkpoint writer), so a last line without its newline is still being written
+    and is left out without a word."""
     if not path.exists():
         return []
     rows = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    text = path.read_text(errors="replace")
+    if whole_lines:
+        text = text[:text.rfind("\n") + 1]
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -28,7 +28,7 @@ from ..data.sources import resolve_data_files, train_hold_out
 from ..data.stream import BlockStream, eval_blocks
 from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
 from ..engine import Engine, LocalEngine, StepResult
-from ..errors import NonFiniteError, StageLocalError
+from ..errors import NonFiniteError, StageLocalError, WriteError
 from ..launch.spawn import check_topology, processes_needed
 from ..model.build import build_model, compile_counts, meta_model
 from ..plan.autosplit import auto_split
@@ -252,16 +252,20 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             if stopping:
                 break
             runlog.restart_clock()
-    except BaseException:
+    except BaseException as e:
         runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
+        if isinstance(e, WriteError):
+            checkpointer.failed_first(e)  # the background save's own failure, if it came first
         raise
     finally:
         if stream is not None:
             stream.close()  # the worker stops reading ahead: nothing after this point trains
+    checkpointer.finish()  # the last save written and committed before anything else (a stop signal's exit too)
     runlog.close()
     if stopping or state.step < t.max_steps:  # a stop signal or stop_after_steps: checkpointed, nothing more to do
         if pusher is not None:
             pusher.wait()
+        checkpointer.close()
         engine.close()
         accelerator.end_training()
         if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
@@ -285,6 +289,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     elif pusher is not None:
         pusher.wait()
     accelerator.wait_for_everyone()
+    checkpointer.close()
     engine.close()
     accelerator.end_training()
     if pusher is not None:  # every file is written: now a push that never landed fails the run
