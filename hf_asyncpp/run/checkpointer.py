@@ -51,7 +51,8 @@ from transformers import TrainerState
 from .. import supervision
 from ..config.recipe import Recipe, save_recipe
 from ..engine import Engine
-from ..errors import CheckpointError, PeerFailure, RecipeError, WriteError
+from ..errors import EXIT_PEER, CheckpointError, PeerFailure, RecipeError, WriteError
+from ..launch.failures import peer_gone, report
 from ..model.build import build_config
 from ..model.export import export_engine, tied_names
 from ..storage import checkpoint_io as ckpt, write as storage
@@ -167,9 +168,6 @@ class SaveCounts:
     blocked_s: float = 0.0  # training-thread seconds in save() (waiting included): what the pipeline stalled
 
 
-WRITER_TIMEOUT = timedelta(hours=2)  # a writer waits this long for the others' writes (tens of GB per rank at scale)
-
-
 class Checkpointer:
     """Saves and resumes a run in ``out``; every method is collective (every rank calls it)."""
 
@@ -184,7 +182,8 @@ class Checkpointer:
         self._failed_at: float | None = None  # time.monotonic() of this rank's writer's last failure
         # the writers' own communicator, made now, on every rank, in the same order as every group: the writer
         # thread's collectives never share a communicator with the training thread's
-        self._group = dist.new_group(backend="gloo", timeout=WRITER_TIMEOUT) \
+        # (its timeout, the checkpoints' pipeline.init_timeout_s, bounds how long a writer waits for the others)
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=recipe.pipeline.init_timeout_s)) \
             if topo.world_size > 1 and dist.is_initialized() else None
 
     @property
@@ -260,16 +259,23 @@ class Checkpointer:
                 raise
             raise self._silent_peer(self._writing) from None
 
-    def failed_first(self, error: WriteError) -> None:
-        """A write of the training thread failed (``error``; a full disk, say) while a save may be in flight: the save
-        is finished first (a failure elsewhere does not lose it), and where it failed too, earlier, its failure is
-        the one raised (with its "stays the latest"); else nothing, and the caller raises ``error``."""
+    def settle(self, error: BaseException) -> None:
+        """The training thread failed with ``error`` while a save may be in flight: the save is finished first (a
+        failure elsewhere does not lose it). Where it failed too, earlier, with a write error, that one is raised
+        (a full disk fills for both: the save's failure came first and says which checkpoint stays the latest);
+        where a rank went silent, the writer, which waits for it as well, names it with the checkpoint that stays
+        the latest and ends the run. Else nothing: the caller raises ``error``. Not for a dead peer (the writer
+        would wait out its timeout; the dead rank's launcher ends the job) or a second SIGINT (stop at once)."""
+        if isinstance(error, KeyboardInterrupt) or peer_gone(error):
+            return
         seen = time.monotonic()
         try:
             self.finish()
         except WriteError as mine:
-            if self._failed_at is not None and self._failed_at <= seen:
+            if isinstance(error, WriteError) and self._failed_at is not None and self._failed_at <= seen:
                 raise mine from error
+        except Exception:  # noqa: BLE001 - the save's own failure, after this one: this one is reported
+            log.warning("the checkpoint in flight failed too", exc_info=True)
 
     def close(self) -> None:
         """Finish the save in flight, then release the writers' process group and the staging buffers."""
@@ -322,7 +328,7 @@ class Checkpointer:
                counts: SaveCounts) -> None:
         """The writer thread's half of a save: this rank's files, then (all writers together, over their own group)
         the commit by the main process; every writer ends with the same outcome, raised at :meth:`finish`."""
-        topo, main = self.topo, self.topo.rank == 0
+        topo = self.topo
         before, failure = bytes_written_by(), None
         try:
             ckpt.write_staged(tmp, files)
@@ -338,19 +344,33 @@ class Checkpointer:
         mine = {"written": written, "position": where, "failure": failure}
         counts.sent_bytes = len(pickle.dumps(mine))
         mine["counts"] = dataclasses.asdict(counts)
-        parts = [mine]
-        if self._group is not None:
-            parts = [None] * topo.world_size if main else None
-            dist.gather_object(mine, parts, dst=0, group=self._group)
-        outcome = self._commit(tmp, final, state, config, parts) if main else None
-        if self._group is not None:
-            box = [outcome]
-            dist.broadcast_object_list(box, src=0, group=self._group)
-            outcome = box[0]
+        try:
+            outcome = self._meet(tmp, final, state, config, mine)
+        except RuntimeError as e:
+            if not timed_out(e):
+                raise
+            # a rank went silent during the save: the training thread may be waiting on it too, in a transfer whose
+            # own timeout is longer; the run ends now, naming it, as a save on the training thread did
+            peer = self._silent_peer(state.step)
+            code = report(peer, debug=False)
+            os._exit(code if code is not None else EXIT_PEER)
         self.counts.append(counts)
         if outcome is not None:
             kind, message = outcome
             raise (WriteError if kind == "write" else RuntimeError)(message)
+
+    def _meet(self, tmp: Path, final: Path, state: RunState, config, mine: dict) -> tuple[str, str] | None:
+        """The writers together, over their own group: every rank's records to the main process, its commit, the
+        outcome to every rank, and a barrier (a rank that stops answering during the save is noticed here)."""
+        if self._group is None:
+            return self._commit(tmp, final, state, config, [mine])
+        main = self.topo.rank == 0
+        parts = [None] * self.topo.world_size if main else None
+        dist.gather_object(mine, parts, dst=0, group=self._group)
+        box = [self._commit(tmp, final, state, config, parts) if main else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.barrier(group=self._group)
+        return box[0]
 
     def _commit(self, tmp: Path, final: Path, state: RunState, config, parts: list[dict]) -> tuple[str, str] | None:
         """The main process's writer, once every rank's files are written: the run's files, the manifest, the move

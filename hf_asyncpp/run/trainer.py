@@ -28,7 +28,7 @@ from ..data.sources import resolve_data_files, train_hold_out
 from ..data.stream import BlockStream, eval_blocks
 from ..data.tokenizer import adopt_tokenizer, checkpoint_tokenizer, load_or_train_tokenizer
 from ..engine import Engine, LocalEngine, StepResult
-from ..errors import NonFiniteError, StageLocalError, WriteError
+from ..errors import NonFiniteError, StageLocalError
 from ..launch.spawn import check_topology, processes_needed
 from ..model.build import build_model, compile_counts, meta_model
 from ..plan.autosplit import auto_split
@@ -254,8 +254,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             runlog.restart_clock()
     except BaseException as e:
         runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
-        if isinstance(e, WriteError):
-            checkpointer.failed_first(e)  # the background save's own failure, if it came first
+        checkpointer.settle(e)  # the save in flight finished first; its own failure, where it came first
         raise
     finally:
         if stream is not None:
