@@ -409,6 +409,9 @@ class Checkpointer:
         except WriteError as e:  # every other rank is past its writes (the gather above)
             self._failed_at = time.monotonic()
             return "write", str(self._failed(e, tmp, alone=True))
+        except Exception as e:  # noqa: BLE001 - a bug: said to every writer, which would otherwise wait for this one
+            log.exception("committing %s", final.name)
+            return "bug", f"committing {final.name}: {type(e).__name__}: {e}"
         prune(self.out, self.recipe.training.save_total_limit, keep=final)
         log.info("saved %s", final.name)
         return None
