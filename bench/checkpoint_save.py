@@ -9,7 +9,9 @@ between the two ways, so both meet the same machine load. Each is timed on the t
 return, after the previous save's write is finished (not counted for either: at most one save is in flight, and a
 steady run whose saves are further apart than a write never waits). The manifest's per-save counts give what the
 training thread staged and wrote (``save`` in ``manifest.json``). CPU times are not targets: the ratio is the figure;
-the bytes the training thread writes (0) are the count the tests hold. ``--write`` replaces the ``checkpoint-save``
+the bytes the training thread writes (0) are the count the tests hold. The waited-for save is a lower bound of a
+synchronous save as the project made it before (the same serialize, hash, write and commit on the training thread,
+plus a second host copy and the gathers through one rank). ``--write`` replaces the ``checkpoint-save``
 section of docs/benchmarks/parts.md.
 """
 from __future__ import annotations
@@ -91,7 +93,9 @@ def table(res: dict, hidden: int, layers: int) -> str:
         "",
         f"Ratio: the asynchronous save blocks the training thread **{w / a:.1f}x** less than the synchronous one "
         "(a 2-core CPU shared with other work: the ratio, not the milliseconds, is the figure; on a GPU the staging "
-        "is a device-to-pinned copy).",
+        "is a device-to-pinned copy). The synchronous row is a lower bound of the save the asynchronous one "
+        "replaced, which did the same work on the training thread and besides copied the state to the host twice "
+        "and gathered ZeRO-1's optimizer state and every data position through one rank.",
     ])
 
 

@@ -108,9 +108,11 @@ def test_the_writer_runs_one_save_at_a_time_and_raises_on_the_callers_thread():
 HELD_WRITER = """
 import sys, threading, time
 from pathlib import Path
+from hf_asyncpp.run import checkpointer
 from hf_asyncpp.storage import write as storage
 
 real, marker = storage.open_for_write, Path(sys.argv[1])
+save = checkpointer.Checkpointer._save
 
 
 def held(path, append=False):  # the writer of checkpoint 4 never finishes: the process is killed meanwhile
@@ -120,22 +122,30 @@ def held(path, append=False):  # the writer of checkpoint 4 never finishes: the 
     return real(path, append)
 
 
-storage.open_for_write = held
+def saving(self, state, engine, stream):  # the training thread reached the next save (where it waits for 4)
+    if state.step == 6:
+        marker.with_name("saving-6").write_text("")
+    return save(self, state, engine, stream)
+
+
+storage.open_for_write, checkpointer.Checkpointer._save = held, saving
 from hf_asyncpp.cli.train import main
 sys.exit(main(sys.argv[2:]))
 """
 
 
 def test_a_process_killed_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path):
-    """Checkpoint 4's writer is held; the training thread trains steps 5 and 6 meanwhile, then waits for it at the
-    save of step 6 and the process is SIGKILLed there. Checkpoint 2 stays the latest (4 was never committed: no
-    manifest, only its temporary folder), verifies, and the resume trains steps 3-6 to the killed run's losses."""
+    """Checkpoint 4's writer is held; the training thread trains steps 5 and 6 meanwhile (their metrics records wait
+    behind the save in flight), then waits for it at the save of step 6, and the process is SIGKILLed there.
+    Checkpoint 2 stays the latest (4 was never committed: no manifest, only its temporary folder) and verifies; the
+    resume trains steps 3-6 to the losses of a run never killed."""
     import os
     import signal
     import subprocess
     import sys
 
     from hf_asyncpp.run.folder import choose_resume
+    from hf_asyncpp.run.trainer import train
     from hf_asyncpp.topology import Topology
     from support import recipe_file, train_steps
 
@@ -145,20 +155,21 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
     proc = subprocess.Popen([sys.executable, "-c", HELD_WRITER, str(marker), recipe], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (marker.exists() and 6 in train_steps(out)) and proc.poll() is None and time.monotonic() < deadline:
+    while not (marker.exists() and (tmp_path / "saving-6").exists()) and proc.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    time.sleep(0.5)  # the training thread is waiting for the held write at the save of step 6
+    assert proc.poll() is None and marker.exists(), proc.stderr.read()[-3000:]
+    time.sleep(0.5)  # in the save of step 6, waiting for the held write
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert train_steps(out) == [1, 2, 3, 4, 5, 6]
-    killed = losses(out)
+    assert train_steps(out) == [1, 2, 3, 4]  # 5 and 6 were to follow checkpoint 4's commit
     assert choose_resume(out, "latest", Topology()) == out / checkpoint_name(2)
-    assert not (out / checkpoint_name(4)).exists() and not (out / checkpoint_name(6)).exists()
+    assert not (out / checkpoint_name(4)).exists() and (out / ".tmp-checkpoint-0000004").is_dir()
     assert ckpt.verify(out / checkpoint_name(2)) == []
-    from hf_asyncpp.run.trainer import train
 
+    straight = tmp_path / "straight"
+    train(recipe_from_dict(tiny(straight, training__max_steps=6, training__save_steps=2)))
     train(recipe_from_dict(tiny(out, training__max_steps=6, training__save_steps=2,
                                 training__resume_from_checkpoint="latest")))
-    assert train_steps(out) == [1, 2, 3, 4, 5, 6] and losses(out) == killed
-    assert (out / checkpoint_name(6) / "manifest.json").exists()
+    assert train_steps(out) == [1, 2, 3, 4, 5, 6] and losses(out) == losses(straight)
+    assert (out / checkpoint_name(6) / "manifest.json").exists() and not (out / ".tmp-checkpoint-0000004").exists()

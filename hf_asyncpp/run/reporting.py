@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
 from ..storage.names import LOSS_CURVE, METRICS
+from ..storage.staging import BackgroundWriter
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
 from ..figures import pyplot
@@ -171,8 +172,9 @@ class RunLog:
     logging interval is one log line instead."""
 
     def __init__(self, out: Path, recipe: Recipe, accelerator, state, tokens_per_step: int,
-                 flops_per_token: float | None = None):
+                 flops_per_token: float | None = None, writer: BackgroundWriter | None = None):
         self.path, self.recipe, self.accelerator = out / METRICS, recipe, accelerator
+        self.writer = writer  # the checkpoint writer: records made while a save is in flight follow its commit
         self.main = accelerator.is_main_process
         self.tokens_per_step = tokens_per_step
         peak = device_peak_flops(recipe.training.peak_tflops)
@@ -207,7 +209,11 @@ class RunLog:
 
     def _write(self, rec: dict) -> None:
         data = (json_text(rec) + "\n").encode()
-        write_file(self.path, lambda f: f.write(data), append=True, fsync=False)
+        append = lambda: write_file(self.path, lambda f: f.write(data), append=True, fsync=False)  # noqa: E731
+        if self.writer is None:
+            append()
+        else:  # after the save in flight, if any: a record never lands before the commit of an earlier save
+            self.writer.in_order(append)
 
     def restart_clock(self) -> None:
         """Start measuring tokens/s afresh (after an evaluation or a checkpoint, which are not training time).

@@ -222,7 +222,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
         with writing(out / RECIPE_FILE):
             save_recipe(recipe, out / RECIPE_FILE)
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
-    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
+    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len),
+                    writer=checkpointer.writer)
 
     evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher)
     if state.step == 0 and resume is None:

@@ -71,12 +71,20 @@ class BackgroundWriter:
     """One daemon thread running one job at a time. :meth:`submit` first waits for the job before (at most one in
     flight); :meth:`wait` returns once the job is done and raises what it raised, on the caller's thread. A daemon:
     a process that dies or exits on an error does not wait for a write, whose checkpoint then is never committed (the
-    previous one stays the latest)."""
+    previous one stays the latest).
+
+    :meth:`in_order` keeps the run folder's other writes (a ``metrics.jsonl`` record) in the order they were made
+    with respect to a checkpoint: while a job is in flight they run on its thread after it, else at once. So a record
+    of a step after a save never reaches the disk before that save's commit (a disk that fills meanwhile fails the
+    record, not the checkpoint), and the writer's commit never reads a file the training thread is appending to."""
 
     def __init__(self, name: str = "checkpoint-writer"):
         self.name = name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._running = False
+        self._after: list[Callable[[], None]] = []
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -85,18 +93,32 @@ class BackgroundWriter:
 
     def submit(self, job: Callable[[], None]) -> None:
         self.wait()
-
-        def run():
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread at wait()
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, args=(job,), name=self.name, daemon=True)
         self._thread.start()
 
+    def _run(self, job: Callable[[], None]) -> None:
+        while job is not None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread at wait()
+                if self._error is None:
+                    self._error = e
+            with self._lock:
+                job = self._after.pop(0) if self._after else None
+                if job is None:
+                    self._running = False
+
+    def in_order(self, write: Callable[[], None]) -> None:
+        """Run ``write`` after the job in flight, on its thread (its error raised at :meth:`wait`), or now."""
+        with self._lock:
+            if self._running:
+                self._after.append(write)
+                return
+        write()
+
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running
 
     def wait(self) -> None:
         if self._thread is not None:
