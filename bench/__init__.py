@@ -30,6 +30,8 @@ What one part costs (docs/benchmarks/parts.md)
     streaming         logging never drains the pipeline                           python -m bench.streaming
     host_overhead     what the host dispatches per action: aten ops and scalar reads per F, B, REDUCE, STEP
                                                                                   python -m bench.host_overhead
+    checkpoint_save   the training thread's blocked time per save, asynchronous against waited for to the commit
+                                                                                  python -m bench.checkpoint_save
 Memory (docs/benchmarks/memory.md)
     memory            the planner's memory term by term against the executor; bytes per parameter with bf16
                       versions and ZeRO-1 (``--per-param``)                       python -m bench.memory

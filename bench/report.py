@@ -20,7 +20,7 @@ PAGES = {
     "default": "speed", "cli-throughput": "speed", "cli-throughput-fused": "speed", "stage-ceiling": "speed",
     "time-to-loss": "speed", "soak": "speed", "schedules": "speed", "schedule-anchors": "speed",
     "partition": "parts", "optimizer-step": "parts", "host-overhead": "parts", "reduction": "parts",
-    "data-path": "parts", "streaming": "parts",
+    "data-path": "parts", "streaming": "parts", "checkpoint-save": "parts",
     "memory": "memory", "memory-per-param": "memory", "stage-local": "memory",
     "quality": "quality", "quality-long": "quality", "paper-regime": "quality",
     "gpu": "gpu",

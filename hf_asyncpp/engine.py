@@ -8,6 +8,7 @@ Data parallelism here is a plain gradient all-reduce over every process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from .partition.plan import get_module
 from .partition.trace import model_kwargs
 from .storage import checkpoint_io as ckpt
 from .storage.names import MODEL_FILE, OPTIMIZER_FILE
+from .storage.staging import StagedFile, Stager
 from .topology import Topology, local_device
 
 
@@ -112,7 +114,12 @@ class Engine(Protocol):
         """Write this process's weights as shard(s) of an HF folder (collective); the main process gets every shard's
         (file name, {on-disk tensor name: bytes}), no tensors."""
 
-    def save(self, tmp: Path) -> None: ...
+    def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
+        """This process's files of a checkpoint, their tensors copied once by ``stager`` (the writing is the
+        checkpointer's, in the background); the engine must be drained."""
+
+    def save(self, tmp: Path) -> None:
+        """Write this process's files of a checkpoint now, on this thread (a one-off, outside a run's saves)."""
 
     def load(self, path: Path) -> None: ...
 
@@ -283,19 +290,21 @@ class LocalEngine:
         name = shard_file(0, 1)
         return [(name, write_shard(self.model.state_dict(), self.config, folder / name))]
 
+    def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
+        """This engine's part of a checkpoint, staged (only dp rank 0 writes the shared state)."""
+        if self.topo.dp_rank != 0:
+            return []
+        staged = stager.stage({"weights": _dedup_tied(self.model), "optimizer": self.optimizer.state_dict(),
+                               "delay": self.delay.state_dict()})
+        state = {"optimizer": staged["optimizer"], "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+                 "delay": staged["delay"], "nonfinite_skipped": self.nonfinite_skipped}
+        return [StagedFile(MODEL_FILE, "tensors", staged["weights"]), StagedFile(OPTIMIZER_FILE, "state", state)]
+
     def save(self, tmp: Path) -> None:
-        """Write this engine's part of a checkpoint (only dp rank 0 writes shared state)."""
-        if self.topo.dp_rank == 0:
-            ckpt.save_tensors(tmp / MODEL_FILE, _dedup_tied(self.model))
-            ckpt.save_state(
-                tmp / OPTIMIZER_FILE,
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "delay": self.delay.state_dict(),
-                    "nonfinite_skipped": self.nonfinite_skipped,
-                },
-            )
+        """Write this engine's part of a checkpoint into ``tmp`` now, on this thread (a one-off)."""
+        stager = Stager()
+        ckpt.write_staged(tmp, self.checkpoint_files(stager))
+        stager.close()
 
     def load(self, path: Path) -> None:
         weights = ckpt.load_tensors(path / MODEL_FILE)

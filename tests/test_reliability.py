@@ -18,6 +18,7 @@ import pytest
 
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.errors import RecipeError
+from hf_asyncpp.run.checkpointer import saved_positions
 from hf_asyncpp.run.folder import choose_resume
 from hf_asyncpp.run.reporting import read_metrics
 from hf_asyncpp.storage import checkpoint_io as ckpt, write as storage
@@ -25,7 +26,7 @@ from hf_asyncpp.topology import Topology
 from support import FIXTURE, assert_each_damage_is_named, flip, recipe_file, run_main, tiny, train_steps
 from hf_asyncpp.errors import CheckpointError
 from hf_asyncpp.run.folder import list_checkpoints
-from hf_asyncpp.storage.names import MANIFEST, RUN_STATE, checkpoint_name
+from hf_asyncpp.storage.names import MANIFEST, checkpoint_name
 
 
 def error_lines(err: str) -> list[str]:
@@ -293,8 +294,7 @@ def test_unusable_files_among_good_ones_are_skipped_named_and_counted(tmp_path, 
     assert skips, caplog.text
     for name, why in reasons.items():  # each reason is one "; "-separated part of the message
         assert any(str(data / name) in part and why in part for m in skips for part in m.split("; ")), (name, skips)
-    state = ckpt.load_json(out / checkpoint_name(2) / RUN_STATE)
-    assert state["data"][0]["stats"]["skipped_files"] == len(reasons)
+    assert saved_positions(out / checkpoint_name(2))[0]["stats"]["skipped_files"] == len(reasons)
 
     # the same in a text corpus: a binary file among text files
     from hf_asyncpp.config.sections import DataConfig

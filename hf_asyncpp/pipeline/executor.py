@@ -49,6 +49,8 @@ from ..partition import partition_model, shared_tensors
 from ..partition.split_backward import weight_gradients
 from ..schedules.actions import Action, ActionType
 from ..schedules.records import get_schedule, with_sync_start
+from ..storage import checkpoint_io as ckpt
+from ..storage.staging import StagedFile, Stager
 from ..topology import Topology, local_device, make_groups, set_default_group_timeout
 from . import forward_only, stage_state
 from .gpu_timer import DEVICE_TIMED, GpuTimer
@@ -56,7 +58,7 @@ from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, stor
 from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .step_reports import StepReports
-from .sharding import assign_owners, keep_owned, merge_optimizer_states
+from .sharding import assign_owners, keep_owned
 from .versions import Hold, Versions, find_casts
 
 __all__ = ["PipelineEngine"]
@@ -654,18 +656,22 @@ class PipelineEngine:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
         return stage_state.write_export_shards(self.stage, self.config, self.topo, folder)
 
+    def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
+        """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage
+        its weights, versions and optimizer state; under ZeRO-1 each further replica the optimizer state it owns,
+        written by itself, so a checkpoint never gathers a replica's state on another rank. Others: nothing."""
+        if self.topo.dp_rank == 0 or self.owner_of is not None:
+            return stage_state.stage_files(stager, self.topo.stage, self.stage, self.optimizer, self.scheduler,
+                                           self.versions, {"nonfinite_skipped": self.nonfinite_skipped},
+                                           replica=self.topo.dp_rank)
+        return []
+
     def save(self, tmp: Path) -> None:
-        """Write this stage's part of a checkpoint (dp rank 0 of each stage; the pipeline must be drained). ZeRO-1:
-        the replicas' optimizer state is gathered there first, so a checkpoint is the same whatever the sharding."""
-        state = None
-        if self.owner_of is not None:
-            mine = self.optimizer.state_dict()
-            parts = [None] * self.topo.dp_size if self.topo.dp_rank == 0 else None
-            dist.gather_object(mine, parts, dst=self.groups.dp_ranks[0], group=self.groups.dp)
-            state = merge_optimizer_states(parts, EF_KEY) if parts else None
-        if self.topo.dp_rank == 0:
-            stage_state.save_stage(tmp, self.topo.stage, self.stage, self.optimizer, self.scheduler, self.versions,
-                                   {"nonfinite_skipped": self.nonfinite_skipped}, optimizer_state=state)
+        """Write this rank's part of a checkpoint into ``tmp`` now, on this thread (a one-off; a run's saves go
+        through the checkpointer's background writer)."""
+        stager = Stager()
+        ckpt.write_staged(tmp, self.checkpoint_files(stager))
+        stager.close()
 
     def load(self, path: Path) -> None:
         """Restore this stage from a checkpoint of any number of stages (matched by parameter name); on an unchanged

@@ -1,5 +1,6 @@
 """ZeRO-1 across the data-parallel replicas of a stage (``optimizer.shard_across_replicas``): who owns which tensor,
-and the optimizer state of the owners put back together for a checkpoint.
+and the optimizer state of the owners (each replica's own checkpoint file) put back together when a checkpoint is
+loaded.
 
 A replica owns whole tensors, so Muon orthogonalises a matrix on one replica only. Owners are contiguous runs of the
 stage's parameters in their order, balanced by size: the gradient buckets, laid out in that order (reversed), then

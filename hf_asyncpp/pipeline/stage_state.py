@@ -2,11 +2,14 @@
 
 A stage writes its newest weights, the older weight versions it still holds (2BW's version in use), its optimizer
 state (including the Error-Feedback buffers) keyed by parameter name, the lr scheduler's position and its weight
-version counter. Loading takes what this stage's parameters need by name, so a checkpoint of p stages resumes on
+version counter. Under ZeRO-1 each further replica writes the optimizer state of the tensors it owns into its own
+file, so no replica's state travels to another rank; loading merges them by name. A save hands these files over
+staged (:func:`stage_files`: the tensors copied once, the writing left to the background writer). Loading takes what this stage's parameters need by name, so a checkpoint of p stages resumes on
 q stages, and reads only the files (and within them the tensors) holding them.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -17,8 +20,10 @@ from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
 from ..optim.lr import continue_schedule
 from ..partition import merge_state_dicts
 from ..storage import checkpoint_io as ckpt
-from ..storage.names import (optimizer_of, stage_file, stage_optimizer_file, stage_versions_file, stage_weight_files,
-                             versions_of)
+from ..storage.names import (optimizer_of, optimizer_parts_of, stage_file, stage_optimizer_file,
+                             stage_optimizer_part_file, stage_versions_file, stage_weight_files, versions_of)
+from ..storage.staging import StagedFile, Stager
+from .sharding import merge_optimizer_states
 from .versions import Versions
 
 
@@ -28,17 +33,32 @@ def param_names(stage: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
-               extra: dict, optimizer_state: dict | None = None) -> None:
-    """``optimizer_state``: the state dict to write instead of ``optimizer.state_dict()`` (ZeRO-1: the replicas')."""
-    ckpt.save_tensors(tmp / stage_file(stage_index), stage.state_dict())
+def stage_files(stager: Stager, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
+                extra: dict, replica: int = 0) -> list[StagedFile]:
+    """This rank's files of the stage, staged in one copy (tensors several files share are copied once). Replica 0
+    writes the weights, the older versions and the optimizer file; a further ``replica`` (ZeRO-1, whose optimizer
+    holds the state of the tensors it owns only) writes its optimizer state alone."""
+    names = param_names(stage, optimizer)  # (a new list; the scheduler's state dict below: plain values, copied)
+    if replica:
+        return [StagedFile(stage_optimizer_part_file(stage_index, replica), "state",
+                           {"optimizer": stager.stage(optimizer.state_dict()), "param_names": names})]
     older = versions.state()
+    staged = stager.stage({"weights": stage.state_dict(), "older": older, "optimizer": optimizer.state_dict()})
+    files = [StagedFile(stage_file(stage_index), "tensors", staged["weights"])]
     if older:
-        ckpt.save_tensors(tmp / stage_versions_file(stage_index), older)
-    ckpt.save_state(tmp / stage_optimizer_file(stage_index), {
-        "optimizer": optimizer_state or optimizer.state_dict(), "param_names": param_names(stage, optimizer),
-        "scheduler": scheduler.state_dict(), "latest_version": versions.latest, **extra,
-    })
+        files.append(StagedFile(stage_versions_file(stage_index), "tensors", staged["older"]))
+    files.append(StagedFile(stage_optimizer_file(stage_index), "state", {
+        "optimizer": staged["optimizer"], "param_names": names, "scheduler": copy.deepcopy(scheduler.state_dict()),
+        "latest_version": versions.latest, **extra}))
+    return files
+
+
+def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
+               extra: dict) -> None:
+    """Write the stage's files now, on this thread (a one-off checkpoint: tests, benchmarks)."""
+    stager = Stager()
+    ckpt.write_staged(tmp, stage_files(stager, stage_index, stage, optimizer, scheduler, versions, extra))
+    stager.close()
 
 
 def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
@@ -74,6 +94,9 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
             continue  # buffers only: no optimizer state of ours in this stage's file
         meta = ckpt.load_state(optimizer_of(f))
         osd, names = meta["optimizer"], meta["param_names"]
+        parts = [ckpt.load_state(p)["optimizer"] for p in optimizer_parts_of(f)]  # ZeRO-1's further replicas
+        if parts:
+            osd = merge_optimizer_states([osd, *parts], EF_KEY)
         for i, n in enumerate(names):
             if i in osd["state"] and n in wanted:
                 by_name[n] = osd["state"][i]

@@ -1,12 +1,29 @@
 """Writing and resuming a run's checkpoints: what goes in one, from which rank, in which order.
 
-``storage/checkpoint_io.py`` holds the atomic primitives, ``storage/names.py`` the file names and ``folder.py`` the run folder; this module is the choreography: the main
-process first checks there is room (at least the previous checkpoint's size free, else the run stops cleanly
-with the previous checkpoint the latest), every rank writes its engine part and RNG state into a temp dir, the
-data positions and the sizes and hashes of what each rank wrote are gathered, the main process adds config,
-tokenizer, recipe, ``run_state.json`` (what a resume restores) and ``trainer_state.json`` (the run as a
-``transformers.TrainerState``, for tools made for Trainer checkpoints), commits (manifest last), prunes, and pushes
-when asked.
+``storage/checkpoint_io.py`` holds the atomic primitives, ``storage/staging.py`` the staging copy and the writer
+thread, ``storage/names.py`` the file names and ``folder.py`` the run folder; this module is the choreography.
+
+A save never stalls the pipeline for the write. On the training thread (every rank, collective): the previous save's
+write is waited for (at most one in flight), the main process checks there is room (at least the previous
+checkpoint's size free, else the run stops cleanly with the previous checkpoint the latest) and makes the temp dir,
+and each rank *stages* its part: its engine files (weights, older versions, optimizer and EF state; under ZeRO-1 each
+replica the state it owns), its RNG state and, on a rank that reads the training stream, its data position, copied
+once to host memory. That is all the training thread does: it serializes, hashes and writes nothing
+(:attr:`Checkpointer.counts`). On a background writer thread: each rank writes its own files (serialize, sha256,
+fsync), then the writers meet over a gloo process group of their own, made when the checkpointer is (never the
+training thread's groups, so the two threads never issue collectives on one communicator), to send the main
+process the names, sizes and sha256 of what they wrote (no tensors, no data position); the main process adds
+config, tokenizer, recipe, ``run_state.json`` (what a resume restores), ``trainer_state.json`` (the run as a
+``transformers.TrainerState``), commits (manifest last), prunes, and tells every writer the outcome. A failed
+write is raised on every rank at the next save or at the end of the run (:meth:`Checkpointer.finish`), with the
+previous checkpoint still the latest; a process killed meanwhile never committed the new one.
+
+The format stays the project's own (safetensors per stage, ``torch.save`` of the optimizer state keyed by
+parameter name) rather than ``torch.distributed.checkpoint``'s ``.distcp`` files: ``from_pretrained`` opens a
+checkpoint folder through its ``model.safetensors.index.json`` of the stage files, ``export`` and the stage-local
+loaders read them by name (a rank reads only the tensors of its stage, on any new split: the resharding DCP would
+give), and DCP's optimizer state dicts drop the Error-Feedback buffers and run an optimizer step to initialise
+state. What DCP adds for speed is taken from it: its stager (pinned, cached host buffers) for the one copy.
 
 Resume reverses it: ``folder.choose_resume`` verifies the checkpoint against its manifest (the ranks share the
 hashing) and, for ``latest``, falls back to the newest one that verifies; :func:`check_model` refuses a recipe
@@ -15,12 +32,16 @@ the data-parallel size changed.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
+import pickle
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,13 +51,15 @@ from transformers import TrainerState
 from .. import supervision
 from ..config.recipe import Recipe, save_recipe
 from ..engine import Engine
-from ..errors import CheckpointError, PeerFailure, RecipeError, WriteError
+from ..errors import EXIT_PEER, CheckpointError, PeerFailure, RecipeError, WriteError
+from ..launch.failures import peer_gone, report
 from ..model.build import build_config
 from ..model.export import export_engine, tied_names
 from ..storage import checkpoint_io as ckpt, write as storage
 from ..storage.names import (CONFIG_FILE, INDEX_FILE, METRICS, RECIPE_FILE, RUN_STATE, TOKENIZER_DIR, TRAINER_STATE,
-                             checkpoint_name, rng_file, stage_weight_files, temp_dir)
-from ..storage.write import human, write_error, writing
+                             checkpoint_name, data_file, rng_file, stage_weight_files, temp_dir)
+from ..storage.staging import BackgroundWriter, StagedFile, Stager
+from ..storage.write import bytes_written_by, human, write_error, writing
 from ..topology import Topology, timed_out, who_went_silent
 from .folder import clear_stale, list_checkpoints, prune
 from .hub import Pusher, snapshot
@@ -131,6 +154,20 @@ def save_due(training, step: int) -> bool:
                                                                                     training.stop_after_steps)
 
 
+@dataclass
+class SaveCounts:
+    """What one save cost this rank, on each side: the counts the asynchronous save promises (the manifest keeps
+    every rank's under ``save``)."""
+
+    step: int = 0
+    staged_bytes: int = 0  # tensor bytes the training thread copied to host memory: its whole share of the work
+    training_thread_bytes: int = 0  # bytes the training thread serialized, hashed or wrote for it: 0
+    writer_bytes: int = 0  # bytes the background writer serialized, hashed and wrote (this rank's files)
+    sent_bytes: int = 0  # pickled bytes this rank's writer sent the main process: names, sizes, sha256
+    waited_s: float = 0.0  # training-thread seconds spent waiting for the previous save's write
+    blocked_s: float = 0.0  # training-thread seconds in save() (waiting included): what the pipeline stalled
+
+
 class Checkpointer:
     """Saves and resumes a run in ``out``; every method is collective (every rank calls it)."""
 
@@ -141,6 +178,15 @@ class Checkpointer:
         self._data_files, self._fingerprint = data_files, None
         if topo.first or topo.last:  # the ranks that read the files: the data as the run opens it, not as it is later
             self._fingerprint = data_fingerprint(data_files)
+        self.stager, self.writer = Stager(), BackgroundWriter()
+        self.counts: list[SaveCounts] = []  # this rank's, one per save, once its write is done
+        self._writing = 0  # the step of the save in flight (or last written)
+        self._failed_at: float | None = None  # time.monotonic() of this rank's writer's last failure
+        # the writers' own communicator, made now, on every rank, in the same order as every group: the writer
+        # thread's collectives never share a communicator with the training thread's
+        # (its timeout, pipeline.checkpoint_timeout_s, bounds how long a writer waits for the others)
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=recipe.pipeline.checkpoint_timeout_s)) \
+            if topo.world_size > 1 and dist.is_initialized() else None
 
     @property
     def data_files(self) -> list | None:
@@ -189,22 +235,68 @@ class Checkpointer:
                 "latest (free space, then resume with --training.resume_from_checkpoint=latest)")
 
     def save(self, state: RunState, engine: Engine, stream) -> Path:
-        """Write ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied). A rank
-        that stops answering meanwhile (its gather waits ``pipeline.checkpoint_timeout_s``, ``init_timeout_s`` before
-        the run's first step) is named in a PeerFailure,
-        instead of a gather's traceback blaming the rank that waited."""
+        """Start writing ``checkpoint-{step}`` (the engine must be drained: every STEP of the steps so far applied):
+        returns once this rank's part is staged; the background writer writes and commits it. A rank that stops
+        answering meanwhile (its gather waits ``pipeline.checkpoint_timeout_s``, ``init_timeout_s`` before the run's
+        first step) is named in a PeerFailure, instead of a
+        gather's traceback blaming the rank that waited."""
         try:
             return self._save(state, engine, stream)
         except RuntimeError as e:
             if not timed_out(e) or isinstance(e, (WriteError, PeerFailure)):
                 raise
             budget = "checkpoint_timeout_s" if getattr(engine, "stepped", False) else "init_timeout_s"
-            secs = getattr(self.recipe.pipeline, budget)
-            who = who_went_silent(checkpoint_name(state.step), wait_s=min(30.0, secs))
-            raise PeerFailure(f"rank {self.topo.rank}: writing {checkpoint_name(state.step)}: {who} (nothing within "
-                              f"pipeline.{budget}={secs:g}s: stalled or hung, see its log); {self._latest()}") from None
+            raise self._silent_peer(state.step, budget) from None
+
+    def _silent_peer(self, step: int, budget: str = "checkpoint_timeout_s") -> PeerFailure:
+        """The rank that went silent during a save, named; ``budget``: the timeout that ran out (the training
+        thread's before the run's first step is ``init_timeout_s``; the writers' is ``checkpoint_timeout_s``)."""
+        secs = getattr(self.recipe.pipeline, budget)
+        who = who_went_silent(checkpoint_name(step), wait_s=min(30.0, secs))
+        return PeerFailure(f"rank {self.topo.rank}: writing {checkpoint_name(step)}: {who} (nothing within "
+                           f"pipeline.{budget}={secs:g}s: stalled or hung, see its log); {self._latest()}")
+
+    def finish(self) -> None:
+        """Wait for the save in flight to be written and committed (collective: its writers meet); raises what
+        failed there, the same error on every rank. Called by the next save, at the end of a run and before a stop
+        signal's exit."""
+        try:
+            self.writer.wait()
+        except RuntimeError as e:
+            if not timed_out(e) or isinstance(e, (WriteError, PeerFailure)):
+                raise
+            raise self._silent_peer(self._writing) from None
+
+    def settle(self, error: BaseException) -> None:
+        """The training thread failed with ``error`` while a save may be in flight: the save is finished first (a
+        failure elsewhere does not lose it). Where it failed too, earlier, with a write error, that one is raised
+        (a full disk fills for both: the save's failure came first and says which checkpoint stays the latest);
+        where a rank went silent, the writer, which waits for it as well, names it with the checkpoint that stays
+        the latest and ends the run. Else nothing: the caller raises ``error``. Not for a dead peer (the writer
+        would wait out its timeout; the dead rank's launcher ends the job) or a second SIGINT (stop at once)."""
+        if isinstance(error, KeyboardInterrupt) or peer_gone(error):
+            return
+        seen = time.monotonic()
+        try:
+            self.finish()
+        except WriteError as mine:
+            if isinstance(error, WriteError) and self._failed_at is not None and self._failed_at <= seen:
+                raise mine from error
+        except Exception:  # noqa: BLE001 - the save's own failure, after this one: this one is reported
+            log.warning("the checkpoint in flight failed too", exc_info=True)
+
+    def close(self) -> None:
+        """Finish the save in flight, then release the writers' process group and the staging buffers."""
+        self.finish()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+        self.stager.close()
 
     def _save(self, state: RunState, engine: Engine, stream) -> Path:
+        began, wrote = time.perf_counter(), bytes_written_by()
+        self.finish()  # at most one save in flight: its staged buffers are the ones this save reuses
+        waited = time.perf_counter() - began
         acc, topo = self.accelerator, self.topo
         tmp = temp_dir(self.out, state.step)
         problem = None
@@ -219,51 +311,118 @@ class Checkpointer:
         problem = self._from_main(problem)
         if problem:
             raise WriteError(problem)
-        try:
-            engine.save(tmp)
-            ckpt.save_state(tmp / rng_file(topo.rank), rng_state())
-        except WriteError as e:
-            raise self._failed(e, tmp, alone=topo.world_size == 1) from None
-        # a middle stage has no stream (None), but takes part in the gather: every rank joins every collective
-        mine = {"data": stream.state_dict() if stream is not None else None, "written": ckpt.take_written(tmp)}
-        parts = [None] * topo.world_size
-        if topo.world_size > 1:
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        if acc.is_main_process:
-            check_same_position([p["data"] for p in parts], topo)
-        acc.wait_for_everyone()
+        staged_before = self.stager.staged_bytes
+        files = engine.checkpoint_files(self.stager)
+        # rng_state() is a fresh copy; a stream's position is a new dict per position, never changed after (so it
+        # is kept as it is, not copied: with a 10,000-document shuffle buffer it is tens of MB); a middle stage has
+        # no stream and no position
+        position = stream.state_dict() if stream is not None else None
+        files.append(StagedFile(rng_file(topo.rank), "state", rng_state()))
+        if position is not None:
+            files.append(StagedFile(data_file(topo.rank), "json", position))
+        counts = SaveCounts(step=state.step, staged_bytes=self.stager.staged_bytes - staged_before,
+                            training_thread_bytes=bytes_written_by() - wrote, waited_s=waited)
+        self._writing = state.step
+        run, config = dataclasses.replace(state), engine.config
         final = self.out / checkpoint_name(state.step)
-        if acc.is_main_process:
-            try:
-                with writing(tmp / CONFIG_FILE):
-                    engine.config.to_json_file(str(tmp / CONFIG_FILE))
-                with writing(tmp / TOKENIZER_DIR):
-                    self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-                with writing(tmp / RECIPE_FILE):
-                    save_recipe(self.recipe, tmp / RECIPE_FILE)
-                ckpt.save_json(tmp / RUN_STATE, {
-                    "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data": [p["data"] for p in parts],
-                    "data_files": self.data_files, "world_size": topo.world_size, "num_stages": topo.num_stages,
-                    "schedule": self.recipe.pipeline.schedule})
-                index = ckpt.weight_index(tmp, tied=tied_names(engine.config)) if stage_weight_files(tmp) else None
-                if index is not None:  # from_pretrained(checkpoint) reads the stage files through it (None: a tied copy differs)
-                    ckpt.save_json(tmp / INDEX_FILE, index)
-                with writing(tmp / TRAINER_STATE):
-                    trainer_state(self.recipe, state, read_metrics(self.out / METRICS)).save_to_json(
-                        str(tmp / TRAINER_STATE))
-                written = {k: v for p in parts for k, v in p["written"].items()}
-                ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size,
-                                         "num_stages": topo.num_stages}, written,
-                            before_move=supervision.check_parent)  # never commit after the launcher died
-            except WriteError as e:  # every other rank is past its writes (wait_for_everyone above)
-                raise self._failed(e, tmp, alone=True) from None
-            prune(self.out, self.recipe.training.save_total_limit, keep=final)
-            log.info("saved %s", final.name)
-        self._push(state, engine, final)
-        acc.wait_for_everyone()
+        counts.blocked_s = time.perf_counter() - began
+        self.writer.submit(lambda: self._write(tmp, final, run, config, files, position, counts))
+        if self.recipe.hub.push_to_hub and self.recipe.hub.hub_strategy != "end":
+            self.finish()  # the push takes the committed checkpoint
+            self._push(state, engine, final)
         return final
+
+    def _write(self, tmp: Path, final: Path, state: RunState, config, files: list[StagedFile], position: dict | None,
+               counts: SaveCounts) -> None:
+        """The writer thread's half of a save: this rank's files, then (all writers together, over their own group)
+        the commit by the main process; every writer ends with the same outcome, raised at :meth:`finish`."""
+        topo = self.topo
+        before, failure = bytes_written_by(), None
+        try:
+            ckpt.write_staged(tmp, files)
+        except WriteError as e:
+            failure, self._failed_at = ("write", str(e)), time.monotonic()
+        except Exception as e:  # noqa: BLE001 - a bug: said to every rank, so none waits for this one
+            log.exception("rank %d: writing %s", topo.rank, tmp.name)
+            failure = ("bug", f"rank {topo.rank}: {type(e).__name__}: {e}")
+        counts.writer_bytes = bytes_written_by() - before
+        written = ckpt.take_written(tmp)
+        where = None if position is None else {"sha256": written.get(data_file(topo.rank), {}).get("sha256"),
+                                               "epoch": position.get("epoch"), "blocks": position.get("blocks")}
+        mine = {"written": written, "position": where, "failure": failure}
+        counts.sent_bytes = len(pickle.dumps(mine))
+        mine["counts"] = dataclasses.asdict(counts)
+        try:
+            outcome = self._meet(tmp, final, state, config, mine)
+        except RuntimeError as e:
+            if not timed_out(e):
+                raise
+            # a rank went silent during the save: the training thread may be waiting on it too, in a transfer whose
+            # own timeout is longer; the run ends now, naming it, as a save on the training thread did
+            peer = self._silent_peer(state.step)
+            code = report(peer, debug=False)
+            os._exit(code if code is not None else EXIT_PEER)
+        self.counts.append(counts)
+        if outcome is not None:
+            kind, message = outcome
+            raise (WriteError if kind == "write" else RuntimeError)(message)
+
+    def _meet(self, tmp: Path, final: Path, state: RunState, config, mine: dict) -> tuple[str, str] | None:
+        """The writers together, over their own group: every rank's records to the main process, its commit, the
+        outcome to every rank, and a barrier (a rank that stops answering during the save is noticed here)."""
+        if self._group is None:
+            return self._commit(tmp, final, state, config, [mine])
+        main = self.topo.rank == 0
+        parts = [None] * self.topo.world_size if main else None
+        dist.gather_object(mine, parts, dst=0, group=self._group)
+        box = [self._commit(tmp, final, state, config, parts) if main else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.barrier(group=self._group)
+        return box[0]
+
+    def _commit(self, tmp: Path, final: Path, state: RunState, config, parts: list[dict]) -> tuple[str, str] | None:
+        """The main process's writer, once every rank's files are written: the run's files, the manifest, the move
+        into place, pruning. The outcome every writer raises (None: committed)."""
+        failures = [p["failure"] for p in parts if p["failure"] is not None]
+        if failures:
+            kind, message = next((f for f in failures if f[0] == "bug"), failures[0])
+            if kind == "bug":
+                return kind, message
+            return kind, str(self._failed(WriteError(message), tmp, alone=True))
+        topo = self.topo
+        try:
+            check_same_position([p["position"] for p in parts], topo)
+        except RuntimeError as e:
+            return "bug", str(e)
+        try:
+            with writing(tmp / CONFIG_FILE):
+                config.to_json_file(str(tmp / CONFIG_FILE))
+            with writing(tmp / TOKENIZER_DIR):
+                self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+            with writing(tmp / RECIPE_FILE):
+                save_recipe(self.recipe, tmp / RECIPE_FILE)
+            ckpt.save_json(tmp / RUN_STATE, {
+                "step": state.step, "tokens": state.tokens, "run_id": state.run_id, "data_files": self.data_files,
+                "world_size": topo.world_size, "num_stages": topo.num_stages, "schedule": self.recipe.pipeline.schedule})
+            index = ckpt.weight_index(tmp, tied=tied_names(config)) if stage_weight_files(tmp) else None
+            if index is not None:  # from_pretrained(checkpoint) reads the stage files through it (None: a tied copy differs)
+                ckpt.save_json(tmp / INDEX_FILE, index)
+            with writing(tmp / TRAINER_STATE):
+                trainer_state(self.recipe, state, read_metrics(self.out / METRICS, whole_lines=True)).save_to_json(
+                    str(tmp / TRAINER_STATE))
+            written = {k: v for p in parts for k, v in p["written"].items()}
+            ckpt.commit(tmp, final, {"step": state.step, "world_size": topo.world_size, "num_stages": topo.num_stages,
+                                     "save": [p["counts"] for p in parts]}, written,
+                        before_move=supervision.check_parent)  # never commit after the launcher died
+        except WriteError as e:  # every other rank is past its writes (the gather above)
+            self._failed_at = time.monotonic()
+            return "write", str(self._failed(e, tmp, alone=True))
+        except Exception as e:  # noqa: BLE001 - a bug: said to every writer, which would otherwise wait for this one
+            log.exception("committing %s", final.name)
+            return "bug", f"committing {final.name}: {type(e).__name__}: {e}"
+        prune(self.out, self.recipe.training.save_total_limit, keep=final)
+        log.info("saved %s", final.name)
+        return None
 
     def _push(self, state: RunState, engine: Engine, final: Path) -> None:
         """The Trainer's hub_strategy at a save: every_save and after push the model (a loadable HF folder, written
@@ -308,9 +467,9 @@ class Checkpointer:
                         "beginning of the new files", path.name, "; ".join(changes[:5]) +
                         (f"; and {len(changes) - 5} more" if len(changes) > 5 else ""))
         elif old_dp == topo.dp_size:
-            stream.load_state_dict(meta["data"][topo.dp_rank])  # the first stage's (ranks 0..dp-1) position
+            stream.load_state_dict(saved_position(path, meta, topo.dp_rank))  # the first stage's (ranks 0..dp-1)
         else:
-            states = meta["data"][:old_dp]
+            states = [saved_position(path, meta, r) for r in range(old_dp)]
             blocks = sum(s["blocks"] for s in states) // topo.dp_size
             stream.load_state_dict({"epoch": max(s["epoch"] for s in states), "blocks": blocks})
             log.warning("resumed with %d data-parallel ranks instead of %d: each rank skips %d blocks of its new shard; the data "
@@ -328,10 +487,26 @@ class Checkpointer:
         return RunState(step=meta["step"], tokens=meta["tokens"], **({"run_id": meta["run_id"]} if "run_id" in meta else {}))
 
 
+def saved_position(path: Path, meta: dict, rank: int) -> dict | None:
+    """The data position ``rank`` saved in checkpoint ``path`` (its ``data-rankNNN.json``; None: a rank that reads
+    no data). A resume reads the first stage's, ranks 0..dp-1. A checkpoint written before each rank wrote its own
+    keeps them all in ``run_state.json`` (``meta``)."""
+    if "data" in meta:
+        return meta["data"][rank]
+    f = Path(path) / data_file(rank)
+    return ckpt.load_json(f) if f.exists() else None
+
+
+def saved_positions(path: Path) -> list[dict | None]:
+    """Every rank's saved data position in checkpoint ``path``, by rank (None: a rank that reads no data)."""
+    meta = ckpt.load_json(Path(path) / RUN_STATE)
+    return [saved_position(path, meta, r) for r in range(meta["world_size"])]
+
+
 def check_same_position(states: list, topo: Topology) -> None:
     """The first and the last stage of a replica read the same stream (the ids and their labels): their positions
-    must agree, or the checkpoint would record one and resume the other out of step. The saved list keeps the first
-    stage's positions first (ranks 0..dp-1), which is what a resume reads."""
+    must agree, or the checkpoint would record one and resume the other out of step. ``states``: by rank, what each
+    writer sent of its position (its file's sha256, epoch and block), never the position itself."""
     dp, last = topo.dp_size, topo.num_stages - 1
     for r in range(dp):
         first, end = states[r], states[last * dp + r]

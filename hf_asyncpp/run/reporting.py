@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
 from ..storage.names import LOSS_CURVE, METRICS
+from ..storage.staging import BackgroundWriter
 from ..config.recipe import Recipe, recipe_to_dict
 from ..errors import RecipeError
 from ..figures import pyplot
@@ -96,13 +97,18 @@ def compile_fallback_line(ranks: list[int]) -> str:
             "run with TORCH_LOGS=recompiles to see the guard and remove its cause, or set training.torch_compile: false")
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, whole_lines: bool = False) -> list[dict]:
     """The records of a metrics.jsonl (a missing file reads as none). A line that is not a JSON record (a run
-    killed, or a disk filled, in the middle of writing it) is left out with a warning naming it."""
+    killed, or a disk filled, in the middle of writing it) is left out with a warning naming it. ``whole_lines``:
+    read while the run appends (the checkpoint writer), so a last line without its newline is still being written
+    and is left out without a word."""
     if not path.exists():
         return []
     rows = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    text = path.read_text(errors="replace")
+    if whole_lines:
+        text = text[:text.rfind("\n") + 1]
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -166,8 +172,9 @@ class RunLog:
     logging interval is one log line instead."""
 
     def __init__(self, out: Path, recipe: Recipe, accelerator, state, tokens_per_step: int,
-                 flops_per_token: float | None = None):
+                 flops_per_token: float | None = None, writer: BackgroundWriter | None = None):
         self.path, self.recipe, self.accelerator = out / METRICS, recipe, accelerator
+        self.writer = writer  # the checkpoint writer: records made while a save is in flight follow its commit
         self.main = accelerator.is_main_process
         self.tokens_per_step = tokens_per_step
         peak = device_peak_flops(recipe.training.peak_tflops)
@@ -202,7 +209,11 @@ class RunLog:
 
     def _write(self, rec: dict) -> None:
         data = (json_text(rec) + "\n").encode()
-        write_file(self.path, lambda f: f.write(data), append=True, fsync=False)
+        append = lambda: write_file(self.path, lambda f: f.write(data), append=True, fsync=False)  # noqa: E731
+        if self.writer is None:
+            append()
+        else:  # after the save in flight, if any: a record never lands before the commit of an earlier save
+            self.writer.in_order(append)
 
     def restart_clock(self) -> None:
         """Start measuring tokens/s afresh (after an evaluation or a checkpoint, which are not training time).

@@ -259,7 +259,8 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
         with writing(out / RECIPE_FILE):
             save_recipe(recipe, out / RECIPE_FILE)
     tokens_per_step = recipe.tokens_per_step * topo.dp_size
-    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len))
+    runlog = RunLog(out, recipe, accelerator, state, tokens_per_step, model_flops_per_token(engine.config, recipe.data.seq_len),
+                    writer=checkpointer.writer)
 
     evaluator = Evaluator(out, recipe, engine, tokenizer, accelerator, runlog, held_out, pusher, held_parts)
     if state.step == 0 and resume is None:
@@ -291,16 +292,19 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
             if stopping:
                 break
             runlog.restart_clock()
-    except BaseException:
+    except BaseException as e:
         runlog.abort()  # the progress bar ends its line: an `error:` line starts on its own
+        checkpointer.settle(e)  # the save in flight finished first; its own failure, where it came first
         raise
     finally:
         if stream is not None:
             stream.close()  # the worker stops reading ahead: nothing after this point trains
+    checkpointer.finish()  # the last save written and committed before anything else (a stop signal's exit too)
     runlog.close()
     if stopping or state.step < t.max_steps:  # a stop signal or stop_after_steps: checkpointed, nothing more to do
         if pusher is not None:
             pusher.wait()
+        checkpointer.close()
         engine.close()
         accelerator.end_training()
         if pusher is not None:  # the checkpoint is safe: now a push that never landed fails the run
@@ -326,6 +330,7 @@ def _train(recipe: Recipe, recipe_path: str) -> dict:
     elif pusher is not None:
         pusher.wait()
     accelerator.wait_for_everyone()
+    checkpointer.close()
     engine.close()
     accelerator.end_training()
     if pusher is not None:  # every file is written: now a push that never landed fails the run

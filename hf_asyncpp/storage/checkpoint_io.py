@@ -7,7 +7,9 @@ checkpoint the latest one. The manifest records every file's size and sha256 (ha
 before a resume, so a truncated or overwritten file is named instead of loaded. Tensors go through safetensors;
 other state through ``torch.load(weights_only=True)`` or JSON, so loading never unpickles arbitrary objects.
 
-Every file name is spelled in ``storage.names``.
+Every file name is spelled in ``storage.names``. A save's files arrive here staged (``storage.staging``: the
+tensors already copied out of the training state) and are written by :func:`write_staged`, on the background writer
+thread of an asynchronous save.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from safetensors.torch import load_file, save as safetensors_bytes
 
 from ..errors import CheckpointError
 from .names import MANIFEST, stage_weight_files
+from .staging import StagedFile
 from .write import Written, json_text, write_file
 
 _LIBRARIES = ("hf_asyncpp", "torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers")
@@ -76,6 +79,20 @@ def save_state(path: Path, obj) -> Written:
 def save_json(path: Path, obj) -> Written:
     data = json_text(obj, indent=1).encode()
     return _record(path, write_file(path, lambda f: f.write(data)))
+
+
+def write_staged(tmp: Path, files: list[StagedFile]) -> None:
+    """Serialize, hash, write and fsync each staged file into ``tmp`` (recorded for the manifest, as every write)."""
+    for f in files:
+        path = tmp / f.name
+        if f.kind == "tensors":
+            save_tensors(path, f.content)
+        elif f.kind == "state":
+            save_state(path, f.content)
+        elif f.kind == "json":
+            save_json(path, f.content)
+        else:
+            raise ValueError(f"{f.name}: unknown staged file kind {f.kind!r}")
 
 
 def _unreadable(path: Path, e: Exception) -> CheckpointError:
@@ -158,7 +175,7 @@ def take_written(tmp: Path) -> dict[str, dict]:
     """Size and sha256 of the files this process wrote under ``tmp``, by relative name (forgotten here)."""
     root = str(Path(tmp).absolute()) + os.sep
     out = {}
-    for key in [k for k in _written if k.startswith(root)]:
+    for key in [k for k in list(_written) if k.startswith(root)]:  # list(): the writer thread may add meanwhile
         w = _written.pop(key)
         out[key[len(root):]] = {"size": w.size, "sha256": w.sha256}
     return out

@@ -4,12 +4,14 @@ The layout of a checkpoint::
 
     checkpoint-0000100/
       manifest.json                  written last: its presence makes the checkpoint complete
-      run_state.json                 step, tokens, data positions per rank, the data files, topology, schedule
+      run_state.json                 step, tokens, the data files, topology, schedule
       trainer_state.json             transformers.TrainerState of the run (global_step, log_history): not read on resume
       rng-rank000.pt ...             python/torch RNG per rank
+      data-rank000.json ...          the data position of each rank that reads the training stream, written by it
       config.json  tokenizer/  recipe.yaml
       model.safetensors  optimizer.pt                                      single-process run
       stage-00.safetensors  stage-00-optimizer.pt  [stage-00-versions.safetensors]   pipelined run, per stage
+      [stage-00-optimizer-replica01.pt ...]   ZeRO-1: the optimizer state each further replica of the stage owns
       model.safetensors.index.json   pipelined run: each weight's stage file, so from_pretrained loads the folder
 """
 from __future__ import annotations
@@ -54,6 +56,11 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:03d}.pt"
 
 
+def data_file(rank: int) -> str:
+    """The data position of ``rank`` (a rank reading the training stream: the first and the last stage's)."""
+    return f"data-rank{rank:03d}.json"
+
+
 def stage_file(stage: int) -> str:
     """The stage's newest weights, by the model's parameter names."""
     return f"stage-{stage:02d}.safetensors"
@@ -68,6 +75,12 @@ def stage_optimizer_file(stage: int) -> str:
     return f"stage-{stage:02d}-optimizer.pt"
 
 
+def stage_optimizer_part_file(stage: int, replica: int) -> str:
+    """ZeRO-1: the optimizer (and Error-Feedback) state of the tensors replica ``replica`` (> 0) of the stage owns;
+    replica 0's is in :func:`stage_optimizer_file`, with the scheduler and the rest of the stage's state."""
+    return f"stage-{stage:02d}-optimizer-replica{replica:02d}.pt"
+
+
 def stage_weight_files(path: Path) -> list[Path]:
     """The ``stage-XX.safetensors`` files of a pipelined checkpoint, in stage order."""
     return sorted(p for p in Path(path).glob("stage-*.safetensors") if not p.name.endswith(_VERSIONS))
@@ -79,6 +92,11 @@ def versions_of(weights_file: Path) -> Path:
 
 def optimizer_of(weights_file: Path) -> Path:
     return weights_file.with_name(weights_file.stem + "-optimizer.pt")
+
+
+def optimizer_parts_of(weights_file: Path) -> list[Path]:
+    """The further replicas' optimizer files of a stage (ZeRO-1), in replica order; empty otherwise."""
+    return sorted(weights_file.parent.glob(weights_file.stem + "-optimizer-replica*.pt"))
 
 
 def checkpoint_name(step: int) -> str:

@@ -8,7 +8,9 @@ permission, read-only file system, I/O error) and the free space, instead of tor
 safetensors' ``os error 28`` with no path.
 
 :func:`write_file` also hashes what it writes, so a checkpoint's manifest records each file's size and sha256
-without reading the file back.
+without reading the file back, and counts the bytes each thread writes (:func:`bytes_written_by`): what an
+asynchronous checkpoint promises (the training thread writes nothing; a background writer everything) is a count
+the tests read.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +48,18 @@ _CAUSES = {
 _TEXT_CAUSES = {"os error 28": errno.ENOSPC, "no space left": errno.ENOSPC, "permission denied": errno.EACCES,
                 "read-only file system": errno.EROFS, "input/output error": errno.EIO}
 NEARLY_FULL = 1 << 20  # below this many free bytes an unexplained write failure is reported as a full disk
+_by_thread: dict[int, int] = {}  # thread ident -> bytes it serialized, hashed and wrote through this module
+
+
+def _count(n: int) -> None:
+    ident = threading.get_ident()
+    _by_thread[ident] = _by_thread.get(ident, 0) + n
+
+
+def bytes_written_by(thread: threading.Thread | None = None) -> int:
+    """Bytes ``thread`` (default: the calling one) has written through :func:`write_file` (serialized, hashed and
+    written there) and inside :func:`writing` (a library's files, counted by their size once written), ever."""
+    return _by_thread.get((thread or threading.current_thread()).ident, 0)
 
 
 @dataclass
@@ -69,7 +84,9 @@ class _HashingFile:
             self.error = e
             raise
         self.sha.update(data)
-        self.size += len(memoryview(data).cast("B"))
+        size = len(memoryview(data).cast("B"))
+        self.size += size
+        _count(size)
         return n
 
     def flush(self) -> None:
@@ -111,9 +128,11 @@ def write_file(path: str | os.PathLike, fill: Callable, *, append: bool = False,
 
 @contextmanager
 def writing(path: str | os.PathLike):
-    """Run a library's write of ``path`` (a file or a folder); its failure becomes a :class:`WriteError`."""
+    """Run a library's write of ``path`` (a file or a folder); its failure becomes a :class:`WriteError`. What it
+    wrote counts, by its size, as this thread's (:func:`bytes_written_by`)."""
     try:
         yield
+        _count(_size_of(Path(path)))
     except WriteError:
         raise
     except (OSError, RuntimeError) as e:  # SafetensorError is not an OSError; see _cause
@@ -122,6 +141,12 @@ def writing(path: str | os.PathLike):
         if type(e).__name__ == "SafetensorError":
             raise write_error(Path(path), e) from e
         raise
+
+
+def _size_of(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
 def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
