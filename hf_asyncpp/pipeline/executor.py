@@ -17,7 +17,8 @@ that step instead: the actions it has run so far are a prefix of that list (chec
 in the tests), so every stage drains at the same step and the trainer saves a checkpoint there.
 
 Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report
-and, while a reduction is in flight on gloo, of its phase; per step, one look at a delivered stop vote.
+and, while a reduction is in flight on gloo, of its phase, and one look at whether a ``torch.profiler`` records
+(then the action runs inside ``record_function("PP:<action>")``); per step, one look at a delivered stop vote.
 Batches are pulled from the iterator at a step's first forward and dropped after its last; receives of known
 shape are posted one ahead (see ``P2P.post``).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.profiler import record_function
 
 from .. import supervision
 from ..config.recipe import Recipe
@@ -66,6 +68,18 @@ STOP_LAG = 3
 """A stop vote cast at STEP{k} is read at each rank's first action of step k + STOP_LAG: every stage has run STEP{k}
 two steps before that (tests/test_stop_signals.py checks every schedule), so its report has been posted everywhere
 and has normally landed; one more step keeps the first stage, which runs ahead, from waiting for it."""
+
+UNLABELLED = nullcontext()
+"""An action run while no profiler records: ``torch.profiler.record_function`` is not entered at all, because
+entering it dispatches two ops (``profiler._record_function_enter_new`` and its exit) even with no profiler on, which
+would add two host ops to every action of a training step; ``torch.autograd._profiler_enabled()`` (one C call, no
+dispatch) says whether a profiler records on this thread."""
+
+
+def profiler_label(a: Action) -> str:
+    """An action's name in a ``torch.profiler`` trace: ``PP:`` and its text form (``PP:F3.1@v2``, ``PP:STEP3``), as
+    ``torch.distributed.pipelining`` labels its own actions, so a trace shows the schedule by step and microbatch."""
+    return f"PP:{a}"
 
 
 @dataclass
@@ -224,16 +238,17 @@ class PipelineEngine:
     def _run_window(self, w: _Window, actions: Iterator[Action]) -> Iterator[StepResult]:
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
         reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
-        clock = time.perf_counter
+        clock, profiling = time.perf_counter, torch.autograd._profiler_enabled
         for a in actions:
-            if on_gpu and a.type in DEVICE_TIMED:
-                self.gpu_timer.start(a.type)
-                handlers[a.type](a, w)
-                self.gpu_timer.stop()
-            else:
-                t0 = clock()
-                handlers[a.type](a, w)
-                secs[a.type] += clock() - t0
+            with record_function(profiler_label(a)) if profiling() else UNLABELLED:
+                if on_gpu and a.type in DEVICE_TIMED:
+                    self.gpu_timer.start(a.type)
+                    handlers[a.type](a, w)
+                    self.gpu_timer.stop()
+                else:
+                    t0 = clock()
+                    handlers[a.type](a, w)
+                    secs[a.type] += clock() - t0
             counts[a.type] += 1
             if self.track_memory:
                 m = self.mem
