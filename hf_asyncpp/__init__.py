@@ -4,7 +4,7 @@
 ``errors``       every error a user can meet and the exit code it ends a run with
 ``figures``      matplotlib off screen, set up once for every plot
 ``offline``      whether the Hub can be reached, asked once; the cache and offline mode when it cannot
-``schedules``    schedules as data and their simulator, pure Python (no torch)
+``schedules``    schedules as data and their simulator, pure Python (torch only for torch's virtual-stage orders)
 ``storage``      the disk: the one write path, file names, atomic verified checkpoints
 ``topology``     where a process sits (stage x data-parallel rank), its device, its process groups
 ``supervision``  which process this is, and a rank never outlives its launcher; stop signals

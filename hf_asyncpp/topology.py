@@ -1,7 +1,9 @@
 """Where this process sits (pipeline stage x data-parallel rank), its device, and the process groups it joins.
 
-``world_size = dp_size * num_stages``; the ranks of one stage are contiguous (rank = stage * dp_size + dp_rank).
-Every group is created collectively, in the same order on every rank (``make_groups``).
+``world_size = dp_size * num_stages``; the ranks of one stage are contiguous (rank = stage * dp_size + dp_rank): the
+row-major order of torch's ``DeviceMesh`` of shape (num_stages, dp_size) with dimensions ("pp", "dp"), which makes the
+pipeline and data-parallel groups (``stage_mesh``). Every group is created collectively, in the same order on every
+rank (``make_groups``).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .schedules.channels import all_channels
@@ -114,8 +117,9 @@ def local_device() -> torch.device:
 class Groups:
     """Process groups, created collectively in the same order on every rank."""
 
-    dp: object = None  # this stage's data-parallel replicas
-    pipe: object = None  # the stages of this data-parallel replica
+    dp: object = None  # this stage's data-parallel replicas (None without data parallelism): the mesh's "dp"
+    pipe: object = None  # the stages of this data-parallel replica: the mesh's "pp"
+    mesh: DeviceMesh | None = None  # (pp, dp), whose groups are ``pipe`` and ``dp`` (``stage_mesh``)
     ties: dict = field(default_factory=dict)  # stages sharing tensors (tuple of stage ids) -> group, this rank's only
     report: object = None  # every rank, gloo: per-step results travel here without blocking a stage
     dp_ranks: list = field(default_factory=list)
@@ -141,8 +145,9 @@ class Groups:
             _set_pg_timeout(p2p, g)
 
     def destroy(self) -> None:
-        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values(), *self.p2p.values())
-                  if x is not None}.values():
+        mesh = self.mesh.get_all_groups() if self.mesh is not None else []  # with dp = 1 its "dp" too
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values(), *self.p2p.values(),
+                                     *mesh) if x is not None}.values():
             dist.destroy_process_group(g)
 
 
@@ -150,6 +155,31 @@ def set_default_group_timeout(timeout: timedelta) -> None:
     """The default process group's timeout from now on (the one accelerate made, which the checkpoint's gathers and
     barriers use), through the same ``_set_pg_timeout`` as :meth:`Groups.set_timeouts`."""
     _set_pg_timeout(timeout, None)
+
+
+def stage_mesh(topo: Topology, timeout: timedelta) -> DeviceMesh:
+    """The device mesh of shape (num_stages, dp_size), dimensions ("pp", "dp"): rank = stage * dp_size + dp_rank is its
+    row-major order, so ``mesh["pp"]`` is this rank's pipeline (its replica's stages) and ``mesh["dp"]`` its stage's
+    replicas: the currency of FSDP2, tensor parallelism and DTensor checkpoints per stage. Each dimension's groups are
+    new ones on the default group's backend with ``timeout``: left to itself, the mesh would reuse the default group
+    for a dimension spanning every rank (one stage, or no data parallelism), which ``Groups.destroy`` would then tear
+    down and whose collectives could interleave with the default group's, and would create its groups with the
+    backend's default timeout instead of ``init_timeout_s``."""
+    backend = dist.get_backend()
+
+    def override():
+        if backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False  # what new_group gives a NCCL group without options
+        else:
+            return backend
+        options._timeout = timeout  # the mesh passes it on as the group's timeout
+        return backend, options
+    # one options object per dimension: a NCCL group keeps (and c10d writes its ranks into) the one it was made with
+    return init_device_mesh(local_device().type, (topo.num_stages, topo.dp_size), mesh_dim_names=("pp", "dp"),
+                            backend_override={"pp": override(), "dp": override()})
 
 
 def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None,
@@ -160,16 +190,11 @@ def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta
     ``sharded_norm`` ("global" or "stage"): the optimizer state is sharded across replicas; make ``Groups.norm``."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
-    for s in range(p):
-        ranks = [s * dp + d for d in range(dp)]
-        grp = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
-        if s == topo.stage:
-            g.dp, g.dp_ranks = grp, ranks
-    for d in range(dp):
-        ranks = [s * dp + d for s in range(p)]
-        grp = dist.new_group(ranks, timeout=timeout)
-        if d == topo.dp_rank:
-            g.pipe = grp
+    g.mesh = stage_mesh(topo, timeout)
+    g.pipe = g.mesh["pp"].get_group()
+    g.dp_ranks = g.mesh["dp"].mesh.tolist()
+    if dp > 1:
+        g.dp = g.mesh["dp"].get_group()
     for d in range(dp):
         for kind, s in all_channels(p):
             grp = dist.new_group([s * dp + d, (s + 1) * dp + d], timeout=p2p_timeout or timeout)

@@ -152,3 +152,12 @@ def test_every_tool_spells_its_outputs_the_same_way(tmp_path, capsys):
         except SystemExit as e:
             assert e.code == 2
         assert why in capsys.readouterr().err
+
+
+def test_the_schedules_import_torch_only_for_a_virtual_stage_order():
+    """What the recipe's checks and ``hf-asyncpp timeline`` of a one-stage-per-rank schedule load: the schedule floor
+    and its simulator without torch; torch comes with a virtual-stage order (``schedules/torch_orders.py``)."""
+    r = run("-c", "import sys; from hf_asyncpp.schedules import TWO_BW, ZBV, simulate; "
+                  "simulate(TWO_BW.actions(4, 8, 2)); print(sorted(set(sys.modules) & set(HEAVY))); "
+                  "ZBV.actions(2, 4, 1); print('torch' in sys.modules)".replace("HEAVY", repr(HEAVY)))
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["[]", "True"], r.stdout + r.stderr[-2000:]

@@ -82,8 +82,61 @@ def clip_coefficients(rank: int, world: int, recipe: dict) -> list[tuple[str, st
 
 
 def test_the_clip_coefficient_has_the_gradients_dtype():
-    """The norm is summed in float64; the clip's coefficient is cast to the gradients' dtype before the foreach
-    multiply, whose CUDA kernel takes one launch only when the scalar tensor has the tensors' dtype (else one
-    multiply per tensor)."""
+    """The norm (``torch.nn.utils.get_total_norm``) is in the gradients' dtype, so the coefficient of
+    ``clip_grads_with_norm_`` is too: CUDA's foreach multiply takes one launch only when the scalar tensor has the
+    tensors' dtype (else one multiply per tensor)."""
     seen = run_workers(clip_coefficients, 1, micro_stage_recipe(SMOLLM2, 2))[0]
     assert seen and set(seen) == {("torch.float32", "torch.float32")}, seen
+
+
+def profiled_actions(rank: int, world: int, recipe: dict) -> dict:
+    """The ``PP:`` ranges of a ``torch.profiler`` trace over two steps, in start order, beside the actions the
+    executor ran then; and the profiler ops a step then dispatches with no profiler on outside its actions'
+    handlers (inside, torch's optimizers enter ``record_function`` on their own)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_asyncpp.testing import _stage_engine
+
+    ran, inside = [], [False]
+
+    class ProfilerOpsOutside(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.startswith("profiler::") and not inside[0]:
+                self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    def labelled(a, w, handler):
+        ran.append(str(a))
+        inside[0] = True
+        try:
+            return handler(a, w)
+        finally:
+            inside[0] = False
+
+    eng, batches = _stage_engine(rank, world, recipe)
+    eng.train_steps(batches(1), 0)
+    for kind, handler in list(eng._handlers.items()):
+        eng._handlers[kind] = lambda a, w, handler=handler: labelled(a, w, handler)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eng.train_steps(batches(2), 1)
+    events = sorted((e for e in prof.events() if e.name.startswith("PP:")), key=lambda e: e.time_range.start)
+    profiled = list(ran)
+    with ProfilerOpsOutside() as off:
+        eng.train_steps(batches(1), 3)
+    eng.close()
+    return {"labels": [e.name for e in events], "ran": profiled, "profiler_ops_off": off.names, "ran_off": len(ran)}
+
+
+def test_a_profiler_trace_names_each_action_and_no_profiler_costs_no_op():
+    """Under ``torch.profiler`` every action the executor runs is one ``record_function`` range named as
+    ``torch.distributed.pipelining`` names its own (``PP:F1.0@v0``, ``PP:STEP1``); with no profiler on, the executor
+    dispatches no profiler op around its actions (entering ``record_function`` would dispatch two per action)."""
+    out = run_workers(profiled_actions, 1, micro_stage_recipe(SMOLLM2, 2))[0]
+    assert out["labels"] == [f"PP:{a}" for a in out["ran"]], (out["labels"][:12], out["ran"][:12])
+    assert {"PP:F1.0@v0", "PP:B1.0@v0", "PP:REDUCE1", "PP:STEP1", "PP:STEP2"} <= set(out["labels"]), out["labels"]
+    assert out["ran_off"] > len(out["ran"]) and out["profiler_ops_off"] == [], out["profiler_ops_off"]

@@ -102,3 +102,42 @@ def test_data_parallel_buckets_start_during_the_last_backward():
         for n in want:
             torch.testing.assert_close(reduced[n], want[n], rtol=1e-6, atol=1e-7)
         assert norm == pytest.approx(sum(float(v.double().pow(2).sum()) for v in want.values()) ** 0.5, rel=1e-6)
+
+
+def _groups_worker(rank, world, stages):
+    import torch.distributed as dist
+
+    from hf_asyncpp.topology import Topology, make_groups
+
+    topo = Topology(rank=rank, world_size=world, num_stages=stages)
+    out = []
+    for timeout in (17, 23):  # made, torn down and made again, as each engine does
+        groups = make_groups(topo, [], timedelta(seconds=timeout))
+        mesh = groups.mesh
+        out.append({"pipe": dist.get_process_group_ranks(groups.pipe), "dp_ranks": groups.dp_ranks,
+                    "dp": None if groups.dp is None else dist.get_process_group_ranks(groups.dp),
+                    "dims": mesh.mesh_dim_names, "mesh": mesh.mesh.tolist(),
+                    "world_reused": any(g is dist.group.WORLD for g in mesh.get_all_groups()),
+                    "timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                 for g in mesh.get_all_groups()]})
+        groups.destroy()
+    dist.barrier()  # the default group outlives the engine's groups
+    return out
+
+
+@pytest.mark.parametrize("world,stages", [(4, 2), (2, 2), (2, 1)])
+def test_pipeline_and_data_parallel_groups_are_the_meshs_rows_and_columns(world, stages):
+    """The pipeline and data-parallel groups come from torch's (pp, dp) device mesh: rank = stage x dp + dp_rank is its
+    row-major order, so a rank's pipeline is its replica's stages and its data-parallel group its stage's replicas,
+    as ``Topology`` places them; every dimension a group of its own (never the default group, which ``destroy``
+    would tear down), with the timeout asked for."""
+    results = run_distributed(_groups_worker, world, stages)
+    dp = world // stages
+    for rank, made in enumerate(results):
+        stage, dp_rank = divmod(rank, dp)
+        for res, timeout in zip(made, (17, 23)):
+            assert res["dims"] == ("pp", "dp") and res["mesh"] == [[s * dp + d for d in range(dp)] for s in range(stages)]
+            assert res["pipe"] == [s * dp + dp_rank for s in range(stages)], (rank, res)
+            assert res["dp_ranks"] == [stage * dp + d for d in range(dp)], (rank, res)
+            assert res["dp"] == (res["dp_ranks"] if dp > 1 else None), (rank, res)
+            assert not res["world_reused"] and res["timeouts"] == [timeout, timeout], (rank, res)

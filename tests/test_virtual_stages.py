@@ -1,6 +1,7 @@
 """Virtual-stage schedules as data (several model stages per rank): interleaved 1F1B, ZBV and DualPipeV, each rank's
-compute order equal to the one torch.distributed.pipelining generates, checked by the simulator (dependencies across
-stages on the same and on other ranks, receives in send order, NCCL's rule, memory in flight), and their bubbles."""
+compute order taken from torch.distributed.pipelining's classes (``schedules/torch_orders.py``) and kept by the
+lowering, checked by the simulator (dependencies across stages on the same and on other ranks, receives in send
+order, NCCL's rule, memory in flight), and their bubbles."""
 from __future__ import annotations
 
 import math
@@ -48,8 +49,9 @@ def accepts(sched, p: int, m: int) -> bool:
 
 @pytest.mark.parametrize("name,p", [(n, p) for n in VIRTUAL_SCHEDULES for p in (1, 2, 3, 4, 8, 16)])
 def test_each_ranks_compute_order_is_torchs(name, p):
-    """Same actions per rank in the same order as torch's generator, for every m up to 64 of a spread that torch
-    accepts (interleaved: m a multiple of its rounds; DualPipeV: m >= 2p), and torch refuses what the record refuses."""
+    """Same actions per rank in the same order as torch's generator, read here from its ``pipeline_order`` on its own,
+    after the lowering (transfers, REDUCE, STEP), for every m up to 64 of a spread that torch accepts (interleaved: m
+    a multiple of its rounds; DualPipeV: m >= 2p), and torch refuses what the record's own check refuses."""
     sched = get_schedule(name)
     for m in sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 63, 64} - {0}):
         if m > 64:

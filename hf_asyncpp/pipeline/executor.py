@@ -17,7 +17,8 @@ that step instead: the actions it has run so far are a prefix of that list (chec
 in the tests), so every stage drains at the same step and the trainer saves a checkpoint there.
 
 Hot loop. Per action: one dict lookup to its handler, two clock reads, one poll of the oldest pending report
-and, while a reduction is in flight on gloo, of its phase; per step, one look at a delivered stop vote.
+and, while a reduction is in flight on gloo, of its phase, and one look at whether a ``torch.profiler`` records
+(then the action runs inside ``record_function("PP:<action>")``); per step, one look at a delivered stop vote.
 Batches are pulled from the iterator at a step's first forward and dropped after its last; receives of known
 shape are posted one ahead (see ``P2P.post``).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.profiler import record_function
 
 from .. import supervision
 from ..config.recipe import Recipe
@@ -68,6 +70,18 @@ STOP_LAG = 3
 """A stop vote cast at STEP{k} is read at each rank's first action of step k + STOP_LAG: every stage has run STEP{k}
 two steps before that (tests/test_stop_signals.py checks every schedule), so its report has been posted everywhere
 and has normally landed; one more step keeps the first stage, which runs ahead, from waiting for it."""
+
+UNLABELLED = nullcontext()
+"""An action run while no profiler records: ``torch.profiler.record_function`` is not entered at all, because
+entering it dispatches two ops (``profiler._record_function_enter_new`` and its exit) even with no profiler on, which
+would add two host ops to every action of a training step; ``torch.autograd._profiler_enabled()`` (one C call, no
+dispatch) says whether a profiler records on this thread."""
+
+
+def profiler_label(a: Action) -> str:
+    """An action's name in a ``torch.profiler`` trace: ``PP:`` and its text form (``PP:F3.1@v2``, ``PP:STEP3``), as
+    ``torch.distributed.pipelining`` labels its own actions, so a trace shows the schedule by step and microbatch."""
+    return f"PP:{a}"
 
 
 @dataclass
@@ -227,16 +241,17 @@ class PipelineEngine:
     def _run_window(self, w: _Window, actions: Iterator[Action]) -> Iterator[StepResult]:
         handlers, secs, counts, pending = self._handlers, self.action_seconds, self.action_counts, self.reports.pending
         reducing, reducer, on_gpu = self.reducer.jobs, self.reducer, self.gpu_timer is not None
-        clock = time.perf_counter
+        clock, profiling = time.perf_counter, torch.autograd._profiler_enabled
         for a in actions:
-            if on_gpu and a.type in DEVICE_TIMED:
-                self.gpu_timer.start(a.type)
-                handlers[a.type](a, w)
-                self.gpu_timer.stop()
-            else:
-                t0 = clock()
-                handlers[a.type](a, w)
-                secs[a.type] += clock() - t0
+            with record_function(profiler_label(a)) if profiling() else UNLABELLED:
+                if on_gpu and a.type in DEVICE_TIMED:
+                    self.gpu_timer.start(a.type)
+                    handlers[a.type](a, w)
+                    self.gpu_timer.stop()
+                else:
+                    t0 = clock()
+                    handlers[a.type](a, w)
+                    secs[a.type] += clock() - t0
             counts[a.type] += 1
             if self.track_memory:
                 m = self.mem
@@ -431,11 +446,12 @@ class PipelineEngine:
 
     def _do_step(self, a: Action, w: _Window) -> None:
         k = a.step
-        grads, norm = self.reducer.result(k)  # on the device
+        grads, total_norm = self.reducer.result(k)  # on the device
+        norm = total_norm
         cfg = self.recipe.training
         lr = self.optimizer.param_groups[0]["lr"]
         if cfg.on_nonfinite == "skip":  # skipping needs the decision on the host before the step: its one read
-            norm = float(norm)
+            norm = float(total_norm)
             finite = finite_step(k, norm, cfg.on_nonfinite)
         else:  # stop: nothing waits for the device here; a non-finite norm ends the run when step k's report lands
             finite = True
@@ -444,14 +460,10 @@ class PipelineEngine:
             # the correction clones every parameter with a gradient for the step (optim/ef.py: ``transient``)
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
-            if cfg.max_grad_norm and grads:  # the clip in one kernel, its coefficient where the norm is
-                coef = cfg.max_grad_norm / (norm + 1e-6)
-                if not isinstance(coef, float):  # float64 (the norm's sum): in the gradients' dtype, or CUDA's
-                    # foreach kernel, which needs one dtype, falls back to one multiply per tensor
-                    coef = coef.clamp(max=1.0).to(next(iter(grads.values())).dtype)
-                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef)
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
                 self.params[n].grad = g
+            if cfg.max_grad_norm and grads:  # torch's clip: its coefficient clamped on the device, no host sync
+                torch.nn.utils.clip_grads_with_norm_([self.params[n] for n in grads], cfg.max_grad_norm, total_norm)
             self.optimizer.step()
             self.scheduler.step()
             for prm in self.params.values():

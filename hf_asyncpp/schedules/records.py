@@ -53,12 +53,13 @@ only where the numbers need a drained pipeline (a checkpoint, an evaluation, the
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from .actions import BACKWARDS, Action, ActionType
+from .torch_orders import Item, torch_chunks
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "ZB_H1", "TWO_BW", "PIPEDREAM", "get_schedule",
@@ -133,9 +134,9 @@ def _per_step(local: Callable[[int, int, int], Order], s: int, p: int, m: int, n
 # A rank holding several model stages runs an order of chunks: each a tuple of (F, B, I or W, microbatch, stage) run
 # as one unit. A chunk is one computation, except DualPipeV's overlapped pair (torch's OVERLAP_F_B): a forward of one
 # stage and a backward of the other, both inputs received before it and both outputs sent after it, computed one
-# after the other as torch's runtime does without a custom overlap function.
+# after the other as torch's runtime does without a custom overlap function. The orders are torch's own
+# (``torch_orders``); this module lowers them.
 
-Item = tuple[ActionType, int, int]  # (F, B, I or W, microbatch in the step, model stage)
 Chunks = Iterator[tuple[Item, ...]]
 
 
@@ -149,135 +150,6 @@ def stage_ranks(placement: str, num_ranks: int, stages_per_rank: int) -> list[in
     if placement == "v" and v == 2:
         return list(range(p)) + list(range(p - 1, -1, -1))
     raise ValueError(f"placement {placement!r} with {v} stages per rank: 'loop' takes any number, 'v' exactly 2")
-
-
-def _order_interleaved(rank: int, p: int, v: int, m: int) -> Chunks:
-    """Interleaved 1F1B at ``rank`` over one step's m microbatches, on the v stages rank, rank + p, ... (Narayanan et
-    al., "Efficient Large-Scale Language Model Training on GPU Clusters", 2021), in the order torch's
-    ``ScheduleInterleaved1F1B`` generates: the microbatches go in rounds of m // max(1, m // p) (so m need not be a
-    multiple of p, only of the number of rounds); a rank runs (v-1) rounds + 2(p-1-rank) warm-up forwards, walking
-    its stages one round at a time (stage order rank, rank + p, ...), then one forward and one backward (stages in the
-    reverse order) per op, then the cool-down backwards. With v stages per rank a microbatch crosses p*v stages of
-    1/v the work each, so fill and drain take 1/v as long as 1F1B's."""
-    T = ActionType
-    per_round = m // max(1, m // p)
-    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
-    total = m * v
-    forwards = [0] * v  # per local stage: the next microbatch
-    backwards = [0] * v
-
-    def forward(op: int) -> tuple[Item]:
-        local = (op // per_round) % v
-        forwards[local] += 1
-        return ((T.F, forwards[local] - 1, local * p + rank),)
-
-    def backward(op: int) -> tuple[Item]:
-        local = v - 1 - ((op - warmup) // per_round) % v
-        backwards[local] += 1
-        return ((T.B, backwards[local] - 1, local * p + rank),)
-
-    for op in range(warmup):
-        yield forward(op)
-    for op in range(warmup, total):
-        yield forward(op)
-        yield backward(op)
-    for op in range(total, total + warmup):
-        yield backward(op)
-
-
-def _order_zbv(rank: int, p: int, m: int) -> Chunks:
-    """ZBV at ``rank`` over one step's m microbatches, on its stages rank and 2p-1-rank (V placement; Qi et al.,
-    "Zero Bubble Pipeline Parallelism", 2024, section 6), in the order torch's ``ScheduleZBVZeroBubble`` generates:
-    2(p-rank)-1 forwards of the first stage, then pairs of both stages' forwards, then forwards of the second stage
-    each with its I and W at once (the V's turn: the last stage, on rank 0, starts backwards early), a steady state of
-    F, I, W on each stage in turn, and a cool-down of I's whose W's fill the drain. torch plans for
-    max(2p-1, m) microbatches and drops those >= m, so any m runs (fewer than 2p-1 leave bubbles). With F = I = W the
-    steady state has no bubble: near-zero bubble, at 1F1B's activation memory per rank."""
-    T = ActionType
-    n = max(2 * p - 1, m)
-    first, second = rank, 2 * p - 1 - rank
-    out: list[Item] = []
-    f0 = f1 = b0 = b1 = 0
-    for _ in range(2 * (p - rank) - 1):
-        out.append((T.F, f0, first)); f0 += 1
-    for _ in range(rank):
-        out.append((T.F, f1, second)); f1 += 1
-        out.append((T.F, f0, first)); f0 += 1
-    for _ in range(p - rank):
-        out += [(T.F, f1, second), (T.I, b1, second), (T.W, b1, second)]
-        f1 += 1; b1 += 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            out.append((T.F, f0, first)); f0 += 1
-        out += [(T.I, b0, first), (T.W, b0, first), (T.F, f1, second), (T.I, b1, second), (T.W, b1, second)]
-        b0 += 1; f1 += 1; b1 += 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        out += [(T.I, b0, first), (T.I, b1, second)]
-        b0 += 1; b1 += 1
-    for _ in range(p - rank):
-        out += [(T.I, b0, first), (T.W, w0, first)]
-        b0 += 1; w0 += 1
-    out += [(T.W, j, second) for j in range(w1, b1)] + [(T.W, j, first) for j in range(w0, b0)]
-    return ((item,) for item in out if item[1] < m)
-
-
-def _order_dualpipev(rank: int, p: int, m: int) -> Chunks:
-    """DualPipeV at ``rank`` over one step's m >= 2p microbatches, on its stages rank and 2p-1-rank (V placement;
-    DeepSeek-V3's DualPipe folded onto p ranks), in the order torch's ``ScheduleDualPipeV`` generates: forwards of the
-    first stage, then of both, then zero-bubble I/W/F on the second; the main phase runs overlapped pairs, a forward of
-    one stage with a backward (B) of the other (torch's OVERLAP_F_B: one chunk here, computed one after the other as
-    torch's runtime does without a custom overlap function; DeepSeek overlaps them to hide the expert all-to-all,
-    which a cost model of compute alone cannot show); the cool-down runs B's, then I's whose W's fill the drain.
-    A rank's W's come from one queue of its I's in order, as torch's."""
-    T = ActionType
-    first, second = rank, 2 * p - 1 - rank
-    nxt: dict[tuple[int, bool], int] = defaultdict(int)  # (stage, forward?) -> its next microbatch (B and I share one)
-    weights: deque[tuple[int, int]] = deque()  # (stage, microbatch) of I's whose W is not placed yet
-
-    def one(t: ActionType, stage: int) -> Item:
-        key = (stage, t == T.F)
-        j = nxt[key]
-        nxt[key] += 1
-        if t == T.I:
-            weights.append((stage, j))
-        return (t, j, stage)
-
-    def weight() -> Iterator[tuple[Item]]:
-        if weights:
-            stage, j = weights.popleft()
-            yield ((T.W, j, stage),)
-
-    for _ in range(2 * (p - rank - 1)):
-        yield (one(T.F, first),)
-    for _ in range(rank + 1):
-        yield (one(T.F, first),)
-        yield (one(T.F, second),)
-    for _ in range(p - rank - 1):
-        yield (one(T.I, second),)
-        yield from weight()
-        yield (one(T.F, second),)
-    for i in range(m - 2 * p + rank + 1):
-        if i == 0 and rank == p - 1:  # torch: not overlapped, a smaller bubble at the V's turn
-            yield (one(T.F, first),)
-            yield (one(T.B, second),)
-        else:
-            yield (one(T.F, first), one(T.B, second))
-        yield (one(T.F, second), one(T.B, first))
-    for _ in range(p - rank - 1):
-        yield (one(T.B, second),)
-        yield (one(T.F, second), one(T.B, first))
-    split = False  # the second half of the cool-down splits its backwards (zero bubble)
-    for i in range(rank + 1):
-        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
-        yield (one(T.I if split else T.B, second),)
-        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
-        yield (one(T.I if split else T.B, first),)
-    for _ in range(p - rank - 1):
-        yield from weight()
-        yield (one(T.I if split else T.B, first),)
-    for _ in range(rank + 1):
-        yield from weight()
 
 
 Message = tuple[ActionType, int, int]  # (SEND_ACT or SEND_GRAD, microbatch from the window's start, sending stage)
@@ -402,20 +274,20 @@ def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, ext
                   lambda k: sched.version(k, s, p), sched.late_step, False)
 
 
-def _flushed_virtual(local: Callable[[int, int, int, int], Chunks]):
-    """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: ``local(rank, p, v, m)``, one step's
-    chunks, per step; REDUCE and STEP right after the rank's last backward of the step (of every stage it holds)."""
-    def build(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
-        ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
+def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+    """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: one step's chunks of torch's order
+    (``torch_orders.torch_chunks``) per step; REDUCE and STEP right after the rank's last backward of the step (of
+    every stage it holds)."""
+    ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
+    order = torch_chunks(sched.name, p, sched.stages_per_rank, m)
 
-        def chunks(rank: int) -> Chunks:
-            for k in range(n):
-                for chunk in local(rank, p, sched.stages_per_rank, m):
-                    yield tuple((t, k * m + j, g) for t, j, g in chunk)
-        peers = {ranks[g + d] for g in range(len(ranks)) if ranks[g] == r for d in (-1, 1) if 0 <= g + d < len(ranks)}
-        senders = {q: _sends(chunks(q), q, r, ranks) for q in peers - {r}}
-        return _lower(chunks(r), r, ranks, m, k0, lambda k: sched.version(k, r, p), False, True, senders)
-    return build
+    def chunks(rank: int) -> Chunks:
+        for k in range(n):
+            for chunk in order[rank]:
+                yield tuple((t, k * m + j, g) for t, j, g in chunk)
+    peers = {ranks[g + d] for g in range(len(ranks)) if ranks[g] == r for d in (-1, 1) if 0 <= g + d < len(ranks)}
+    senders = {q: _sends(chunks(q), q, r, ranks) for q in peers - {r}}
+    return _lower(chunks(r), r, ranks, m, k0, lambda k: sched.version(k, r, p), False, True, senders)
 
 
 def _check_interleaved(p: int, m: int, extra: int) -> None:
@@ -579,25 +451,33 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, ZB_H1,
 INTERLEAVED_1F1B = Schedule(
     name="interleaved1f1b", title="interleaved 1F1B (2 stages per rank), synchronous", synchronous=True,
     version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
-    extra_warmup_ok=False, _build=_flushed_virtual(_order_interleaved), _constraints=_check_interleaved,
+    extra_warmup_ok=False, _build=_flushed_virtual, _constraints=_check_interleaved,
     stages_per_rank=2, placement="loop")
-"""Interleaved 1F1B (``_order_interleaved``): v stages per rank in looping placement (``interleaved_1f1b(v)``; 2 here),
-flushed every step (version k); it computes 1F1B's gradients on a p x v-stage split."""
+"""Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters", 2021), torch's
+``ScheduleInterleaved1F1B`` order: v stages per rank in looping placement (``interleaved_1f1b(v)``; 2 here), the
+microbatches in rounds of m // max(1, m // p) (m a multiple of the number of rounds), flushed every step (version
+k); it computes 1F1B's gradients on a p x v-stage split, whose fill and drain take 1/v as long as 1F1B's."""
 
 ZBV = Schedule(
     name="zbv", title="ZBV zero bubble (2 stages per rank, V placement), synchronous", synchronous=True,
     version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
-    extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_zbv(r, p, m)), stages_per_rank=2,
+    extra_warmup_ok=False, _build=_flushed_virtual, stages_per_rank=2,
     placement="v", split_backward=True)
-"""ZBV (``_order_zbv``): 2 stages per rank in V placement, F, I and W; flushed every step (version k)."""
+"""ZBV (Qi et al., "Zero Bubble Pipeline Parallelism", 2024, section 6), torch's ``ScheduleZBVZeroBubble`` order: 2
+stages per rank in V placement (the V turns on rank p-1 without a transfer), F, I and W, any m (fewer than 2p-1
+leave bubbles); with F = I = W its steady state has no bubble, at 1F1B's activation memory per rank. Flushed every
+step (version k)."""
 
 DUALPIPEV = Schedule(
     name="dualpipev", title="DualPipeV (2 stages per rank, V placement), synchronous", synchronous=True,
     version=lambda k, r, p: k, lag=lambda r, p: 0, late_step=False, one_update_per_microbatch=False,
-    extra_warmup_ok=False, _build=_flushed_virtual(lambda r, p, v, m: _order_dualpipev(r, p, m)),
-    _constraints=_check_dualpipev, stages_per_rank=2, placement="v", split_backward=True)
-"""DualPipeV (``_order_dualpipev``): 2 stages per rank in V placement, overlapped forward/backward pairs, B and I/W;
-flushed every step (version k)."""
+    extra_warmup_ok=False, _build=_flushed_virtual, _constraints=_check_dualpipev, stages_per_rank=2, placement="v",
+    split_backward=True)
+"""DualPipeV (DeepSeek-V3's DualPipe folded onto p ranks), torch's ``ScheduleDualPipeV`` order: 2 stages per rank in V
+placement, m >= 2p; its main phase runs overlapped pairs, a forward of one stage with a backward of the other (one
+chunk each, computed one after the other as torch's runtime does without a custom overlap function: DeepSeek
+overlaps them to hide the expert all-to-all, which a cost model of compute alone cannot show), B and I/W; flushed
+every step (version k)."""
 
 VIRTUAL_SCHEDULES: dict[str, Schedule] = {s.name: s for s in (INTERLEAVED_1F1B, ZBV, DUALPIPEV)}
 """The virtual-stage schedules (several stages per rank): simulator and planner only, not the executor."""
