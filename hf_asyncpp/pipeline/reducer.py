@@ -277,7 +277,8 @@ class Reducer:
 
     def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool, early: _Early | None = None):
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
-        names, device = list(grads), next(iter(grads.values())).device
+        names, first = list(grads), next(iter(grads.values()))
+        device, dtype = first.device, first.dtype  # read now: a ZeRO-1 replica drops the gradients it does not own
         if self.groups.dp is not None:
             # the buckets launched during the last backward (if armed), then the rest, in bucket order
             early = early or self._plan(-1, grads)
@@ -304,7 +305,7 @@ class Reducer:
         # torch's own total norm of this rank's share (one foreach kernel, in the gradients' dtype), squared so that
         # one all-reduce sums the shares; torch.nn.utils.clip_grads_with_norm_ at STEP takes its root
         sq = torch.nn.utils.get_total_norm(counted).pow(2) if counted else \
-            torch.zeros((), dtype=grads[names[0]].dtype, device=device)
+            torch.zeros((), dtype=dtype, device=device)  # a replica that owns none of the counted tensors
         if self.owner_of is not None:  # each replica has its owned tensors' part of the sum
             yield [dist.all_reduce(sq, group=self.groups.norm, async_op=True)]
         elif self.topo.num_stages > 1 and self.global_norm:
