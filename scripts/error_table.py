@@ -23,6 +23,7 @@ PAGE = ROOT / "docs" / "troubleshooting.md"
 TESTS = ["tests/test_cli_inputs.py", "tests/test_lose_nothing.py", "tests/test_preflight.py", "tests/test_reliability.py",
          "tests/test_reliability_rest.py", "tests/test_memory_plan.py::test_plan_takes_recipe_overrides_after_the_recipe",
          "tests/test_downstream.py::test_a_hub_task_out_of_reach_is_one_line_naming_the_ways_out",
+         "tests/test_downstream.py::test_a_hub_task_with_the_hub_unreachable_is_one_request_then_one_line",
          "tests/test_downstream.py::test_bad_inputs"]
 START, END = "<!-- error-table:start -->", "<!-- error-table:end -->"
 _TMP = re.compile(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/(popen-gw\d+/)?[^/\s']+?\d*/")
