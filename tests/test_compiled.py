@@ -146,8 +146,9 @@ def test_a_recompile_limit_hit_is_counted_and_said_once(tmp_path, caplog):
     counts = compile_counts()
     assert counts["graphs"] == 2 and counts["recompiles"] >= 1 and counts["eager_fallbacks"] >= 1, counts
     clean = {**counts, "eager_fallbacks": 0}
-    runlog = RunLog.__new__(RunLog)  # what compile_stats uses: the file, the main-process flag, the said-once flag
+    runlog = RunLog.__new__(RunLog)  # what compile_stats uses: the file, the main-process flag, the said-once flag,
     runlog.path, runlog.main, runlog.compile_warned = tmp_path / "metrics.jsonl", True, False
+    runlog.writer = None  # and no checkpoint writer to follow: records are written at once
     with caplog.at_level(logging.WARNING, logger="hf_asyncpp"):
         runlog.compile_stats(2, [clean, clean])
         assert "recompile limit" not in caplog.text

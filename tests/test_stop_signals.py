@@ -243,7 +243,9 @@ def test_the_launchers_second_sigint_reaches_the_workers_at_once():
     sends it on and waits for the saved stop); the second goes at once to each worker's process group (a worker is
     in its own session, as torchrun starts it) instead of waiting for the agent's shutdown timeout."""
     worker = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                              # SIGINT's default action, as torchrun's workers have it, whatever this test process's is
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     before = signal.getsignal(signal.SIGINT)
     try:
         assert worker.stdout.readline() == "up\n"

@@ -328,7 +328,10 @@ class PipelineEngine:
     def agree_stop(self) -> bool:
         """At a drain point: whether a stop signal reached any rank (collective, on the report group)."""
         vote = torch.tensor([1.0 if supervision.stop_requested() else 0.0], dtype=torch.float64)
-        dist.all_reduce(vote, group=self.groups.report)
+        try:
+            dist.all_reduce(vote, group=self.groups.report)
+        except RuntimeError as e:  # a rank silent at the drain point: named, as a step's report names it
+            raise self.reports.failure("the drain point's stop vote", e) from None
         return bool(vote.tolist()[0] > 0)
 
     def _batch(self, w: _Window, k: int) -> torch.Tensor | None:

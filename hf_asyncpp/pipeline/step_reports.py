@@ -111,13 +111,17 @@ class StepReports:
 
     def _failure(self, step: int, e: RuntimeError) -> PeerFailure:
         """The error for a report that never arrived: the silent ranks named where the wait timed out."""
+        return self.failure(f"the loss report of step {step}", e, tag=f"report-{step}")
+
+    def failure(self, what: str, e: RuntimeError, tag: str | None = None) -> PeerFailure:
+        """The error for a collective on the report group that never completed (``what``: which one): the silent
+        ranks named where the wait timed out, else a peer that died."""
         within = f"{self.timeout.total_seconds():g}s"
         if timed_out(e):
-            who = who_went_silent(f"report-{step}", wait_s=min(30.0, self.timeout.total_seconds()))
-            return PeerFailure(f"rank {dist.get_rank()}: the loss report of step {step}: {who} (nothing within "
-                               f"{within}: stalled or hung, see its log)")
-        return PeerFailure(f"rank {dist.get_rank()}: the loss report of step {step} failed within {within}; a peer "
-                           f"has probably died ({e})")
+            who = who_went_silent(tag or what.replace(" ", "-"), wait_s=min(30.0, self.timeout.total_seconds()))
+            return PeerFailure(f"rank {dist.get_rank()}: {what}: {who} (nothing within {within}: stalled or hung, see "
+                               "its log)")
+        return PeerFailure(f"rank {dist.get_rank()}: {what} failed within {within}; a peer has probably died ({e})")
 
     def stop_vote(self, step: int) -> bool:
         """Whether any rank voted to stop by its STEP of ``step`` (the same answer on every rank). Its report has
