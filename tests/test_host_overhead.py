@@ -82,9 +82,9 @@ def clip_coefficients(rank: int, world: int, recipe: dict) -> list[tuple[str, st
 
 
 def test_the_clip_coefficient_has_the_gradients_dtype():
-    """The norm (``torch.nn.utils.get_total_norm``) is in the gradients' dtype, so the coefficient of
-    ``clip_grads_with_norm_`` is too: CUDA's foreach multiply takes one launch only when the scalar tensor has the
-    tensors' dtype (else one multiply per tensor)."""
+    """The norm is summed in float64; the clip's coefficient is cast to the gradients' dtype before the foreach
+    multiply, whose CUDA kernel takes one launch only when the scalar tensor has the tensors' dtype (else one
+    multiply per tensor)."""
     seen = run_workers(clip_coefficients, 1, micro_stage_recipe(SMOLLM2, 2))[0]
     assert seen and set(seen) == {("torch.float32", "torch.float32")}, seen
 

@@ -449,12 +449,11 @@ class PipelineEngine:
 
     def _do_step(self, a: Action, w: _Window) -> None:
         k = a.step
-        grads, total_norm = self.reducer.result(k)  # on the device
-        norm = total_norm
+        grads, norm = self.reducer.result(k)  # on the device
         cfg = self.recipe.training
         lr = self.optimizer.param_groups[0]["lr"]
         if cfg.on_nonfinite == "skip":  # skipping needs the decision on the host before the step: its one read
-            norm = float(total_norm)
+            norm = float(norm)
             finite = finite_step(k, norm, cfg.on_nonfinite)
         else:  # stop: nothing waits for the device here; a non-finite norm ends the run when step k's report lands
             finite = True
@@ -463,10 +462,14 @@ class PipelineEngine:
             # the correction clones every parameter with a gradient for the step (optim/ef.py: ``transient``)
             self.mem["ef_copy"] = max(self.mem["ef_copy"], sum(g.numel() * g.element_size() for g in grads.values()))
         if finite:
+            if cfg.max_grad_norm and grads:  # the clip in one kernel, its coefficient where the norm is
+                coef = cfg.max_grad_norm / (norm + 1e-6)
+                if not isinstance(coef, float):  # float64 (the norm's sum): in the gradients' dtype, or CUDA's
+                    # foreach kernel, which needs one dtype, falls back to one multiply per tensor
+                    coef = coef.clamp(max=1.0).to(next(iter(grads.values())).dtype)
+                torch._foreach_mul_(list(grads.values()), min(1.0, coef) if isinstance(coef, float) else coef)
             for n, g in grads.items():  # ZeRO-1: the owned ones; the optimizer skips a tensor without a gradient
                 self.params[n].grad = g
-            if cfg.max_grad_norm and grads:  # torch's clip: its coefficient clamped on the device, no host sync
-                torch.nn.utils.clip_grads_with_norm_([self.params[n] for n in grads], cfg.max_grad_norm, total_norm)
             self.optimizer.step()
             self.scheduler.step()
             for prm in self.params.values():

@@ -186,9 +186,9 @@ class Reducer:
             self.done[job.key] = job
 
     def result(self, key: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Step ``key``'s reduced gradients and global grad norm, a 0-dim tensor on the device in the gradients'
-        dtype, as ``torch.nn.utils.get_total_norm`` gives it (waits for the collectives still in flight; never for
-        the device: the norm is read back only where a caller must decide on the host)."""
+        """Step ``key``'s reduced gradients and grad norm, a 0-dim float64 tensor on the device (waits for the
+        collectives still in flight; never for the device: the norm is read back only where a caller must decide on
+        the host)."""
         while key not in self.done:
             if not self.jobs:
                 raise RuntimeError(f"rank {self.topo.rank}: step {key} was never submitted for reduction")
@@ -277,8 +277,7 @@ class Reducer:
 
     def _phases(self, grads: dict[str, torch.Tensor], stream_ordered: bool, early: _Early | None = None):
         """The three phases as a generator: each ``yield`` hands over the works the next phase must wait for."""
-        names, first = list(grads), next(iter(grads.values()))
-        device, dtype = first.device, first.dtype  # read now: a ZeRO-1 replica drops the gradients it does not own
+        names, device = list(grads), next(iter(grads.values())).device
         if self.groups.dp is not None:
             # the buckets launched during the last backward (if armed), then the rest, in bucket order
             early = early or self._plan(-1, grads)
@@ -302,10 +301,9 @@ class Reducer:
         if works:  # in the same (sorted) order on every rank
             yield works
         counted = [grads[n] for n in names if n in grads and not (self.topo.num_stages > 1 and n in self.not_counted)]
-        # torch's own total norm of this rank's share (one foreach kernel, in the gradients' dtype), squared so that
-        # one all-reduce sums the shares; torch.nn.utils.clip_grads_with_norm_ at STEP takes its root
-        sq = torch.nn.utils.get_total_norm(counted).pow(2) if counted else \
-            torch.zeros((), dtype=dtype, device=device)  # a replica that owns none of the counted tensors
+        # per-tensor norms in the gradients' dtype (no float64 copy of any gradient), summed in float64
+        sq = torch.stack(torch._foreach_norm(counted, 2)).double().pow(2).sum() if counted else \
+            torch.zeros((), dtype=torch.float64, device=device)
         if self.owner_of is not None:  # each replica has its owned tensors' part of the sum
             yield [dist.all_reduce(sq, group=self.groups.norm, async_op=True)]
         elif self.topo.num_stages > 1 and self.global_norm:
