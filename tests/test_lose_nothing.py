@@ -118,11 +118,12 @@ def test_a_wrong_checkpoint_path_says_what_it_is_and_lists_the_run_s_checkpoints
     out = tmp_path / "run"
     recipe = recipe_file(tmp_path, out, training__max_steps=2, training__save_steps=1)
     assert run_main(capsys, recipe)[0] == 0
-    for given, what in ((out / "checkpoint-0000002" / "manifest.json", "a file, not a checkpoint folder"),
-                        (out / "checkpoint-0000500", "no such folder")):
+    for given, what, said in ((out / "checkpoint-0000002" / "manifest.json", "a file, not a checkpoint folder",
+                               "is a file, not a checkpoint folder"),
+                              (out / "checkpoint-0000500", "no such folder", "does not exist")):
         code, err = run_main(capsys, recipe, f"--training.resume_from_checkpoint={given}")
         assert code == 5 and error_lines(err) == [
-            f"error: MissingCheckpoint: training.resume_from_checkpoint: '{given}' is {what}; the complete checkpoints "
+            f"error: MissingCheckpoint: training.resume_from_checkpoint: '{given}' {said}; the complete checkpoints "
             f"in {out} are checkpoint-0000001, checkpoint-0000002"], err
         code, err = export(capsys, given, tmp_path / "hf")
         assert code == 1 and error_lines(err) == [

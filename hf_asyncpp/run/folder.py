@@ -56,9 +56,9 @@ def resume_candidates(output_dir: str | Path, resume: str | None) -> list[Path]:
         return [p for _, p in reversed(list_checkpoints(output_dir))]
     path = Path(resume)
     if not (path / MANIFEST).is_file():
-        what = ("no such folder" if not path.exists() else "a file, not a checkpoint folder" if not path.is_dir()
-                else f"not a complete checkpoint (no {MANIFEST})")
-        raise MissingCheckpoint(f"training.resume_from_checkpoint: {resume!r} is {what}; "
+        what = ("does not exist" if not path.exists() else "is a file, not a checkpoint folder" if not path.is_dir()
+                else f"is not a complete checkpoint (no {MANIFEST})")
+        raise MissingCheckpoint(f"training.resume_from_checkpoint: {resume!r} {what}; "
                                 f"{checkpoints_near(path, output_dir)}")
     return [path]
 
