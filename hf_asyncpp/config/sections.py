@@ -161,6 +161,16 @@ class PipelineConfig:
     """Decoder layers per stage: a list; ``auto``: measured at start on the machine that trains (forward, backward
     and optimizer step of each layer, the embedding and the head; cached, printed); None: balanced by the FLOPs
     cost model."""
+    vocab_parallel: Union[bool, Literal["auto"]] = "auto"
+    """The vocabulary layers shared by every stage (Vocabulary Parallelism, Yeung et al., MLSys 2025): each stage
+    holds a 1/num_stages shard of the output layer's vocabulary and computes its part of every microbatch's logits
+    and loss (a VOCAB pass per microbatch in the schedule), so the decoder layers split evenly instead of around a
+    head that weighs one or two layers. ``auto``: on where the planner's simulation says it pays; ``true``/``false``
+    force it."""
+    expert_parallel: int = field(default=1, metadata=bounds(lo=1))
+    """Expert parallelism inside a stage (transformers' ``ep_size``): each MoE layer's experts sharded over this many
+    of the stage's data-parallel replicas (it divides their number), the routed tokens sent to their experts and back
+    with all-to-all collectives. 1: every replica holds every expert."""
     extra_warmup: int = field(default=0, metadata=bounds(lo=0))
     """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
     the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""

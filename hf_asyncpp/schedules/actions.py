@@ -17,6 +17,14 @@ build orders from it. Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`
 ``RECV_GRAD{k}.{i}<{s+1}``  before B (or I) on s < p-1: the output gradients from stage s+1 (blocks)
 ``F{k}.{i}@v{v}/s{g}``      with several stages per rank: the forward at model stage g (likewise every
                             F, B, I, W and transfer names its stage)
+``VOCAB{k}.{i}@v{v}``       with the vocabulary layers shared by every stage (``pipeline.vocab_parallel``): this
+                            stage's vocabulary shard of the output layer and loss for microbatch (k, i), forward
+                            and backward in one pass, with version v; a collective of all the stages of one
+                            replica, run by each in microbatch order (the last stage's final hidden states
+                            broadcast, the softmax's statistics combined, the gradient to the hidden states
+                            summed back onto the last stage). It accumulates the shard's weight gradient as a B
+                            does; the last stage runs it between F and B (or I) of the microbatch, stage s
+                            after its forward of microbatch (k, i) + p-1-s (``records._vocab_passes``)
 ``REDUCE{k}``               after the stage's last B (or W) of step k: post step k's gradient
                             reductions (data-parallel all-reduce, tied-embedding sum, global grad norm),
                             a collective every stage issues in the same step order
@@ -43,6 +51,7 @@ class ActionType(str, Enum):
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
     RECV_GRAD = "RECV_GRAD"
+    VOCAB = "VOCAB"
     REDUCE = "REDUCE"
     STEP = "STEP"
 
@@ -55,7 +64,7 @@ class ActionType(str, Enum):
         return self in (ActionType.RECV_ACT, ActionType.RECV_GRAD)
 
 
-_COMPUTE = (ActionType.F, ActionType.B, ActionType.I, ActionType.W)
+_COMPUTE = (ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.VOCAB)
 BACKWARDS = frozenset({ActionType.B, ActionType.W})
 """The actions that complete a microbatch's backward at a stage (B, or the W after its I): its activations are
 released, its weight gradient accumulated, and the step's REDUCE may follow the last of them."""

@@ -123,6 +123,24 @@ def _order_gpipe(stage: int, p: int, n: int) -> Order:
         yield ActionType.B, j
 
 
+def _vocab_passes(order: Order, stage: int, p: int, n: int) -> Order:
+    """``order`` (one stage per rank, ``n`` microbatches) with a VOCAB pass per microbatch, for the vocabulary layers
+    shared by every stage: VOCAB j right after the stage's forward of microbatch j + p-1-stage (after its last forward
+    where there is none). Every stage then runs the VOCABs in microbatch order, as the collective they are needs; the
+    last stage runs VOCAB j between F j and its B (or I) j, which waits for the loss's gradient; and stage s reaches
+    VOCAB j when, in a steady pipeline, the last stage reaches it too: its forward of j + p-1-s runs in the same slot
+    as the last stage's forward of j. Every order here runs F j + p-1-s before B (or I) j at stage s (1F1B's warm-up
+    is p-1-s forwards, GPipe's every forward), so no stage waits at a VOCAB for a backward that needs it."""
+    ahead, placed = p - 1 - stage, 0
+    for t, j in order:
+        yield t, j
+        if t == ActionType.F:
+            upto = n if j == n - 1 else j - ahead + 1  # VOCAB placed..upto-1 follow this forward
+            while placed < upto:
+                yield ActionType.VOCAB, placed
+                placed += 1
+
+
 def _per_step(local: Callable[[int, int, int], Order], s: int, p: int, m: int, n: int) -> Order:
     """A flushed schedule: ``local`` applied to each step's m microbatches in turn."""
     for k in range(n):
@@ -219,8 +237,8 @@ def _lower(chunks: Chunks, rank: int, ranks: list[int], m: int, k0: int, version
                 computes.append(A(T.F, k, i, version(k), stage=tag))
                 if g < last and ranks[g + 1] != rank:
                     sends.append(A(T.SEND_ACT, k, i, peer=ranks[g + 1], stage=tag))
-            elif t == T.W:
-                computes.append(A(T.W, k, i, version(k), stage=tag))
+            elif t in (T.W, T.VOCAB):
+                computes.append(A(t, k, i, version(k), stage=tag))
             else:
                 if g < last and ranks[g + 1] != rank:
                     receive(receives, T.RECV_GRAD, j, g)
@@ -262,22 +280,27 @@ def _check(name: str, p: int, m: int, n: int, k0: int, extra: int = 0) -> None:
 
 def _flushed(local: Callable[[int, int, int, int], Order]):
     """Builder of a synchronous schedule: ``local`` per step, REDUCE and STEP right after a step's last backward."""
-    def build(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
-        order = _per_step(lambda s_, p_, m_: local(s_, p_, m_, extra), s, p, m, n)
+    def build(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
+        step = (lambda s_, p_, m_: _vocab_passes(local(s_, p_, m_, extra), s_, p_, m_)) if vocab else \
+            (lambda s_, p_, m_: local(s_, p_, m_, extra))
+        order = _per_step(step, s, p, m, n)
         return _lower(_one_stage(order, s), s, list(range(p)), m, k0, lambda k: sched.version(k, s, p), False, False)
     return build
 
 
-def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
     """Builder of an asynchronous schedule: 1F1B over the continuous stream of n*m microbatches, no flush."""
-    return _lower(_one_stage(_order_1f1b(s, p, n * m, extra), s), s, list(range(p)), m, k0,
+    order = _order_1f1b(s, p, n * m, extra)
+    return _lower(_one_stage(_vocab_passes(order, s, p, n * m) if vocab else order, s), s, list(range(p)), m, k0,
                   lambda k: sched.version(k, s, p), sched.late_step, False)
 
 
-def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
     """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: one step's chunks of torch's order
     (``torch_orders.torch_chunks``) per step; REDUCE and STEP right after the rank's last backward of the step (of
     every stage it holds)."""
+    if vocab:
+        raise ValueError(f"{sched.name}: the vocabulary layers shared by every stage are not placed in its order")
     ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
     order = torch_chunks(sched.name, p, sched.stages_per_rank, m)
 
@@ -371,15 +394,17 @@ class Schedule:
         self._constraints(num_stages, num_microbatches, extra_warmup)
 
     def actions(self, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
-                extra_warmup: int = 0) -> list[list[Action]]:
+                extra_warmup: int = 0, vocab_parallel: bool = False) -> list[list[Action]]:
         """One action list per stage for steps [first_step, first_step + num_steps), empty at the start and drained
-        at the end. Versions follow ``version``, so where a run is cut into such windows changes no numerics."""
+        at the end. Versions follow ``version``, so where a run is cut into such windows changes no numerics.
+        ``vocab_parallel``: every stage holds a shard of the output layer and loss, and runs a VOCAB pass per
+        microbatch (``_vocab_passes``)."""
         _check(self.name, num_stages, num_microbatches, num_steps, first_step, extra_warmup)
-        return [list(self.stage_actions(s, num_stages, num_microbatches, num_steps, first_step, extra_warmup))
-                for s in range(num_stages)]
+        return [list(self.stage_actions(s, num_stages, num_microbatches, num_steps, first_step, extra_warmup,
+                                        vocab_parallel)) for s in range(num_stages)]
 
     def stage_actions(self, stage: int, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
-                      extra_warmup: int = 0) -> Iterator[Action]:
+                      extra_warmup: int = 0, vocab_parallel: bool = False) -> Iterator[Action]:
         """Stage ``stage``'s list of ``actions``, produced lazily (checked now, generated as it is consumed); with
         several stages per rank, rank ``stage``'s list (of ``num_stages`` ranks)."""
         p, m, n, k0 = num_stages, num_microbatches, num_steps, first_step
@@ -387,7 +412,7 @@ class Schedule:
         self.check(p, m, extra_warmup)
         if not 0 <= stage < p:
             raise ValueError(f"{self.name}: stage {stage} is not in 0..{p - 1}")
-        return self._build(self, stage, p, m, n, k0, extra_warmup)
+        return self._build(self, stage, p, m, n, k0, extra_warmup, vocab_parallel)
 
     def weight_versions(self, stage: int, num_stages: int) -> int:
         """Weight buffers a stage holds at most."""
@@ -506,12 +531,12 @@ def with_sync_start(schedule: Schedule, start_step: int) -> Schedule:
     def version(k: int, s: int, p: int) -> int:
         return k if k < K else max(K, schedule.version(k, s, p))
 
-    def build(sched: Schedule, s: int, p: int, m: int, n: int, k0: int, extra: int) -> Iterator[Action]:
+    def build(sched: Schedule, s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
         sync = max(0, min(n, K - k0))  # steps of this window before K
         if sync:
-            yield from ONE_F_ONE_B._build(sched, s, p, m, sync, k0, extra)
+            yield from ONE_F_ONE_B._build(sched, s, p, m, sync, k0, extra, vocab)
         if n > sync:
-            yield from schedule._build(sched, s, p, m, n - sync, k0 + sync, extra)
+            yield from schedule._build(sched, s, p, m, n - sync, k0 + sync, extra, vocab)
 
     return dataclasses.replace(schedule, name=f"{schedule.name}", title=f"{schedule.title}, synchronous for the first {K} steps",
                                version=version, _build=build)
@@ -529,14 +554,14 @@ def get_schedule(name: "str | Schedule") -> Schedule:
 
 
 def schedule_actions(name: str, num_stages: int, num_microbatches: int, num_steps: int, first_step: int = 0,
-                     extra_warmup: int = 0) -> list[list[Action]]:
+                     extra_warmup: int = 0, vocab_parallel: bool = False) -> list[list[Action]]:
     """``get_schedule(name).actions(...)``.
 
     ``extra_warmup`` (1f1b and 2bw): forwards every non-last stage runs ahead of plain 1F1B. Each costs one
     microbatch of activation memory there and lets the next stage find its input already waiting, which absorbs
     timing jitter when stages are nearly balanced; versions, and so numerics, do not change.
     """
-    return get_schedule(name).actions(num_stages, num_microbatches, num_steps, first_step, extra_warmup)
+    return get_schedule(name).actions(num_stages, num_microbatches, num_steps, first_step, extra_warmup, vocab_parallel)
 
 
 def version_lag(schedule: str, stage: int, num_stages: int) -> int:
