@@ -72,6 +72,7 @@ def _recipe_warnings_said_afresh():
 
 TIERS = {
     "unit": ("test_autosplit", "test_bring_your_own", "test_config", "test_data", "test_delay", "test_mixture", "test_evaluation",
+             "test_expert_parallel_plan",
              "test_export", "test_failures", "test_fused_loss", "test_layout", "test_model_config", "test_optim", "test_partition",
              "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points",
              "test_virtual_stages"),

@@ -310,7 +310,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
     sizes = {n: q.numel() for n, q in model.named_parameters(remove_duplicate=False)}
-    sharded = expert_parameters(model) if ep > 1 else set()
+    experts = expert_parameters(model)
+    sharded = experts if ep > 1 else set()
     local = {n: size / ep if n in sharded else float(size) for n, size in sizes.items()}  # what one GPU holds
     # the names each stage holds: its own, plus its copies of tensors an earlier stage holds (a tied head, a block
     # shared by several layers): a copy costs weights, gradients and optimizer state on its stage too
@@ -379,7 +380,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         out.append(StageMemory(r, layers, n_params, weights, 4.0 * n_local * sched.grad_sets, float(opt_bytes), ef,
                                act, inflight, casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
                                reducer=4.0 * reduced if dp > 1 else 0.0, all_to_all=exchange,
-                               expert_params=sum(sizes[n] for n in held if n in sharded), expert_parallel=ep))
+                               expert_params=sum(sizes[n] for n in held if n in experts), expert_parallel=ep))
     return plan, out, sim
 
 
