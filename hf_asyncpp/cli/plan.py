@@ -170,7 +170,7 @@ def report(recipe, args, cap: float) -> int:
     if args.top:
         search(recipe, gpus, cap, args)
     if args.measure:
-        measure(recipe, plan, p, args.device)
+        measure(recipe, plan, p, args.device, args.link_gbs)
     return 0
 
 
@@ -270,7 +270,7 @@ def without_checkpointing(recipe, cands) -> str:
             f"stages x {a.dp} replicas, expert_parallel {a.expert_parallel})")
 
 
-def measure(recipe, plan, p: int, device: str | None) -> None:
+def measure(recipe, plan, p: int, device: str | None, link_gbs: float) -> None:
     import torch  # see report()
 
     from ..model.build import autocast, build_model
@@ -313,7 +313,8 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "
           f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]"
           f"{split_ms}  step [{ms(costs.step)}]")
-    sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c)
+    # the measured stages ran whole experts on one device: expert parallelism's all-to-alls are added at --link-gbs
+    sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c, model=model, link_bytes_per_s=link_gbs * 1e9)
     refused = {}
     if backend:  # not simulated on made-up halves: the recipe checks refuse them with compiled layers
         refused = {name: ("refused with training.torch_compile on (a compiled layer runs its whole backward in I "
