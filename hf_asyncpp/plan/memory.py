@@ -50,7 +50,8 @@ ep < replicas (reduced among the dp / ep replicas holding the same shard). Activ
 about ep x its tokens / ep, so the expert inputs it keeps are those of the dense run; what differs is the routing
 weights' product, applied on the token's own rank after the combine (transformers' ``AllToAllEP._combine_tokens``):
 it keeps the combined expert outputs, k h fp32 values per token, where the grouped GEMM without EP keeps its bf16
-output (read off the source, not measured). ``all_to_all``: the buffers of the one all-to-all running at a time
+output: 2 k h bytes more per token (measured with transformers' ``AllToAllEP`` on 2 ranks: 282 B against 256 at
+k = 2, h = 64, the rest the dispatch's index tensors; ``tests/test_expert_parallel_memory.py``). ``all_to_all``: the buffers of the one all-to-all running at a time
 (dispatch or combine, forward or backward: the same size), in and out, tokens x k x h each in the dtype of the
 experts' input, fp32 (the norm's output; the grouped GEMM casts to bf16 after the dispatch and back before the
 combine: ``all_to_all_values``).
