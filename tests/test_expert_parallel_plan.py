@@ -65,6 +65,12 @@ def test_expert_state_per_gpu_is_divided_by_the_expert_parallel_size():
             shard_reduced = held / ep if 4 // ep > 1 else 0.0
             assert many.reducer == pytest.approx(4 * (one.params - held + shard_reduced))
             assert one.all_to_all == 0 and many.all_to_all > 0
+        # ZeRO-1 shards the dense part's optimizer and EF state over the 4 replicas; an expert shard's stays whole
+        zero = dataclasses.replace(recipe, optimizer=dataclasses.replace(recipe.optimizer, shard_across_replicas=True))
+        for one, many in zip(sharded, plan_memory(with_ep(zero, ep), 2, model, dp=4)[1]):
+            shard = many.expert_params / ep
+            assert many.optimizer == pytest.approx(4 * shard + (one.optimizer - 4 * shard) / 4)
+            assert many.ef == pytest.approx(4 * shard + (one.ef - 4 * shard) / 4)
 
 
 def test_the_all_to_all_bytes_are_the_rows_a_routing_sends_to_other_ranks():

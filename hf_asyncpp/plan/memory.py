@@ -370,8 +370,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         exchange = 2.0 * tokens_mb * all_to_all_values(cfg, layer_ids) * ALL_TO_ALL_DTYPE_BYTES if ep > 1 else 0.0
         ef = 4.0 * n_local if opt.delay_correction == "error_feedback" else 0.0
         ef_experts = 4.0 * n_experts if ef else 0.0
-        if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the tensors
-            # every replica holds of them (with expert parallelism the dense ones; each expert shard is its own)
+        if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the state of
+            # the tensors every replica holds: with expert parallelism the dense ones (an expert shard's stays whole)
             opt_bytes = opt_experts + (opt_bytes - opt_experts) / dp
             ef = ef_experts + (ef - ef_experts) / dp
         # the reducer's buckets: the gradients all-reduced among replicas; an expert shard's only among the dp / ep
