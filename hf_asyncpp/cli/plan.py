@@ -10,8 +10,10 @@ unequal work adds), which sum to it.
     hf-asyncpp plan recipes/cpu-tiny.yaml --measure   # also time every layer here and balance by time
 
 After the recipe's own plan it searches what can be changed on the same GPUs (``--gpus``, default the stage
-count): stages (the rest data-parallel replicas), the split (FLOPs-balanced, or even where the stages divide the
-layers), the microbatch size and so the microbatch count at the same global batch; it prints the best plans by
+count times ``pipeline.expert_parallel``): stages (the rest data-parallel replicas), the split (FLOPs-balanced, or even
+where the stages divide the layers), the microbatch size and so the microbatch count at the same global batch, the
+expert-parallel size (a MoE model: the divisors of the replica count that divide the experts; the all-to-alls at
+``--link-gbs``) and activation checkpointing off or on; it prints the best plans by
 simulated tokens/s with their bubble, reduction stall (seconds per step waiting for the data-parallel all-reduce),
 memory per GPU and feasibility, and the overrides that select the best.
 
@@ -78,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tflops", type=float, default=300.0, help="sustained TFLOP/s per device for the time estimate")
     ap.add_argument("--measure", action="store_true", help="time each layer on --device and balance stages by time")
     ap.add_argument("--device", default=None, help="device for --measure (default: cuda if available, else cpu)")
-    ap.add_argument("--gpus", type=at_least(1), default=None, help="GPUs to search plans for (default: the stage count)")
+    ap.add_argument("--gpus", type=at_least(1), default=None,
+                    help="GPUs to search plans for (default: the stage count x pipeline.expert_parallel)")
     ap.add_argument("--top", type=at_least(0), default=5, help="plans of the search to print (0: no search)")
     ap.add_argument("--link-gbs", type=float, default=25.0,
-                    help="GB/s per GPU for the data-parallel all-reduce and the stage-to-stage transfers in the search")
+                    help="GB/s per GPU for the data-parallel all-reduce, the stage-to-stage transfers and the expert "
+                         "all-to-alls (pipeline.expert_parallel)")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="folder for the timeline PNG, created if missing (default: the current directory)")
     ap.add_argument("--png", default=None, metavar="FILE",
@@ -110,23 +114,32 @@ def report(recipe, args, cap: float) -> int:
     from ..schedules.timeline import plot_steady_step
 
     p = args.num_stages or recipe.pipeline.num_stages
-    dp = max(1, (args.gpus or p) // p)
+    ep = recipe.pipeline.expert_parallel
+    gpus = args.gpus or p * ep
+    dp = max(1, gpus // p)
     model = meta_model(recipe)
-    plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp)
+    try:
+        plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     total_params = sum(m.params for m in mem)
     print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
           f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
           f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
     print(plan.format() + "\n")
-    heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "steady", "EF@STEP", "buckets")
-    print(f"GB per stage and term (plan/memory.py explains each; steady = between steps, peak = + EF's clone at "
-          f"STEP + the reducer's buckets with {dp} data-parallel replica(s)):")
+    heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "a2a", "steady", "EF@STEP",
+             "buckets")
+    experts = (f"; experts sharded over {ep} of them (expert_parallel), a2a = the all-to-all's buffers" if ep > 1
+               else "")
+    print(f"GB per GPU of each stage and term (plan/memory.py explains each; steady = between steps, peak = + EF's "
+          f"clone at STEP + the reducer's buckets with {dp} data-parallel replica(s){experts}):")
     print(f"{'stage':>5} {'layers':>7} {'in-flight':>9} " + " ".join(f"{x:>7}" for x in heads) + f" {'peak':>7}  fits 90% of {args.gpu_memory}?")
     worst = max(mem, key=lambda m: m.total)
     for m in mem:
         ok = "yes" if m.total <= cap * 0.9 else "NO"
-        vals = (m.weights, m.grads, m.optimizer, m.ef, m.casts, m.activations, m.recompute, m.transfers, m.steady,
-                m.ef_copy, m.reducer)
+        vals = (m.weights, m.grads, m.optimizer, m.ef, m.casts, m.activations, m.recompute, m.transfers, m.all_to_all,
+                m.steady, m.ef_copy, m.reducer)
         print(f"{m.stage:>5} {m.layers:>7} {m.inflight:>9} " + " ".join(f"{gb(v):>7}" for v in vals)
               + f" {gb(m.total):>7}  {ok} ({(cap - m.total) / cap:+.0%} margin)")
     if worst.total > cap * 0.9:
@@ -139,7 +152,9 @@ def report(recipe, args, cap: float) -> int:
     else:
         print(f"\nfits: the largest stage (stage {worst.stage}) needs {gb(worst.total)} GB at its peak of "
               f"{args.gpu_memory} ({(cap - worst.total) / cap:.0%} margin; 90% budget)")
-    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12, model=model)
+    if ep > 1:
+        print("\n" + all_to_all_line(recipe, plan, model.config, args.link_gbs))
+    sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12, model=model, link_bytes_per_s=args.link_gbs * 1e9)
     fullest = {name: max(x.total for x in schedule_memory(recipe, name, p, model, dp)) for name in sims}
     print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {planned_microbatches(recipe, p)} microbatches per "
           "step (bubble = fill/drain, what equal stages would idle too, + imbalance, what unequal stages add; the "
@@ -153,10 +168,24 @@ def report(recipe, args, cap: float) -> int:
                      f"{planned_microbatches(recipe, p)} microbatches per step (simulated)")
     print(f"\ntimeline: {png}")
     if args.top:
-        search(recipe, args.gpus or p, cap, args)
+        search(recipe, gpus, cap, args)
     if args.measure:
-        measure(recipe, plan, p, args.device)
+        measure(recipe, plan, p, args.device, args.link_gbs)
     return 0
+
+
+def all_to_all_line(recipe, plan, config, link_gbs: float) -> str:
+    """What expert parallelism sends per microbatch: bytes per MoE layer and pass, and seconds per stage."""
+    from ..plan.memory import all_to_all_bytes, moe_layers  # see report()
+
+    ep, tokens = recipe.pipeline.expert_parallel, recipe.pipeline.microbatch_size * recipe.data.seq_len
+    first = moe_layers(config).index(True)
+    per_layer = all_to_all_bytes(config, [first], tokens, ep)
+    stages = " ".join(f"{all_to_all_bytes(config, list(st.layers), tokens, ep) / (link_gbs * 1e9) * 1e3:.1f}"
+                      for st in plan.stages)
+    return (f"expert all-to-alls ({ep} ranks): {per_layer / 1e9:.3f} GB sent per MoE layer, microbatch and pass "
+            f"(dispatch + combine; the backward the same again), at {link_gbs:g} GB/s per stage and pass: [{stages}] "
+            "ms, added to each F, B (and I) on the compute stream")
 
 
 def schedule_lines(sims: dict, recipe, fullest: dict | None = None, skipped: dict | None = None) -> list[str]:
@@ -207,22 +236,41 @@ def search(recipe, gpus: int, cap: float, args) -> None:
     feasible = [c for c in cands if c.feasible]
     batch = recipe.pipeline.num_microbatches * recipe.pipeline.microbatch_size * max(1, gpus // recipe.pipeline.num_stages)
     print(f"\nsearch on {gpus} GPUs, {batch} sequences per step, {recipe.pipeline.schedule} in steady state at "
-          f"{args.tflops:g} TFLOP/s, data-parallel ring all-reduce (fp32 gradients) and stage-to-stage activations at "
-          f"{args.link_gbs:g} GB/s per GPU: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and "
-          "run; the best:")
-    print(f"  {'stages':>6} {'dp':>3} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} {'bubble':>7} "
-          f"{'imbal.':>7} {'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
+          f"{args.tflops:g} TFLOP/s, data-parallel ring all-reduce (fp32 gradients), stage-to-stage activations and "
+          f"expert all-to-alls at {args.link_gbs:g} GB/s per GPU; ep = pipeline.expert_parallel, ckpt = activation "
+          f"checkpointing: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and run; the best:")
+    print(f"  {'stages':>6} {'dp':>3} {'ep':>3} {'ckpt':>4} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} "
+          f"{'bubble':>7} {'imbal.':>7} {'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
     for c in (feasible or cands)[: args.top]:
         why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
         stall = f"{reduction_stall(recipe, c):.3g} s" if c.runnable else "-"
-        print(f"  {c.num_stages:>6} {c.dp:>3} {c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
+        print(f"  {c.num_stages:>6} {c.dp:>3} {c.expert_parallel:>3} {'on' if c.checkpointed else 'off':>4} "
+              f"{c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
               f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {c.imbalance:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  "
               f"{c.layers_per_stage}")
     if feasible:
         print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
+        print(without_checkpointing(recipe, cands))
 
 
-def measure(recipe, plan, p: int, device: str | None) -> None:
+def without_checkpointing(recipe, cands) -> str:
+    """Whether a layout without activation checkpointing fits, and what the fastest one gains over the fastest with
+    it (the backward's replay of every forward saved)."""
+    feasible = [c for c in cands if c.feasible]
+    off = [c for c in feasible if not c.checkpointed]
+    on = [c for c in feasible if c.checkpointed]
+    if not off:
+        return "  without activation checkpointing no layout fits"
+    if not on:
+        return f"  without activation checkpointing: {off[0].step_s:.3g} s/step (no layout with it fits)"
+    b, a = off[0], on[0]
+    return (f"  without activation checkpointing the fastest layout that fits runs {b.step_s:.3g} s/step "
+            f"({b.num_stages} stages x {b.dp} replicas, expert_parallel {b.expert_parallel}, {gb(b.memory)} GB/GPU), "
+            f"{a.step_s / b.step_s:.2f}x the speed of the fastest with it ({a.step_s:.3g} s/step: {a.num_stages} "
+            f"stages x {a.dp} replicas, expert_parallel {a.expert_parallel})")
+
+
+def measure(recipe, plan, p: int, device: str | None, link_gbs: float) -> None:
     import torch  # see report()
 
     from ..model.build import autocast, build_model
@@ -265,7 +313,8 @@ def measure(recipe, plan, p: int, device: str | None) -> None:
     print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "
           f"has no input gradient: its W is its whole backward):\n  F [{ms(costs.forward)}]  B [{ms(costs.backward)}]"
           f"{split_ms}  step [{ms(costs.step)}]")
-    sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c)
+    # the measured stages ran whole experts on one device: expert parallelism's all-to-alls are added at --link-gbs
+    sims = simulate_schedules(plan, recipe, p, costs=costs, measured=c, model=model, link_bytes_per_s=link_gbs * 1e9)
     refused = {}
     if backend:  # not simulated on made-up halves: the recipe checks refuse them with compiled layers
         refused = {name: ("refused with training.torch_compile on (a compiled layer runs its whole backward in I "

@@ -169,8 +169,9 @@ class PipelineConfig:
     force it."""
     expert_parallel: int = field(default=1, metadata=bounds(lo=1))
     """Expert parallelism inside a stage (transformers' ``ep_size``): each MoE layer's experts sharded over this many
-    of the stage's data-parallel replicas (it divides their number), the routed tokens sent to their experts and back
-    with all-to-all collectives. 1: every replica holds every expert."""
+    of the stage's data-parallel replicas (it divides their number and the experts'), the routed tokens sent to their
+    experts and back with all-to-all collectives. 1: every replica holds every expert. ``hf-asyncpp plan RECIPE
+    --gpus N`` weighs it: the expert state per GPU divided by it against the all-to-alls' time on the compute stream."""
     extra_warmup: int = field(default=0, metadata=bounds(lo=0))
     """1f1b/2bw: forwards each non-last stage runs ahead of plain 1F1B (one microbatch of activations each);
     the next stage then finds its input waiting, which absorbs jitter between nearly balanced stages."""

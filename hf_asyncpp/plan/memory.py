@@ -41,6 +41,20 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
                  every gradient from REDUCE until the all-reduce completes, 25 MB each). ``steady`` is without
                  them, ``total`` (the peak) with them.
 A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
+
+Expert parallelism (``pipeline.expert_parallel`` = ep > 1): each GPU holds 1/ep of every MoE layer's experts
+(``expert_parameters``: the fused stacks and per-expert biases; the router and the rest stay whole), so the expert
+part of weights, versions, bf16 copies, gradients, optimizer and EF state, and EF's clone is divided by ep. ZeRO-1
+shards only the replicated (dense) part over the replicas; the reducer's buckets hold the expert gradients only where
+ep < replicas (reduced among the dp / ep replicas holding the same shard). Activations: a rank runs its experts on
+about ep x its tokens / ep, so the expert inputs it keeps are those of the dense run; what differs is the routing
+weights' product, applied on the token's own rank after the combine (transformers' ``AllToAllEP._combine_tokens``):
+it keeps the combined expert outputs, k h fp32 values per token, where the grouped GEMM without EP keeps its bf16
+output: 2 k h bytes more per token (measured with transformers' ``AllToAllEP`` on 2 ranks: 282 B against 256 at
+k = 2, h = 64, the rest the dispatch's index tensors; ``tests/test_expert_parallel_memory.py``). ``all_to_all``: the buffers of the one all-to-all running at a time
+(dispatch or combine, forward or backward: the same size), in and out, tokens x k x h each in the dtype of the
+experts' input, fp32 (the norm's output; the grouped GEMM casts to bf16 after the dispatch and back before the
+combine: ``all_to_all_values``).
 """
 from __future__ import annotations
 
@@ -49,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config.recipe import Recipe
+from ..errors import RecipeError
 from ..model.build import build_config, expert_stacks
 from ..model.fused_loss import use_fused_loss
 from ..optim import classify_parameters
@@ -75,14 +90,24 @@ class StageMemory:
     recompute: float = 0.0
     ef_copy: float = 0.0
     reducer: float = 0.0
+    all_to_all: float = 0.0
+    expert_params: int = 0
+    """Of ``params``, the MoE layers' expert tensors (``expert_parameters``), whole; a GPU holds 1/expert_parallel."""
+    expert_parallel: int = 1
 
-    TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "recompute", "transfers", "ef_copy", "reducer")
+    TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "recompute", "transfers", "all_to_all",
+             "ef_copy", "reducer")
+
+    @property
+    def params_per_gpu(self) -> float:
+        """Parameters one GPU of the stage holds: the dense ones and its shard of the experts."""
+        return self.params - self.expert_params + self.expert_params / self.expert_parallel
 
     @property
     def steady(self) -> float:
         """Between steps: what every action of the step holds at the schedule's peak of in-flight microbatches."""
         return (self.weights + self.grads + self.optimizer + self.ef + self.casts + self.activations + self.recompute
-                + self.transfers)
+                + self.transfers + self.all_to_all)
 
     @property
     def total(self) -> float:
@@ -104,7 +129,18 @@ def meta_model(recipe: Recipe):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, float]]:
+def moe_layers(config) -> list[bool]:
+    """Per decoder layer, whether it is a mixture-of-experts layer, by the families' config fields (DeepSeek's first
+    dense layers, Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``)."""
+    experts, _ = moe_shape(config)
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    n = getattr(config, "num_hidden_layers", None) or config.n_layer
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
+    return [bool(experts) and i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(n)]
+
+
+def _layer_values_per_token(config, bf16: bool = False, expert_parallel: int = 1) -> list[tuple[float, float]]:
     """(fp32, bf16) values per token each decoder layer keeps for its backward (see the module doc)."""
     h = getattr(config, "hidden_size", None) or config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
@@ -113,27 +149,86 @@ def _layer_values_per_token(config, bf16: bool = False) -> list[tuple[float, flo
     dense_i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     experts, k = moe_shape(config)
     moe_i = getattr(config, "moe_intermediate_size", None) or dense_i
-    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    n = getattr(config, "num_hidden_layers", None) or config.n_layer
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
-    moe = [bool(experts) and i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(n)]
+    moe = moe_layers(config)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    # with expert parallelism the routing weights multiply the combined fp32 expert outputs on the token's rank
+    # (kept: k h fp32) instead of the grouped GEMM's bf16 output on the expert's (no longer kept: unit weights)
+    combined = k * h if bf16 and expert_parallel > 1 else 0
     out = []
-    for i in range(n):
+    for i in range(len(moe)):
         if not moe[i]:
             out.append((4 * h, 7 * h + 2 * kv + 4 * dense_i) if bf16 else (10 * h + 2 * kv + 4 * dense_i, 0))
         elif bf16:  # the experts in bf16 (the versions hold the stacks in bf16, so transformers' grouped GEMM casts
             # its input to them): the GEMMs' inputs (k h, k I) and outputs weighted (k h); the routing's indices and
             # weights, about 10 fp32 values per chosen expert (measured: tests/test_memory_plan.py)
-            out.append((5 * h + kv + experts + 10 * k, 7 * h + 3 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared))
+            out.append((5 * h + kv + experts + 10 * k + combined,
+                        7 * h + 3 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared - combined))
         else:
             out.append((10 * h + 4 * kv + 2 * k * h + 4 * k * moe_i + 4 * shared + experts, 0))
     return out
 
 
+def all_to_all_values(config, layer_ids) -> float:
+    """Values per token one all-to-all of an expert-parallel MoE layer moves (dispatch or combine, each way: a rank
+    sends all its tokens' k copies, of which the (ep - 1) / ep bound for other ranks cross the link): k x h where
+    ``layer_ids`` hold a MoE layer, else 0."""
+    h = getattr(config, "hidden_size", None) or config.n_embd
+    _, k = moe_shape(config)
+    moe = moe_layers(config)
+    return float(k * h) if any(moe[i] for i in layer_ids) else 0.0
+
+
+ALL_TO_ALL_DTYPE_BYTES = 4
+"""Bytes per value the expert all-to-alls move: the experts module's input is the post-attention norm's output, fp32
+under autocast as the residual stream is (transformers' grouped GEMM casts it to the stacks' bf16 after the
+dispatch and its output back to the input's dtype before the combine)."""
+
+
+def all_to_all_bytes(config, layer_ids, tokens: int, expert_parallel: int) -> float:
+    """Bytes one rank sends to the other ranks of its expert-parallel group per microbatch and pass through the MoE
+    layers among ``layer_ids`` (and receives as many, the routing even): a dispatch and a combine per layer, each
+    tokens x k x h values of which (ep - 1) / ep go to other ranks. The backward moves the same bytes again (the
+    gradients of both, in the opposite direction). 0 without expert parallelism."""
+    if expert_parallel <= 1:
+        return 0.0
+    moe = moe_layers(config)
+    n_moe = sum(1 for i in layer_ids if moe[i])
+    per_layer = 2 * tokens * all_to_all_values(config, layer_ids) * ALL_TO_ALL_DTYPE_BYTES
+    return n_moe * per_layer * (expert_parallel - 1) / expert_parallel
+
+
+def expert_parameters(model) -> set[str]:
+    """Names of the parameters expert parallelism shards (dim 0, whole experts per rank): each experts module's
+    tensors indexed by expert, its stacks (``expert_stacks``) and per-expert biases. A router's weight, one row per
+    expert too, is not among them: every rank routes its own tokens over all experts."""
+    owners = {name.rpartition(".")[0] for name in expert_stacks(model)}
+    return {name for name, q in model.named_parameters(remove_duplicate=False)
+            if name.rpartition(".")[0] in owners
+            and q.shape[0] == model.get_submodule(name.rpartition(".")[0]).num_experts}
+
+
+def check_expert_parallel(expert_parallel: int, replicas: int, config) -> None:
+    """``pipeline.expert_parallel`` against the model and the layout: the model has experts, and the size divides
+    both the replicas of a stage (the ranks it shards over) and each MoE layer's experts (whole experts per rank)."""
+    if expert_parallel == 1:
+        return
+    experts, _ = moe_shape(config)
+    field = f"pipeline.expert_parallel: {expert_parallel}"
+    if not experts:
+        raise RecipeError(f"{field} shards the experts of mixture-of-experts layers, and this model "
+                          f"({getattr(config, 'model_type', 'dense')}) has none; set pipeline.expert_parallel: 1")
+    if replicas % expert_parallel:
+        fits = [d for d in range(1, replicas + 1) if replicas % d == 0 and experts % d == 0]
+        raise RecipeError(f"{field} does not divide the {replicas} data-parallel replica(s) of each stage it shards "
+                          f"the experts over; use one of {fits}, or run on a multiple of {expert_parallel} replicas")
+    if experts % expert_parallel:
+        fits = [d for d in range(1, replicas + 1) if replicas % d == 0 and experts % d == 0]
+        raise RecipeError(f"{field} does not divide the model's {experts} experts per layer (each rank holds whole "
+                          f"experts); use one of {fits}")
+
+
 def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False,
-                               bf16: bool = False, fused_loss: bool = False) -> float:
+                               bf16: bool = False, fused_loss: bool = False, expert_parallel: int = 1) -> float:
     """Bytes per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
     its input (the fp32 hidden state, h values) and the stage the rotary tables once; the head and loss are not
     checkpointed. ``fused_loss``: the last stage keeps the hidden states' fp32 gradient in place of the logits (plus
@@ -141,7 +236,7 @@ def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpo
     h = getattr(config, "hidden_size", None) or config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or h // heads
-    per_layer = _layer_values_per_token(config, bf16)
+    per_layer = _layer_values_per_token(config, bf16, expert_parallel)
     if checkpointed:
         total = 4.0 * (h * len(layer_ids) + (2 * head_dim if layer_ids else 0))
     else:
@@ -163,9 +258,9 @@ def activation_values_per_token(config, layer_ids: list[int], last: bool, checkp
     return activation_bytes_per_token(config, layer_ids, last, checkpointed) / 4
 
 
-def recompute_bytes_per_token(config, layer_ids: list[int], bf16: bool = False) -> float:
+def recompute_bytes_per_token(config, layer_ids: list[int], bf16: bool = False, expert_parallel: int = 1) -> float:
     """With activation checkpointing: the one layer whose activations the backward holds at a time (recomputed)."""
-    per_layer = _layer_values_per_token(config, bf16)
+    per_layer = _layer_values_per_token(config, bf16, expert_parallel)
     return float(max((4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids), default=0))
 
 
@@ -192,11 +287,14 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     replicas of each stage (the reducer's buckets exist only with more than one). With a virtual-stage schedule
     (several stages per rank) ``num_stages`` counts ranks, the plan splits the model into ranks x stages_per_rank
     stages, and the memory is per rank: the parameters of all its stages, and the activations of the in-flight
-    (stage, microbatch) pairs at the rank's peak, each of its own stage's size."""
+    (stage, microbatch) pairs at the rank's peak, each of its own stage's size. ``pipeline.expert_parallel``
+    (checked against ``dp`` and the model: ``check_expert_parallel``) shards the experts' state (module doc)."""
     p = num_stages or recipe.pipeline.num_stages
     sched = planned_schedule(recipe.pipeline.schedule)
     v = sched.stages_per_rank
     model = model or meta_model(recipe)
+    ep = recipe.pipeline.expert_parallel
+    check_expert_parallel(ep, dp, model.config)
     if layers_per_stage is None:
         layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages and v == 1 else None
     plan = partition_plan(model, p * v, layers_per_stage, seq_len=recipe.data.seq_len)
@@ -213,6 +311,9 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
     sizes = {n: q.numel() for n, q in model.named_parameters(remove_duplicate=False)}
+    experts = expert_parameters(model)
+    sharded = experts if ep > 1 else set()
+    local = {n: size / ep if n in sharded else float(size) for n, size in sizes.items()}  # what one GPU holds
     # the names each stage holds: its own, plus its copies of tensors an earlier stage holds (a tied head, a block
     # shared by several layers): a copy costs weights, gradients and optimizer state on its stage too
     per_stage_names = [list(names) for names in plan.param_names]
@@ -234,28 +335,30 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         held = [n for g in mine for n in per_stage_names[g]]
         held = [n for n in held if not any(n == copy and first in held for first, copy in plan.tied_pairs)]
         n_params = sum(sizes[n] for n in held)
+        n_local = sum(local[n] for n in held)
+        n_experts = sum(local[n] for n in held if n in sharded)  # this GPU's shard of the experts
         versions = sched.weight_versions(r, p)
         if opt.name == "muon":
-            opt_bytes = sum(sizes[n] * (4 if kinds.get(n) == "muon" else 8) for n in held)
-        elif opt.name in ("adamw", "nadam"):
-            opt_bytes = 8 * n_params
+            per_param = {n: 4 if kinds.get(n) == "muon" else 8 for n in held}
         else:
-            opt_bytes = 4 * n_params
+            per_param = dict.fromkeys(held, 8 if opt.name in ("adamw", "nadam") else 4)
+        opt_bytes = sum(local[n] * per_param[n] for n in held)
+        opt_experts = sum(local[n] * per_param[n] for n in held if n in sharded)
         inflight = sim.peak_inflight[r]
         per_microbatch = {g: tokens_mb * (activation_bytes_per_token(cfg, list(plan.stages[g].layers), g == last, ckpt,
-                                                                     bf16, fused and g == last)
+                                                                     bf16, fused and g == last, ep)
                                           + 4 * received_values_per_token(plan.anatomy, plan.stages[g].layers, g))
                           + (fused_head if g == last else 0.0) for g in mine}
         act = peak_in_flight([iv.action for iv in sim.timeline[r]], r, per_microbatch)
         layer_ids = [i for g in mine for i in plan.stages[g].layers]
         # bf16: the linear weights are held per version in bf16 (+ their fp32 master), except one also read uncast
         # on this stage (a tied head beside its embedding), which autocast casts for each microbatch in flight
-        n16 = sum(sizes[n] for n in held if n in cast_names)
-        weights = 4.0 * (n_params - n16) * versions + (4.0 + 2.0 * versions) * n16
+        n16 = sum(local[n] for n in held if n in cast_names)
+        weights = 4.0 * (n_local - n16) * versions + (4.0 + 2.0 * versions) * n16
         head = f"{plan.anatomy.head}.weight"
         # (the fused loss keeps no cast for the backward: the weight's gradient is computed in the forward)
         casts = inflight * 2.0 * sizes[head] if bf16 and not fused and tied_here(plan, ranks, r) and head in sizes else 0.0
-        recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16) if ckpt else 0.0
+        recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16, ep) if ckpt else 0.0
         # fp32 boundary tensors: outputs kept per in-flight microbatch + the received output gradient + one
         # prefetched receive of each kind + the input gradient on its way back (a stage next to one on the same
         # rank hands over in memory)
@@ -263,13 +366,22 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         sends = any(g < last and ranks[g + 1] != r for g in mine)
         receives = any(g > 0 and ranks[g - 1] != r for g in mine)
         transfers = boundary * ((inflight + 2 if sends else 0) + (2 if receives else 0))
-        ef = 4.0 * n_params if opt.delay_correction == "error_feedback" else 0.0
-        if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the tensors
-            opt_bytes, ef = opt_bytes / dp, ef / dp
+        # the one expert all-to-all in flight: its send and receive buffers
+        exchange = 2.0 * tokens_mb * all_to_all_values(cfg, layer_ids) * ALL_TO_ALL_DTYPE_BYTES if ep > 1 else 0.0
+        ef = 4.0 * n_local if opt.delay_correction == "error_feedback" else 0.0
+        ef_experts = 4.0 * n_experts if ef else 0.0
+        if opt.shard_across_replicas and dp > 1:  # ZeRO-1: a replica keeps (and steps) about 1/dp of the state of
+            # the tensors every replica holds: with expert parallelism the dense ones (an expert shard's stays whole)
+            opt_bytes = opt_experts + (opt_bytes - opt_experts) / dp
+            ef = ef_experts + (ef - ef_experts) / dp
+        # the reducer's buckets: the gradients all-reduced among replicas; an expert shard's only among the dp / ep
+        # replicas holding it
+        reduced = n_local - (n_experts if dp // ep == 1 else 0.0)
         layers = ",".join(f"{plan.stages[g].layers.start}-{plan.stages[g].layers.stop - 1}" for g in mine)
-        out.append(StageMemory(r, layers, n_params, weights, 4.0 * n_params * sched.grad_sets, float(opt_bytes), ef,
+        out.append(StageMemory(r, layers, n_params, weights, 4.0 * n_local * sched.grad_sets, float(opt_bytes), ef,
                                act, inflight, casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
-                               reducer=4.0 * n_params if dp > 1 else 0.0))
+                               reducer=4.0 * reduced if dp > 1 else 0.0, all_to_all=exchange,
+                               expert_params=sum(sizes[n] for n in held if n in experts), expert_parallel=ep))
     return plan, out, sim
 
 

@@ -13,7 +13,15 @@ split and, where p divides the layers, the even one, and every microbatch size d
 global batch (so m = batch / (microbatch size x data-parallel degree)); each simulated in steady state with the
 data-parallel all-reduce and the activation transfers costed at a stated link bandwidth, ranked by tokens/s among
 those that fit in memory and that the schedule accepts. A 32-layer model on 16 stages has one 3-layer stage (the
-head's stage gets 1) and a 2BW bubble of 31%; on 8 stages x 2 replicas every stage has 4 layers.
+head's stage gets 1) and a 2BW bubble of 31%; on 8 stages x 2 replicas every stage has 4 layers. Each layout is tried
+with every expert-parallel size (``pipeline.expert_parallel``: the divisors of the replica count that divide the
+experts; 1 for a dense model) and with activation checkpointing off and on.
+
+Expert parallelism in the step: the expert GEMMs' FLOPs per rank stay those of the dense layout (each rank runs 1/ep
+of the experts on ep x the tokens, the routing even), and every MoE layer adds two all-to-alls to each forward and
+two to each backward (``memory.all_to_all_bytes``: tokens x k x h x 4 B x (ep - 1) / ep each way), on the compute
+stream at the link speed (``Costs.all_to_all``, ``expert_exchange``); the data-parallel all-reduce carries the dense
+gradients over the replicas and each expert shard's over the dp / ep replicas holding it.
 """
 from __future__ import annotations
 
@@ -22,9 +30,10 @@ from dataclasses import dataclass
 
 from ..config.recipe import Recipe
 from ..partition import partition_plan
+from ..partition.plan import moe_shape
 from ..schedules.records import TWO_BW, Schedule, get_schedule
 from ..schedules.simulator import BubbleSplit, Costs, simulate, split_bubble
-from .memory import StageMemory, meta_model, plan_memory, planned_schedule
+from .memory import StageMemory, all_to_all_bytes, check_expert_parallel, meta_model, plan_memory, planned_schedule
 
 
 DELAYED_STEP_WORTH = {("muon", "none"): 0.92, ("muon", "error_feedback"): 1.0,
@@ -67,6 +76,19 @@ def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
     return Costs(forward=fwd, backward=[2 * f for f in fwd])
 
 
+def expert_exchange(costs: Costs, stage_layers, recipe: Recipe, config, link_bytes_per_s: float | None) -> Costs:
+    """``costs`` with each stage's expert all-to-alls per microbatch and pass (``Costs.all_to_all``): the bytes a
+    rank sends through its MoE layers (``all_to_all_bytes``) at ``link_bytes_per_s`` per GPU, sending and receiving
+    at once as the ring all-reduce is costed. ``stage_layers``: the layer ids of each stage of ``costs``. Unchanged
+    without expert parallelism or a link speed."""
+    ep = recipe.pipeline.expert_parallel
+    if ep <= 1 or not link_bytes_per_s:
+        return costs
+    tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
+    return dataclasses.replace(costs, all_to_all=[all_to_all_bytes(config, list(layers), tokens_mb, ep)
+                                                  / link_bytes_per_s for layers in stage_layers])
+
+
 def run_costs(costs: Costs, recipe: Recipe) -> Costs:
     """``costs`` (of layers that keep their activations: FLOPs, or ``measure_costs``) as the recipe runs them: with
     activation checkpointing every backward pass replays its layers' forward (``Costs.checkpointed``)."""
@@ -99,34 +121,45 @@ def why_not_planned(sched: Schedule, num_layers: int, num_stages: int, num_micro
 
 
 def virtual_costs(sched: Schedule, recipe: Recipe, num_stages: int, model=None, flops_per_s: float | None = None,
-                  measured=None) -> Costs:
+                  measured=None, link_bytes_per_s: float | None = None) -> Costs:
     """The simulator's costs for a schedule whose ranks hold several stages: the model split into num_stages x
     stages_per_rank stages, each costed by its own layers -- ``measured`` per-layer seconds (``MeasuredCosts``,
     the split balanced by them), else the FLOPs of the balanced ``partition_plan`` of ``model`` at
-    ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``)."""
+    ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``); with
+    ``link_bytes_per_s`` and a model, each stage's expert all-to-alls (``expert_exchange``)."""
     stages = num_stages * sched.stages_per_rank
     if measured is not None:
-        costs = measured.stage_costs(measured.balance(stages, planned_microbatches(recipe, num_stages)))
+        sizes = measured.balance(stages, planned_microbatches(recipe, num_stages))
+        costs = measured.stage_costs(sizes)
+        starts = [sum(sizes[:g]) for g in range(stages)]
+        stage_layers = [range(a, a + n) for a, n in zip(starts, sizes)]
     elif model is not None and flops_per_s is not None:
-        costs = flops_costs(partition_plan(model, stages, seq_len=recipe.data.seq_len), recipe, flops_per_s)
+        finer = partition_plan(model, stages, seq_len=recipe.data.seq_len)
+        costs, stage_layers = flops_costs(finer, recipe, flops_per_s), [st.layers for st in finer.stages]
     else:
         raise ValueError("virtual_costs needs measured per-layer costs, or a model and flops_per_s")
+    if model is not None:
+        costs = expert_exchange(costs, stage_layers, recipe, model.config, link_bytes_per_s)
     return run_costs(costs, recipe).per_rank(sched.stage_ranks(num_stages))
 
 
 def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float | None = None,
-                       costs: Costs | None = None, model=None, measured=None) -> dict[str, object]:
+                       costs: Costs | None = None, model=None, measured=None,
+                       link_bytes_per_s: float | None = None) -> dict[str, object]:
     """``PLANNED_SCHEDULES`` over ``PLANNED_STEPS`` steps on the same model's costs: ``costs`` (e.g. measured per
     stage, ``MeasuredCosts.stage_costs``) or the plan's FLOPs at ``flops_per_s`` (``flops_costs``). The virtual-stage
     schedules run where they fit (``why_not_planned``) and their costs can be had (``virtual_costs``: ``measured``, or
     ``model`` with ``flops_per_s``); the others are left out. Each result's bubble comes split into fill/drain and
     imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank. The costs are those of
     layers that keep their activations: with activation checkpointing each backward pass is charged its replay
-    (``run_costs``)."""
+    (``run_costs``). With ``pipeline.expert_parallel`` > 1, ``link_bytes_per_s`` and ``model``, each stage's expert
+    all-to-alls are added (``expert_exchange``)."""
     if costs is None:
         if flops_per_s is None:
             raise ValueError("simulate_schedules needs costs or flops_per_s")
         costs = flops_costs(plan, recipe, flops_per_s)
+    if model is not None:
+        costs = expert_exchange(costs, [st.layers for st in plan.stages], recipe, model.config, link_bytes_per_s)
     costs = run_costs(costs, recipe)
     m = planned_microbatches(recipe, num_stages)
     res = {}
@@ -135,7 +168,7 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
         if sched.stages_per_rank == 1:
             res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
         elif (measured is not None or model is not None) and why_not_planned(sched, plan.num_layers, num_stages, m) is None:
-            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured)
+            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured, link_bytes_per_s)
             res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), finer, sched)
     return res
 
@@ -161,6 +194,9 @@ class Candidate:
     """What it was simulated with (None where it could not run)."""
     imbalance: float = float("nan")
     """The bubble's part due to unequal stages (``split_bubble``); the rest is fill/drain and dependency waits."""
+    expert_parallel: int = 1
+    checkpointed: bool = False
+    """Activation checkpointing on (``training.gradient_checkpointing``)."""
 
     @property
     def feasible(self) -> bool:
@@ -169,7 +205,9 @@ class Candidate:
     def overrides(self) -> str:
         return (f"--pipeline.num_stages={self.num_stages} --pipeline.num_microbatches={self.num_microbatches} "
                 f"--pipeline.microbatch_size={self.microbatch_size} "
-                f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
+                f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}] "
+                f"--pipeline.expert_parallel={self.expert_parallel} "
+                f"--training.gradient_checkpointing={str(self.checkpointed).lower()}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -193,31 +231,53 @@ def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int
     return step, bubble.total
 
 
+def expert_parallel_sizes(config, replicas: int) -> list[int]:
+    """The ``pipeline.expert_parallel`` sizes a stage of ``replicas`` replicas can take: the divisors of the replica
+    count that divide each MoE layer's experts (``check_expert_parallel``); [1] for a dense model."""
+    experts, _ = moe_shape(config)
+    return [d for d in _divisors(replicas) if d == 1 or (experts and experts % d == 0)]
+
+
+def _ring_all_reduce_seconds(nbytes: float, ranks: int, link_bytes_per_s: float) -> float:
+    return 2 * (ranks - 1) / ranks * nbytes / link_bytes_per_s if ranks > 1 else 0.0
+
+
 def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
-                  flops_per_s: float, link_bytes_per_s: float) -> Candidate:
-    """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split)."""
+                  flops_per_s: float, link_bytes_per_s: float, expert_parallel: int | None = None,
+                  checkpointed: bool | None = None) -> Candidate:
+    """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split, expert-parallel
+    size, activation checkpointing); the last two None: the recipe's."""
+    ep = recipe.pipeline.expert_parallel if expert_parallel is None else expert_parallel
+    ckpt = recipe.training.gradient_checkpointing if checkpointed is None else checkpointed
+    check_expert_parallel(ep, dp, model.config)
     rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
-                             layers_per_stage=split, extra_warmup=0)
-    r = dataclasses.replace(recipe, pipeline=rp)
+                             layers_per_stage=split, extra_warmup=0, expert_parallel=ep)
+    r = dataclasses.replace(recipe, pipeline=rp,
+                            training=dataclasses.replace(recipe.training, gradient_checkpointing=ckpt))
     sched = planned_schedule(rp.schedule)
     plan, mem, _ = plan_memory(r, p, model, split, dp=dp)
     sizes = [len(st.layers) for st in plan.stages]
     worst = max(x.total for x in mem)
     tokens_mb = mbs * recipe.data.seq_len
+    layout = dict(expert_parallel=ep, checkpointed=ckpt)
     try:
         sched.check(p, m)
     except ValueError:
-        return Candidate(p, dp, m, mbs, sizes, float("nan"), float("nan"), worst, worst <= 0.9 * cap, False, 0.0)
+        return Candidate(p, dp, m, mbs, sizes, float("nan"), float("nan"), worst, worst <= 0.9 * cap, False, 0.0,
+                         **layout)
     fwd = [st.cost * tokens_mb / flops_per_s for st in plan.stages]
-    # ring all-reduce of the fp32 gradients among the dp replicas of a stage; activations of a microbatch between stages
-    reduce = [2 * (dp - 1) / dp * 4 * x.params / link_bytes_per_s for x in mem]
+    # ring all-reduce of the fp32 gradients among the dp replicas of a stage (an expert shard's among the dp / ep
+    # replicas holding it); activations of a microbatch between stages
+    reduce = [_ring_all_reduce_seconds(4 * (x.params - x.expert_params), dp, link_bytes_per_s)
+              + _ring_all_reduce_seconds(4 * x.expert_params / ep, dp // ep, link_bytes_per_s) for x in mem]
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
     comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
-    costs = run_costs(Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm), recipe)
+    costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
+    costs = run_costs(expert_exchange(costs, [st.layers for st in plan.stages], r, model.config, link_bytes_per_s), r)
     step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
     tokens = m * tokens_mb * dp
     return Candidate(p, dp, m, mbs, sizes, step, bubble.total, worst, worst <= 0.9 * cap, True, tokens / step, costs,
-                     imbalance=bubble.imbalance)
+                     imbalance=bubble.imbalance, **layout)
 
 
 def reduction_stall(recipe: Recipe, c: Candidate) -> float:
@@ -237,7 +297,8 @@ def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link
 
     The global batch (sequences per step) is the recipe's ``num_microbatches x microbatch_size`` times the
     data-parallel degree the recipe implies on these GPUs (``gpus / num_stages``), so every candidate trains the same
-    model on the same batches; only how the work is laid out changes.
+    model on the same batches; only how the work is laid out changes. Each layout is tried at every expert-parallel
+    size its replicas allow (``expert_parallel_sizes``) and with activation checkpointing off and on.
     """
     model = model or meta_model(recipe)
     rp = recipe.pipeline
@@ -255,9 +316,13 @@ def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link
             m = batch // (mbs * dp)
             seen = set()
             for split in splits:
-                c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s)
-                if tuple(c.layers_per_stage) not in seen:
-                    seen.add(tuple(c.layers_per_stage))
-                    out.append(c)
+                for ep in expert_parallel_sizes(model.config, dp):
+                    for ckpt in (False, True):
+                        c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s,
+                                          ep, ckpt)
+                        key = (tuple(c.layers_per_stage), ep, ckpt)
+                        if key not in seen:
+                            seen.add(key)
+                            out.append(c)
     # ties (to 6 digits: float noise of the simulation) go to the larger microbatch, whose kernels run faster
     return sorted(out, key=lambda c: (not c.feasible, -float(f"{c.tokens_per_s:.6g}"), -c.microbatch_size))

@@ -4,7 +4,7 @@ Model (one clock per stage, each stage runs its list in order; an action starts 
 its inputs are ready):
 
 - ``F``, ``B``, ``I``, ``W``, ``STEP`` take their cost on the stage (a split backward's ``I`` and ``W`` half of
-  ``B``'s each unless given).
+  ``B``'s each unless given; F, B and I plus the stage's expert all-to-alls, ``Costs.all_to_all``).
 - A send costs the sender nothing (``isend``). A receive waits until the matching send happened plus the
   ``comm`` latency. Messages between two stages are matched in FIFO order per (source, destination) pair
   -- type, step and microbatch must equal the head of the queue -- so an executor needs no tags.
@@ -100,7 +100,14 @@ class Costs:
     backward_weight: Optional[Number] = None
     """``W`` of a split backward; None: half of ``backward``.
 
-    With several stages per rank, lists index F, B, I, W and comm by model stage and STEP and REDUCE by rank."""
+    With several stages per rank, lists index F, B, I, W, comm and all_to_all by model stage and STEP and REDUCE by
+    rank."""
+    all_to_all: Number = 0.0
+    """Seconds a stage's expert all-to-alls take per microbatch and pass (expert parallelism: the forward's dispatch
+    and combine; the backward's, their gradients, the same bytes), on the compute stream: transformers'
+    ``AllToAllEP`` waits for each before the experts or the next layer run. Added to every F and B, and to I, which
+    carries the gradient back through the collectives (W, the weight gradients, needs none). Kept apart from F and
+    B so that measured compute and modelled communication stay apart."""
 
     _KEYS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight", "STEP": "step",
              "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
@@ -109,15 +116,17 @@ class Costs:
         name = self._KEYS.get(action.type.value)
         if name is None:  # sends
             return 0.0
+        at = lambda v: float(v[stage] if isinstance(v, (list, tuple)) else v)
         v = getattr(self, name)
-        if v is None:  # a split backward's half, where only the whole was given
-            return 0.5 * self.of(Action(T.B, action.step, action.microbatch, action.version), stage)
-        return float(v[stage] if isinstance(v, (list, tuple)) else v)
+        if v is None:  # a split backward's half of the compute, where only the whole was given
+            v = 0.5 * at(self.backward)
+        exchange = at(self.all_to_all) if action.type in (T.F, T.B, T.I) else 0.0
+        return at(v) + exchange
 
     def per_rank(self, stage_ranks: list[int]) -> "Costs":
         """These per-stage costs for lists whose ranks hold several stages (``stage_ranks[g]``: the rank of stage g):
-        F, B, I, W and comm stay per stage; STEP and REDUCE, one per rank for all its stages, become the sums of its
-        stages' (a single number counts once per stage)."""
+        F, B, I, W, comm and all_to_all stay per stage; STEP and REDUCE, one per rank for all its stages, become the
+        sums of its stages' (a single number counts once per stage)."""
         num_ranks = max(stage_ranks) + 1
 
         def summed(x: Number) -> list[float]:
@@ -141,9 +150,10 @@ class Costs:
         half = [0.5 * b for b in self.backward] if isinstance(self.backward, (list, tuple)) else 0.5 * self.backward
         i = self.backward_input if self.backward_input is not None else half
         w = self.backward_weight if self.backward_weight is not None else half
-        return dataclasses.replace(self, backward=plus(self.backward, self.forward),
-                                   backward_input=plus(i, self.forward, first=False),
-                                   backward_weight=plus(w, self.forward))
+        replay = plus(self.forward, self.all_to_all)  # the replayed forward runs its all-to-alls again
+        return dataclasses.replace(self, backward=plus(self.backward, replay),
+                                   backward_input=plus(i, replay, first=False),
+                                   backward_weight=plus(w, replay))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Number]) -> "Costs":
