@@ -89,7 +89,7 @@ def _order_1f1b(stage: int, p: int, n: int, extra: int = 0) -> Order:
         yield ActionType.B, j
 
 
-def _order_zb_h1(stage: int, p: int, n: int) -> Order:
+def _order_zb_h1(stage: int, p: int, n: int, extra: int = 0) -> Order:
     """ZB-H1 at ``stage`` over ``n`` microbatches (Qi et al., "Zero Bubble Pipeline Parallelism", 2024; torch's
     ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B with each B split into I and W. Stage s
     runs p-1-s warm-up forwards and F/I pairs as 1F1B does; its first s I's are not followed by their W, so the
@@ -97,7 +97,7 @@ def _order_zb_h1(stage: int, p: int, n: int) -> Order:
     back. Activations live from F to W, so a stage holds at most p-s microbatches plus the s whose W trails:
     1F1B's p at stage 0, about 1F1B's at the others (the papers' "H1": 1F1B's peak memory)."""
     T = ActionType
-    w = min(p - 1 - stage, n)
+    w = min(p - 1 - stage + extra, n)  # extra: the vocabulary passes' deeper warm-up (``vocab_warmup``)
     weights = 0  # W's placed so far (in microbatch order)
     for j in range(w):
         yield T.F, j
@@ -123,14 +123,35 @@ def _order_gpipe(stage: int, p: int, n: int) -> Order:
         yield ActionType.B, j
 
 
+def vocab_warmup(stage: int, p: int, n: int, extra: int = 0) -> int:
+    """Forwards stage ``stage`` runs ahead of plain 1F1B (ZB-H1) where the vocabulary layers are shared by every stage:
+    p-1-stage, so its warm-up is 2 (p-1-stage) (+ ``extra``); where that exceeds ``n`` microbatches at stage 0 (2BW's
+    STEP k-2 must come before the first forward of step k, and its reduction overlap a pair: fewer than m forwards
+    ahead), at most n - p - ``extra``
+    at every stage, so each stage still runs at least one forward more than the next (fewer, and stage s-1 would
+    wait at a VOCAB for a backward of stage s that waits at the next VOCAB: a deadlock).
+
+    A VOCAB is a barrier of every stage: between VOCAB j and VOCAB j+1 each stage runs one forward and one backward,
+    and a forward (backward) that needs its neighbour's output of the same interval waits for it, so a chain of them
+    through the stages runs one after the other. Stage s's forward in the interval is of microbatch j + p-1-s (its
+    predecessor's of j + p-s ran an interval earlier: no chain), and its backward must be of microbatch j - (p-1-s)
+    for the same reason (the gradient left stage s+1 an interval earlier), so F and B are 2 (p-1-s) microbatches apart:
+    plain 1F1B's warm-up of p-1-s would chain every backward of the interval through all the stages (simulated: 1F1B
+    on 8 stages 3x slower). The price is activation memory: stage s holds 2 (p-1-s) + 1 microbatches in flight
+    instead of p-s (the planner counts it; the Vocabulary Parallelism paper's schedules pay a similar
+    amount)."""
+    return max(0, min(p - 1 - stage, n - p - extra))
+
+
 def _vocab_passes(order: Order, stage: int, p: int, n: int) -> Order:
-    """``order`` (one stage per rank, ``n`` microbatches) with a VOCAB pass per microbatch, for the vocabulary layers
-    shared by every stage: VOCAB j right after the stage's forward of microbatch j + p-1-stage (after its last forward
-    where there is none). Every stage then runs the VOCABs in microbatch order, as the collective they are needs; the
-    last stage runs VOCAB j between F j and its B (or I) j, which waits for the loss's gradient; and stage s reaches
-    VOCAB j when, in a steady pipeline, the last stage reaches it too: its forward of j + p-1-s runs in the same slot
-    as the last stage's forward of j. Every order here runs F j + p-1-s before B (or I) j at stage s (1F1B's warm-up
-    is p-1-s forwards, GPipe's every forward), so no stage waits at a VOCAB for a backward that needs it."""
+    """``order`` (one stage per rank, ``n`` microbatches, with the ``vocab_warmup`` forwards ahead) with a VOCAB pass
+    per microbatch, for the vocabulary layers shared by every stage: VOCAB j right after the stage's forward of
+    microbatch j + p-1-stage (after its last forward where there is none). Every stage then runs the VOCABs in
+    microbatch order, as the collective they are needs; the last stage runs VOCAB j between F j and its B (or I) j,
+    which waits for the loss's gradient; and stage s reaches VOCAB j when, in a steady pipeline, the last stage reaches
+    it too: its forward of j + p-1-s runs in the same interval as the last stage's forward of j. Every order here runs
+    F j + p-1-s before B (or I) j at stage s (the warm-up is at least p-1-s forwards, GPipe's every forward), so no
+    stage waits at a VOCAB for a backward that needs it."""
     ahead, placed = p - 1 - stage, 0
     for t, j in order:
         yield t, j
@@ -237,8 +258,8 @@ def _lower(chunks: Chunks, rank: int, ranks: list[int], m: int, k0: int, version
                 computes.append(A(T.F, k, i, version(k), stage=tag))
                 if g < last and ranks[g + 1] != rank:
                     sends.append(A(T.SEND_ACT, k, i, peer=ranks[g + 1], stage=tag))
-            elif t in (T.W, T.VOCAB):
-                computes.append(A(t, k, i, version(k), stage=tag))
+            elif t in (T.W, T.VOCAB):  # a VOCAB is the rank's (one shard per rank), whatever stages it holds
+                computes.append(A(t, k, i, version(k), stage=tag if t == T.W else None))
             else:
                 if g < last and ranks[g + 1] != rank:
                     receive(receives, T.RECV_GRAD, j, g)
@@ -281,8 +302,8 @@ def _check(name: str, p: int, m: int, n: int, k0: int, extra: int = 0) -> None:
 def _flushed(local: Callable[[int, int, int, int], Order]):
     """Builder of a synchronous schedule: ``local`` per step, REDUCE and STEP right after a step's last backward."""
     def build(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
-        step = (lambda s_, p_, m_: _vocab_passes(local(s_, p_, m_, extra), s_, p_, m_)) if vocab else \
-            (lambda s_, p_, m_: local(s_, p_, m_, extra))
+        step = (lambda s_, p_, m_: _vocab_passes(local(s_, p_, m_, extra + vocab_warmup(s_, p_, m_, extra)), s_, p_,
+                                                 m_)) if vocab else (lambda s_, p_, m_: local(s_, p_, m_, extra))
         order = _per_step(step, s, p, m, n)
         return _lower(_one_stage(order, s), s, list(range(p)), m, k0, lambda k: sched.version(k, s, p), False, False)
     return build
@@ -290,7 +311,11 @@ def _flushed(local: Callable[[int, int, int, int], Order]):
 
 def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
     """Builder of an asynchronous schedule: 1F1B over the continuous stream of n*m microbatches, no flush."""
-    order = _order_1f1b(s, p, n * m, extra)
+    if vocab and sched.one_update_per_microbatch:
+        raise ValueError(f"{sched.name}: the vocabulary layers shared by every stage need one version of the output "
+                         "layer per step at every stage; an update per microbatch (weight stashing) has none: use 2bw")
+    # 2BW's STEP k-2 comes before the first forward of step k: a warm-up of at most m forwards keeps it there
+    order = _order_1f1b(s, p, n * m, extra + (vocab_warmup(s, p, m, extra) if vocab else 0))
     return _lower(_one_stage(_vocab_passes(order, s, p, n * m) if vocab else order, s), s, list(range(p)), m, k0,
                   lambda k: sched.version(k, s, p), sched.late_step, False)
 
@@ -466,7 +491,7 @@ PIPEDREAM = Schedule(
 ZB_H1 = Schedule(
     name="zbh1", title="ZB-H1 zero bubble, synchronous", synchronous=True, version=lambda k, s, p: k,
     lag=lambda s, p: 0, late_step=False, one_update_per_microbatch=False, extra_warmup_ok=False,
-    _build=_flushed(lambda s, p, m, extra: _order_zb_h1(s, p, m)), split_backward=True)
+    _build=_flushed(_order_zb_h1), split_backward=True)
 """ZB-H1: 1F1B with each backward split into I (the input gradient, sent on at once) and W (the weight gradient,
 later); the W's fill the cool-down. It computes 1F1B's gradients, flushed every step (version k)."""
 
