@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from .actions import BACKWARDS, Action, ActionType
-from .torch_orders import Item, torch_chunks
+from .torch_orders import Item, torch_chunks, torch_slots
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "ZB_H1", "TWO_BW", "PIPEDREAM", "get_schedule",
@@ -324,10 +324,10 @@ def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int,
     """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: one step's chunks of torch's order
     (``torch_orders.torch_chunks``) per step; REDUCE and STEP right after the rank's last backward of the step (of
     every stage it holds)."""
-    if vocab:
-        raise ValueError(f"{sched.name}: the vocabulary layers shared by every stage are not placed in its order")
     ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
     order = torch_chunks(sched.name, p, sched.stages_per_rank, m)
+    if vocab:
+        order = _vocab_cut(order, ranks, torch_slots(sched.name, p, sched.stages_per_rank, m))
 
     def chunks(rank: int) -> Chunks:
         for k in range(n):
@@ -336,6 +336,107 @@ def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int,
     peers = {ranks[g + d] for g in range(len(ranks)) if ranks[g] == r for d in (-1, 1) if 0 <= g + d < len(ranks)}
     senders = {q: _sends(chunks(q), q, r, ranks) for q in peers - {r}}
     return _lower(chunks(r), r, ranks, m, k0, lambda k: sched.version(k, r, p), False, True, senders)
+
+
+_UNIT = {ActionType.F: 1.0, ActionType.B: 2.0, ActionType.I: 1.0, ActionType.W: 1.0}
+"""Durations of ``_unit_times``: a backward twice a forward, each half of a split backward one forward."""
+
+
+def _needs(t: ActionType, j: int, g: int, last: int) -> list[tuple[str, int, int]]:
+    """What item (t, j, g) of a chunk order needs computed first: ("F", j, g) a forward, ("G", j, g) the input gradient
+    (B or I), ("I", j, g) an I."""
+    if t == ActionType.F:
+        return [("F", j, g - 1)] if g > 0 else []
+    if t == ActionType.W:
+        return [("I", j, g)]
+    return [("F", j, g)] + ([("G", j, g + 1)] if g < last else [])
+
+
+def _produces(t: ActionType, j: int, g: int) -> list[tuple[str, int, int]]:
+    """What item (t, j, g) computes, in ``_needs``' terms."""
+    return {ActionType.F: [("F", j, g)], ActionType.B: [("G", j, g)], ActionType.I: [("G", j, g), ("I", j, g)],
+            ActionType.W: []}[t]
+
+
+def _slot_times(order, ranks: list[int], slots) -> Optional[list[list[tuple[float, float]]]]:
+    """torch's time slots of ``order`` as (start, end) = (slot, slot + 1), if every chunk's inputs come from chunks of
+    earlier slots (interleaved 1F1B's and ZBV's grids); None where one does not (DualPipeV's overlapped chunks)."""
+    slot_of = {d: slot for chunks, at in zip(order, slots) for chunk, slot in zip(chunks, at)
+               for item in chunk for d in _produces(*item)}
+    last = len(ranks) - 1
+    for chunks, at in zip(order, slots):
+        for chunk, slot in zip(chunks, at):
+            own = {d for item in chunk for d in _produces(*item)}
+            if any(d not in own and slot_of[d] >= slot for item in chunk for d in _needs(*item, last)):
+                return None
+    return [[(float(slot), slot + 1.0) for slot in at] for at in slots]
+
+
+def _unit_times(order, ranks: list[int]) -> list[list[tuple[float, float]]]:
+    """Per rank, (start, end) of each chunk of one step's ``order`` run with ``_UNIT`` durations and free transfers: a
+    chunk starts when its rank is free and every input of its items is there (its forward's input, its backward's
+    output gradient; ``_lower`` receives all of a chunk's inputs before it), as the simulator would run it."""
+    T, last = ActionType, len(ranks) - 1
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "I", microbatch, stage) -> end
+    needs = lambda t, j, g: _needs(t, j, g, last)
+
+    ptr, free = [0] * len(order), [0.0] * len(order)
+    times: list[list[tuple[float, float]]] = [[] for _ in order]
+    progress = True
+    while progress:
+        progress = False
+        for r, chunks in enumerate(order):
+            while ptr[r] < len(chunks):
+                chunk = chunks[ptr[r]]
+                deps = [d for t, j, g in chunk for d in needs(t, j, g)]
+                own = {(("F" if t == T.F else "I" if t == T.I else "G"), j, g) for t, j, g in chunk}
+                deps = [d for d in deps if d not in own]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                end = start + sum(_UNIT[t] for t, _, _ in chunk)
+                for t, j, g in chunk:
+                    if t == T.F:
+                        done[("F", j, g)] = end
+                    elif t in (T.B, T.I):
+                        done[("G", j, g)] = end
+                        if t == T.I:
+                            done[("I", j, g)] = end
+                times[r].append((start, end))
+                free[r], ptr[r] = end, ptr[r] + 1
+                progress = True
+    if any(p < len(chunks) for p, chunks in zip(ptr, order)):
+        raise RuntimeError("a virtual-stage order waits on itself")  # torch's orders never do
+    return times
+
+
+def _vocab_cut(order, ranks: list[int], slots=None) -> list[list[tuple[Item, ...]]]:
+    """One step's chunk ``order`` per rank with a VOCAB pass per microbatch, for the vocabulary layers shared by every
+    stage, placed by the rule of the one-stage orders (``_vocab_passes``): every rank reaches VOCAB j when the last
+    stage has run its forward of j. With the chunks timed by torch's grid where it is one (``_slot_times``; it
+    keeps the order's own pacing: simulated within 1% of the order without VOCABs plus their time at 8 ranks), else
+    by ``_unit_times`` (DualPipeV: within 3%), VOCAB j goes on every rank after the
+    chunks that start before the last stage's forward of j ends (on the rank holding it: right after that forward).
+    No rank then waits at a VOCAB for a rank that waits for it: a chunk that starts before that time needs only
+    chunks that ended before it, so started before it too and come before VOCAB j on their ranks as well; and a
+    chunk that needs VOCAB j (the last stage's backward of j, every backward of j after it) starts after the
+    forward ended, so comes after VOCAB j (``tests/test_virtual_stages.py`` simulates every schedule so). VOCABs go
+    in microbatch order (the last stage forwards in that order)."""
+    T, last = ActionType, len(ranks) - 1
+    times = (_slot_times(order, ranks, slots) if slots is not None else None) or _unit_times(order, ranks)
+    holder = ranks[last]
+    ends = {j: end for chunk, (_, end) in zip(order[holder], times[holder]) for t, j, g in chunk
+            if t == T.F and g == last}
+    out = []
+    for chunks, rank_times in zip(order, times):
+        placed, pending = [], sorted(ends)
+        for chunk, (start, _) in zip(chunks, rank_times):
+            while pending and ends[pending[0]] <= start:
+                placed.append(((T.VOCAB, pending.pop(0), last),))
+            placed.append(chunk)
+        placed.extend(((T.VOCAB, j, last),) for j in pending)
+        out.append(placed)
+    return out
 
 
 def _check_interleaved(p: int, m: int, extra: int) -> None:
