@@ -64,7 +64,14 @@ def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
     them all instead)."""
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
     fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
-    return Costs(forward=fwd, backward=[2 * f for f in fwd])
+    return Costs(forward=fwd, backward=[2 * f for f in fwd], vocab=vocab_seconds(plan, tokens_mb, flops_per_s))
+
+
+def vocab_seconds(plan, tokens_mb: int, flops_per_s: float) -> float:
+    """Seconds of one stage's VOCAB pass (its shard of the output layer and loss, forward + backward: 3 x the forward's
+    FLOPs) for a microbatch of ``tokens_mb`` tokens; 0 unless the plan shares the vocabulary layers. Never replayed by
+    activation checkpointing (the head is not checkpointed)."""
+    return 3 * plan.vocab_cost * tokens_mb / flops_per_s
 
 
 def run_costs(costs: Costs, recipe: Recipe) -> Costs:
@@ -73,10 +80,11 @@ def run_costs(costs: Costs, recipe: Recipe) -> Costs:
     return costs.checkpointed() if recipe.training.gradient_checkpointing else costs
 
 
-def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1) -> list[StageMemory]:
+def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1,
+                    vocab_parallel: bool = False) -> list[StageMemory]:
     """``plan_memory`` of ``recipe`` run with ``schedule`` instead of its own (per rank for a virtual-stage one)."""
     r = dataclasses.replace(recipe, pipeline=dataclasses.replace(recipe.pipeline, schedule=schedule))
-    return plan_memory(r, num_stages, model, dp=dp)[1]
+    return plan_memory(r, num_stages, model, dp=dp, vocab_parallel=vocab_parallel)[1]
 
 
 def planned_microbatches(recipe: Recipe, num_stages: int) -> int:
@@ -99,16 +107,20 @@ def why_not_planned(sched: Schedule, num_layers: int, num_stages: int, num_micro
 
 
 def virtual_costs(sched: Schedule, recipe: Recipe, num_stages: int, model=None, flops_per_s: float | None = None,
-                  measured=None) -> Costs:
+                  measured=None, vocab_parallel: bool = False) -> Costs:
     """The simulator's costs for a schedule whose ranks hold several stages: the model split into num_stages x
     stages_per_rank stages, each costed by its own layers -- ``measured`` per-layer seconds (``MeasuredCosts``,
     the split balanced by them), else the FLOPs of the balanced ``partition_plan`` of ``model`` at
-    ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``)."""
+    ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``). With
+    ``vocab_parallel`` each rank holds one shard of the vocabulary layers (1 / ``num_stages`` of them)."""
     stages = num_stages * sched.stages_per_rank
     if measured is not None:
-        costs = measured.stage_costs(measured.balance(stages, planned_microbatches(recipe, num_stages)))
+        m = planned_microbatches(recipe, num_stages)
+        costs = measured.stage_costs(measured.balance(stages, m, vocab_parallel), vocab_parallel, shards=num_stages)
     elif model is not None and flops_per_s is not None:
-        costs = flops_costs(partition_plan(model, stages, seq_len=recipe.data.seq_len), recipe, flops_per_s)
+        plan = partition_plan(model, stages, seq_len=recipe.data.seq_len, vocab_parallel=vocab_parallel)
+        costs = flops_costs(plan, recipe, flops_per_s)
+        costs.vocab *= sched.stages_per_rank  # the plan's shards are per model stage, a rank's is 1 / num_stages
     else:
         raise ValueError("virtual_costs needs measured per-layer costs, or a model and flops_per_s")
     return run_costs(costs, recipe).per_rank(sched.stage_ranks(num_stages))
@@ -122,7 +134,8 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
     ``model`` with ``flops_per_s``); the others are left out. Each result's bubble comes split into fill/drain and
     imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank. The costs are those of
     layers that keep their activations: with activation checkpointing each backward pass is charged its replay
-    (``run_costs``)."""
+    (``run_costs``). With ``plan.vocab_parallel`` every schedule runs its VOCAB passes (``costs.vocab`` each)."""
+    vocab = plan.vocab_parallel
     if costs is None:
         if flops_per_s is None:
             raise ValueError("simulate_schedules needs costs or flops_per_s")
@@ -133,10 +146,10 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
     for name in PLANNED_SCHEDULES:
         sched = get_schedule(name)
         if sched.stages_per_rank == 1:
-            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS, vocab_parallel=vocab), costs, sched)
         elif (measured is not None or model is not None) and why_not_planned(sched, plan.num_layers, num_stages, m) is None:
-            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured)
-            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), finer, sched)
+            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured, vocab)
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS, vocab_parallel=vocab), finer, sched)
     return res
 
 
@@ -161,6 +174,8 @@ class Candidate:
     """What it was simulated with (None where it could not run)."""
     imbalance: float = float("nan")
     """The bubble's part due to unequal stages (``split_bubble``); the rest is fill/drain and dependency waits."""
+    vocab_parallel: bool = False
+    """The vocabulary layers shared by every stage (``pipeline.vocab_parallel``)."""
 
     @property
     def feasible(self) -> bool:
@@ -169,55 +184,67 @@ class Candidate:
     def overrides(self) -> str:
         return (f"--pipeline.num_stages={self.num_stages} --pipeline.num_microbatches={self.num_microbatches} "
                 f"--pipeline.microbatch_size={self.microbatch_size} "
-                f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
+                f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}] "
+                f"--pipeline.vocab_parallel={'true' if self.vocab_parallel else 'false'}")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def steady_state(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, BubbleSplit]:
+def steady_state(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, vocab_parallel: bool = False,
+                 **sim) -> tuple[float, BubbleSplit]:
     """(seconds per step, bubble split into fill/drain and imbalance) in steady state: the difference of a 4-step
     and a 2-step window, so the fill and drain of a window (paid once per drain point, not per step) do not count
-    against an asynchronous schedule. ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
-    short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
-    long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
+    against an asynchronous schedule. ``vocab_parallel``: with the VOCAB passes of the vocabulary layers shared by
+    every stage. ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
+    short = simulate(sched.actions(p, m, 2, extra_warmup=extra, vocab_parallel=vocab_parallel), costs, sched,
+                     reduce_scope=scope, **sim)
+    long = simulate(sched.actions(p, m, 4, extra_warmup=extra, vocab_parallel=vocab_parallel), costs, sched,
+                    reduce_scope=scope, **sim)
     step = (long.makespan - short.makespan) / 2
     busy = [b_long - b_short for b_long, b_short in zip(long.busy, short.busy)]
     return step, split_bubble(busy, 2 * step)
 
 
-def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, float]:
+def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, vocab_parallel: bool = False,
+                     **sim) -> tuple[float, float]:
     """(seconds per step, bubble) in steady state (``steady_state`` without the bubble's split)."""
-    step, bubble = steady_state(sched, p, m, costs, scope, extra, **sim)
+    step, bubble = steady_state(sched, p, m, costs, scope, extra, vocab_parallel, **sim)
     return step, bubble.total
 
 
 def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
-                  flops_per_s: float, link_bytes_per_s: float) -> Candidate:
-    """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split)."""
+                  flops_per_s: float, link_bytes_per_s: float, vocab_parallel: bool = False) -> Candidate:
+    """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split, vocabulary layers
+    shared or not). With ``vocab_parallel`` a VOCAB pass costs its shard's FLOPs plus a broadcast of the final hidden
+    states and a reduce of their gradient, each one boundary transfer at the link speed (``Costs.vocab_comm``'s
+    default; the softmax statistics' all-gather, 3 values per token, is left out)."""
     rp = dataclasses.replace(recipe.pipeline, num_stages=p, num_microbatches=m, microbatch_size=mbs,
                              layers_per_stage=split, extra_warmup=0)
     r = dataclasses.replace(recipe, pipeline=rp)
     sched = planned_schedule(rp.schedule)
-    plan, mem, _ = plan_memory(r, p, model, split, dp=dp)
+    plan, mem, _ = plan_memory(r, p, model, split, dp=dp, vocab_parallel=vocab_parallel)
     sizes = [len(st.layers) for st in plan.stages]
     worst = max(x.total for x in mem)
     tokens_mb = mbs * recipe.data.seq_len
     try:
         sched.check(p, m)
     except ValueError:
-        return Candidate(p, dp, m, mbs, sizes, float("nan"), float("nan"), worst, worst <= 0.9 * cap, False, 0.0)
+        return Candidate(p, dp, m, mbs, sizes, float("nan"), float("nan"), worst, worst <= 0.9 * cap, False, 0.0,
+                         vocab_parallel=vocab_parallel)
     fwd = [st.cost * tokens_mb / flops_per_s for st in plan.stages]
     # ring all-reduce of the fp32 gradients among the dp replicas of a stage; activations of a microbatch between stages
     reduce = [2 * (dp - 1) / dp * 4 * x.params / link_bytes_per_s for x in mem]
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
     comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
-    costs = run_costs(Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm), recipe)
-    step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
+    costs = run_costs(Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm,
+                            vocab=vocab_seconds(plan, tokens_mb, flops_per_s)), recipe)
+    step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm),
+                                vocab_parallel=vocab_parallel)
     tokens = m * tokens_mb * dp
     return Candidate(p, dp, m, mbs, sizes, step, bubble.total, worst, worst <= 0.9 * cap, True, tokens / step, costs,
-                     imbalance=bubble.imbalance)
+                     imbalance=bubble.imbalance, vocab_parallel=vocab_parallel)
 
 
 def reduction_stall(recipe: Recipe, c: Candidate) -> float:
@@ -226,14 +253,17 @@ def reduction_stall(recipe: Recipe, c: Candidate) -> float:
     schedule behind nothing (its STEP follows the step's last backward)."""
     sched = planned_schedule(recipe.pipeline.schedule)
     free = dataclasses.replace(c.costs, reduce=0.0)
-    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free, sched.reduce_scope(recipe.training.max_grad_norm))
+    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free,
+                               sched.reduce_scope(recipe.training.max_grad_norm), vocab_parallel=c.vocab_parallel)
     return max(0.0, round(c.step_s - step, 9))  # float noise of the two simulations is no stall
 
 
 def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link_bytes_per_s: float,
-                 model=None) -> list[Candidate]:
+                 model=None, vocab_modes: tuple[bool, ...] = (False,)) -> list[Candidate]:
     """Every plan for ``gpus`` GPUs at the recipe's global batch, best first: feasible ones (fits in 90% of
-    ``cap``, schedule accepts m) by simulated tokens/s, then the rest by tokens/s.
+    ``cap``, schedule accepts m) by simulated tokens/s, then the rest by tokens/s. ``vocab_modes``: each layout
+    with the vocabulary layers on the last stage (False) and/or shared by every stage (True; where the model and
+    the schedule allow it: ``plan.vocab.why_not_vocab_parallel``), each with its own balanced split.
 
     The global batch (sequences per step) is the recipe's ``num_microbatches x microbatch_size`` times the
     data-parallel degree the recipe implies on these GPUs (``gpus / num_stages``), so every candidate trains the same
@@ -254,10 +284,11 @@ def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link
                 continue
             m = batch // (mbs * dp)
             seen = set()
-            for split in splits:
-                c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s)
-                if tuple(c.layers_per_stage) not in seen:
-                    seen.add(tuple(c.layers_per_stage))
-                    out.append(c)
+            for vocab in vocab_modes:
+                for split in splits:
+                    c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s, vocab)
+                    if (tuple(c.layers_per_stage), vocab) not in seen:
+                        seen.add((tuple(c.layers_per_stage), vocab))
+                        out.append(c)
     # ties (to 6 digits: float noise of the simulation) go to the larger microbatch, whose kernels run faster
     return sorted(out, key=lambda c: (not c.feasible, -float(f"{c.tokens_per_s:.6g}"), -c.microbatch_size))
