@@ -74,7 +74,7 @@ TIERS = {
     "unit": ("test_autosplit", "test_bring_your_own", "test_config", "test_data", "test_delay", "test_mixture", "test_evaluation",
              "test_export", "test_failures", "test_fused_loss", "test_layout", "test_model_config", "test_optim", "test_partition",
              "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points",
-             "test_virtual_stages"),
+             "test_virtual_stages", "test_vocab_plan"),
     "distributed": ("test_bf16_versions", "test_checkpointing", "test_compiled", "test_host_overhead", "test_nccl_order",
                     "test_recipes", "test_recv_wait", "test_reducer", "test_runtime", "test_runtime_families",
                     "test_sharding", "test_stage_local", "test_zero_bubble"),
