@@ -125,7 +125,9 @@ def report(recipe, args, cap: float) -> int:
           f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
           f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
     print(plan.format() + "\n")
-    print(f"vocabulary layers shared by every stage (pipeline.vocab_parallel: {recipe.pipeline.vocab_parallel}): "
+    field = recipe.pipeline.vocab_parallel
+    print(f"vocabulary layers shared by every stage (pipeline.vocab_parallel: "
+          f"{field if isinstance(field, str) else str(field).lower()}): "
           f"{vocab_why}\n")
     heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "vocab", "steady", "EF@STEP",
              "buckets")
