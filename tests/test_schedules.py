@@ -788,3 +788,19 @@ def test_simulator_refuses_vocab_passes_out_of_order_or_missing():
 def test_pipedream_refuses_the_vocabulary_layers_shared_by_every_stage():
     with pytest.raises(ValueError, match="one version of the output layer per step"):
         schedule_actions("pipedream", 2, 1, 2, vocab_parallel=True)
+
+
+def test_timeline_draws_the_vocab_passes_and_the_head_both_ways(tmp_path, capsys):
+    """``hf-asyncpp timeline --head H``: the head on the last stage's F and B; ``--vocab-parallel``: shared, a VOCAB of
+    3H/p per microbatch on every stage. On 4 stages 2BW's steady state loses its imbalance (docs/how-it-works.md)."""
+    from hf_asyncpp.cli.timeline import main
+
+    bubbles = {}
+    for flag in ([], ["--vocab-parallel"]):
+        png = tmp_path / f"t{len(flag)}.png"
+        assert main(["--schedule", "2bw", "--stages", "4", "--microbatches", "8", "--head", "0.4", "--png", str(png),
+                     *flag]) == 0
+        out = capsys.readouterr().out
+        bubbles[bool(flag)] = float(out.split("steady-state bubble ")[1].split("%")[0])
+        assert png.exists()
+    assert bubbles[True] < 1.0 < 15.0 < bubbles[False]
