@@ -80,9 +80,10 @@ class PartitionPlan:
         rows = [f"{'stage':>5}  {'layers':>9}  {'params':>14}  {'GFLOP/token':>11}  {'share':>6}"]
         copies = {b for _, b in self.tied_pairs}
         for i, s in enumerate(self.stages):
-            extra = (" +embed" if i == 0 else "") + (" +norm" if i == len(self.stages) - 1 else "")
-            extra += f" +1/{len(self.stages)} of the head (VOCAB: {self.vocab_cost / 1e9:.4f})" if self.vocab_parallel \
-                else (" +head" if i == len(self.stages) - 1 else "")
+            last = i == len(self.stages) - 1
+            extra = (" +embed" if i == 0 else "") + ((" +norm" if self.vocab_parallel else " +norm+head") if last else "")
+            if self.vocab_parallel:  # the head's cost per token in every stage's VOCAB passes, beside the layers'
+                extra += f" +1/{len(self.stages)} of the head (VOCAB: {self.vocab_cost / 1e9:.4f})"
             n_copies = sum(n in copies for n in self.param_names[i])
             if n_copies:  # tensors an earlier stage also holds (a tied head, a block shared by several layers)
                 extra += f" +{n_copies} shared cop{'y' if n_copies == 1 else 'ies'}"

@@ -376,9 +376,8 @@ def _unit_times(order, ranks: list[int]) -> list[list[tuple[float, float]]]:
     """Per rank, (start, end) of each chunk of one step's ``order`` run with ``_UNIT`` durations and free transfers: a
     chunk starts when its rank is free and every input of its items is there (its forward's input, its backward's
     output gradient; ``_lower`` receives all of a chunk's inputs before it), as the simulator would run it."""
-    T, last = ActionType, len(ranks) - 1
+    last = len(ranks) - 1
     done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "I", microbatch, stage) -> end
-    needs = lambda t, j, g: _needs(t, j, g, last)
 
     ptr, free = [0] * len(order), [0.0] * len(order)
     times: list[list[tuple[float, float]]] = [[] for _ in order]
@@ -388,20 +387,13 @@ def _unit_times(order, ranks: list[int]) -> list[list[tuple[float, float]]]:
         for r, chunks in enumerate(order):
             while ptr[r] < len(chunks):
                 chunk = chunks[ptr[r]]
-                deps = [d for t, j, g in chunk for d in needs(t, j, g)]
-                own = {(("F" if t == T.F else "I" if t == T.I else "G"), j, g) for t, j, g in chunk}
-                deps = [d for d in deps if d not in own]
+                own = {d for item in chunk for d in _produces(*item)}
+                deps = [d for item in chunk for d in _needs(*item, last) if d not in own]
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
                 end = start + sum(_UNIT[t] for t, _, _ in chunk)
-                for t, j, g in chunk:
-                    if t == T.F:
-                        done[("F", j, g)] = end
-                    elif t in (T.B, T.I):
-                        done[("G", j, g)] = end
-                        if t == T.I:
-                            done[("I", j, g)] = end
+                done.update(dict.fromkeys(own, end))
                 times[r].append((start, end))
                 free[r], ptr[r] = end, ptr[r] + 1
                 progress = True
@@ -414,9 +406,10 @@ def _vocab_cut(order, ranks: list[int], slots=None) -> list[list[tuple[Item, ...
     """One step's chunk ``order`` per rank with a VOCAB pass per microbatch, for the vocabulary layers shared by every
     stage, placed by the rule of the one-stage orders (``_vocab_passes``): every rank reaches VOCAB j when the last
     stage has run its forward of j. With the chunks timed by torch's grid where it is one (``_slot_times``; it
-    keeps the order's own pacing: simulated within 1% of the order without VOCABs plus their time at 8 ranks), else
-    by ``_unit_times`` (DualPipeV: within 3%), VOCAB j goes on every rank after the
-    chunks that start before the last stage's forward of j ends (on the rank holding it: right after that forward).
+    keeps the order's own pacing: simulated within 1% of the order without VOCABs plus their time at 8 ranks and 16
+    microbatches), else by ``_unit_times`` (DualPipeV: within 9% there, 2.4% at 64 microbatches), VOCAB j goes on
+    every rank after the chunks that start before the last stage's forward of j ends (on the rank holding it: right
+    after that forward).
     No rank then waits at a VOCAB for a rank that waits for it: a chunk that starts before that time needs only
     chunks that ended before it, so started before it too and come before VOCAB j on their ranks as well; and a
     chunk that needs VOCAB j (the last stage's backward of j, every backward of j after it) starts after the
