@@ -804,3 +804,16 @@ def test_timeline_draws_the_vocab_passes_and_the_head_both_ways(tmp_path, capsys
         bubbles[bool(flag)] = float(out.split("steady-state bubble ")[1].split("%")[0])
         assert png.exists()
     assert bubbles[True] < 1.0 < 15.0 < bubbles[False]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 4), (4, 8)])
+def test_vocab_passes_across_a_synchronous_start(p, m):
+    """2BW synchronous for its first 2 steps (1F1B's lists, then 2BW's), cut into windows anywhere: the VOCAB passes
+    follow each part's order and the lists simulate clean under NCCL's rule with the record's versions."""
+    from hf_asyncpp.schedules.records import with_sync_start
+
+    sched = with_sync_start(TWO_BW, 2)
+    for k0 in range(4):
+        acts = sched.actions(p, m, 3, first_step=k0, vocab_parallel=True)
+        simulate(acts, Costs(1, 2, vocab=0.3), sched, m, nccl=True)
+        assert all(sum(a.type == T.VOCAB for a in lst) == 3 * m for lst in acts)

@@ -517,7 +517,8 @@ class Schedule:
         """One action list per stage for steps [first_step, first_step + num_steps), empty at the start and drained
         at the end. Versions follow ``version``, so where a run is cut into such windows changes no numerics.
         ``vocab_parallel``: every stage holds a shard of the output layer and loss, and runs a VOCAB pass per
-        microbatch (``_vocab_passes``)."""
+        microbatch (``_vocab_passes``; the 1F1B-shaped orders then run ``vocab_warmup`` more forwards ahead, and the
+        virtual-stage ones place the passes by ``_vocab_cut``)."""
         _check(self.name, num_stages, num_microbatches, num_steps, first_step, extra_warmup)
         return [list(self.stage_actions(s, num_stages, num_microbatches, num_steps, first_step, extra_warmup,
                                         vocab_parallel)) for s in range(num_stages)]
