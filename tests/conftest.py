@@ -75,7 +75,7 @@ TIERS = {
              "test_expert_parallel_plan",
              "test_export", "test_failures", "test_fused_loss", "test_layout", "test_model_config", "test_optim", "test_partition",
              "test_partition_sweep", "test_promises", "test_run_lock", "test_schedules", "test_stop_points",
-             "test_virtual_stages"),
+             "test_virtual_stages", "test_vocab_plan"),
     "distributed": ("test_bf16_versions", "test_checkpointing", "test_compiled", "test_expert_parallel_memory",
                     "test_host_overhead", "test_nccl_order",
                     "test_recipes", "test_recv_wait", "test_reducer", "test_runtime", "test_runtime_families",

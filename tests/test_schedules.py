@@ -690,3 +690,130 @@ def test_the_planner_charges_checkpointings_replays():
         for s in range(3):
             grown = checkpointed[name].busy[s] - plain[name].busy[s]
             assert grown == pytest.approx(PLANNED_STEPS * m * replays[s] * fwd[s]), (name, s)
+
+
+# ---------------------------------------------------------------------------- the vocabulary layers shared by every stage
+
+VOCAB_GRID = [(s, p, m) for s in ("gpipe", "1f1b", "zbh1", "2bw") for p in (2, 3, 4, 8) for m in (1, 2, 3, 5, 8, 16)
+              if valid(s, p, m) and p <= 4 or (p == 8 and m == 16)]
+
+
+@pytest.mark.parametrize("schedule,p,m", VOCAB_GRID)
+def test_vocab_passes_run_in_every_one_stage_schedule_without_deadlock(schedule, p, m):
+    """With the vocabulary layers shared by every stage each stage runs one VOCAB per microbatch, in microbatch order,
+    on the step's version, before the step's REDUCE; the last stage between F and B of the microbatch. The simulator
+    runs the lists under gloo's and NCCL's rules (it raises on a deadlock or any order it refuses), and the text form
+    round-trips."""
+    for extra in (0, 1) if schedule in ("1f1b", "2bw") and valid(schedule, p, m + 1) and m >= p + 1 else (0,):
+        acts = schedule_actions(schedule, p, m, 3, extra_warmup=extra, vocab_parallel=True)
+        for nccl in (False, True):
+            simulate(acts, Costs(forward=1, backward=2, vocab=0.5, comm=0.1), schedule, m, nccl=nccl)
+        assert parse_actions(format_actions(acts)) == acts
+        plain = schedule_actions(schedule, p, m, 3, extra_warmup=extra)
+        for s, lst in enumerate(acts):
+            vocab = [a for a in lst if a.type == T.VOCAB]
+            assert [(a.step, a.microbatch) for a in vocab] == [(k, i) for k in range(3) for i in range(m)]
+            assert all(a.version == semantic_version(schedule, a.step, s, p) for a in vocab)
+            # the same computations, transfers, reductions and updates as without, some forwards earlier
+            assert sorted(map(str, (a for a in lst if a.type != T.VOCAB))) == sorted(map(str, plain[s]))
+            if s == p - 1:
+                for a in vocab:
+                    at = lst.index(a)
+                    assert lst[at - 1].type == T.F and (lst[at - 1].step, lst[at - 1].microbatch) == (a.step, a.microbatch)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "zbh1", "gpipe"])
+def test_vocab_passes_cost_little_more_than_their_own_time_with_enough_microbatches(schedule):
+    """A VOCAB is a barrier of every stage; the orders run p-1-s more forwards ahead (``records.vocab_warmup``) so
+    that no forward or backward waits within one interval between two barriers for its neighbour's of the same
+    interval. With m = 4p the step takes at most 17% more than the plain schedule plus the VOCABs' own time (the
+    contract's first placement, without the deeper warm-up, took 3x at 8 stages), and stage s holds at most
+    2 (p-1-s) + 1 microbatches in flight (ZB-H1: + the s whose W trails)."""
+    p, m, v = 4, 16, 0.3
+    plain = simulate(schedule_actions(schedule, p, m, 3), Costs(forward=1, backward=2), schedule)
+    shared = simulate(schedule_actions(schedule, p, m, 3, vocab_parallel=True), Costs(forward=1, backward=2, vocab=v),
+                      schedule)
+    assert shared.makespan <= 1.17 * (plain.makespan + 3 * m * v)
+    if schedule != "gpipe":
+        trail = (lambda s: s) if schedule == "zbh1" else (lambda s: 0)
+        assert all(n <= 2 * (p - 1 - s) + 1 + trail(s) for s, n in enumerate(shared.peak_inflight))
+
+
+def test_a_vocab_pass_starts_when_every_stage_reached_it_and_ends_together():
+    """The collective's timing: every stage's VOCAB j starts at the latest arrival and ends after the slowest stage's
+    shard plus the broadcast and the reduce (2 x comm unless ``vocab_comm`` is given)."""
+    acts = schedule_actions("1f1b", 3, 4, 1, vocab_parallel=True)
+    for costs, latency in ((Costs(forward=1, backward=2, vocab=[0.2, 0.5, 0.3], comm=0.1), 0.2),
+                           (Costs(forward=1, backward=2, vocab=0.4, comm=0.1, vocab_comm=0.05), 0.05)):
+        res = simulate(acts, costs, "1f1b")
+        spans = {}
+        for s, tl in enumerate(res.timeline):
+            for iv in tl:
+                if iv.action.type == T.VOCAB:
+                    spans.setdefault(iv.action.microbatch, set()).add((round(iv.start, 9), round(iv.end, 9)))
+        slowest = max(costs.vocab) if isinstance(costs.vocab, list) else costs.vocab
+        for i, span in spans.items():
+            assert len(span) == 1, (i, span)  # every stage: the same start and end
+            (start, end), = span
+            assert end - start == pytest.approx(slowest + latency)
+
+
+def _swap(lst, a, b):
+    lst = list(lst)
+    i, j = lst.index(a), lst.index(b)
+    lst[i], lst[j] = lst[j], lst[i]
+    return lst
+
+
+def test_simulator_refuses_vocab_passes_out_of_order_or_missing():
+    """The checks of the VOCAB passes, each on a list broken one way."""
+    acts = schedule_actions("1f1b", 2, 3, 2, vocab_parallel=True)
+    v = lambda s, i, k=0: next(a for a in acts[s] if a.type == T.VOCAB and (a.step, a.microbatch) == (k, i))
+    cases = {
+        "collectives out of order": [_swap(acts[0], v(0, 0), v(0, 1)), acts[1]],
+        "before VOCAB0.0": [acts[0], _swap(acts[1], v(1, 0), next(a for a in acts[1] if a.type == T.B))],
+        "deadlock": [[a for a in acts[0] if a != v(0, 2)], acts[1]],
+        "mixed versions": [[a if a != v(0, 1, 1) else Action(T.VOCAB, 1, 1, 0) for a in acts[0]], acts[1]],
+        "future version": [[a if a != v(0, 1) else Action(T.VOCAB, 0, 1, 1) for a in acts[0]], acts[1]],
+        "before the last stage's forward": [acts[0], _swap(acts[1], v(1, 0),
+                                                           next(a for a in acts[1] if a.type == T.F))],
+    }
+    for why, lists in cases.items():
+        with pytest.raises(ScheduleError, match=why.replace("(", r"\(")) as e:
+            simulate(lists, Costs(), "1f1b")
+        if why == "deadlock":
+            assert "waits for VOCAB0.2 of stage(s) [0]" in str(e.value)
+
+
+def test_pipedream_refuses_the_vocabulary_layers_shared_by_every_stage():
+    with pytest.raises(ValueError, match="one version of the output layer per step"):
+        schedule_actions("pipedream", 2, 1, 2, vocab_parallel=True)
+
+
+def test_timeline_draws_the_vocab_passes_and_the_head_both_ways(tmp_path, capsys):
+    """``hf-asyncpp timeline --head H``: the head on the last stage's F and B; ``--vocab-parallel``: shared, a VOCAB of
+    3H/p per microbatch on every stage. On 4 stages 2BW's steady state loses its imbalance (docs/how-it-works.md)."""
+    from hf_asyncpp.cli.timeline import main
+
+    bubbles = {}
+    for flag in ([], ["--vocab-parallel"]):
+        png = tmp_path / f"t{len(flag)}.png"
+        assert main(["--schedule", "2bw", "--stages", "4", "--microbatches", "8", "--head", "0.4", "--png", str(png),
+                     *flag]) == 0
+        out = capsys.readouterr().out
+        bubbles[bool(flag)] = float(out.split("steady-state bubble ")[1].split("%")[0])
+        assert png.exists()
+    assert bubbles[True] < 1.0 < 15.0 < bubbles[False]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 4), (4, 8)])
+def test_vocab_passes_across_a_synchronous_start(p, m):
+    """2BW synchronous for its first 2 steps (1F1B's lists, then 2BW's), cut into windows anywhere: the VOCAB passes
+    follow each part's order and the lists simulate clean under NCCL's rule with the record's versions."""
+    from hf_asyncpp.schedules.records import with_sync_start
+
+    sched = with_sync_start(TWO_BW, 2)
+    for k0 in range(4):
+        acts = sched.actions(p, m, 3, first_step=k0, vocab_parallel=True)
+        simulate(acts, Costs(1, 2, vocab=0.3), sched, m, nccl=True)
+        assert all(sum(a.type == T.VOCAB for a in lst) == 3 * m for lst in acts)

@@ -111,6 +111,7 @@ def report(recipe, args, cap: float) -> int:
     # imported here, after the arguments and the recipe are read: they import torch and transformers
     from ..plan.memory import meta_model, plan_memory
     from ..plan.search import planned_microbatches, schedule_memory, simulate_schedules
+    from ..plan.vocab import resolve_vocab_parallel, why_not_vocab_parallel
     from ..schedules.timeline import plot_steady_step
 
     p = args.num_stages or recipe.pipeline.num_stages
@@ -119,17 +120,23 @@ def report(recipe, args, cap: float) -> int:
     dp = max(1, gpus // p)
     model = meta_model(recipe)
     try:
-        plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp)
+        vocab, vocab_why = resolve_vocab_parallel(recipe, model, p)
+        plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp, vocab_parallel=vocab)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    shareable = why_not_vocab_parallel(recipe, model, p) is None
     total_params = sum(m.params for m in mem)
     print(f"{args.recipe}: {recipe.model.config.get('model_type') if recipe.model.config else recipe.model.name_or_path}, "
           f"{total_params / 1e9:.3f}B parameters (tied copies counted per stage), {p} stages, schedule {recipe.pipeline.schedule}, "
           f"microbatch {recipe.pipeline.microbatch_size} x {recipe.data.seq_len} tokens, {recipe.pipeline.num_microbatches} per step\n")
     print(plan.format() + "\n")
-    heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "a2a", "steady", "EF@STEP",
-             "buckets")
+    field = recipe.pipeline.vocab_parallel
+    print(f"vocabulary layers shared by every stage (pipeline.vocab_parallel: "
+          f"{field if isinstance(field, str) else str(field).lower()}): "
+          f"{vocab_why}\n")
+    heads = ("weights", "grads", "optim", "EF", "casts", "activ.", "recomp.", "transf.", "a2a", "vocab", "steady",
+             "EF@STEP", "buckets")
     experts = (f"; experts sharded over {ep} of them (expert_parallel), a2a = the all-to-all's buffers" if ep > 1
                else "")
     print(f"GB per GPU of each stage and term (plan/memory.py explains each; steady = between steps, peak = + EF's "
@@ -139,6 +146,7 @@ def report(recipe, args, cap: float) -> int:
     for m in mem:
         ok = "yes" if m.total <= cap * 0.9 else "NO"
         vals = (m.weights, m.grads, m.optimizer, m.ef, m.casts, m.activations, m.recompute, m.transfers, m.all_to_all,
+                m.vocab,
                 m.steady, m.ef_copy, m.reducer)
         print(f"{m.stage:>5} {m.layers:>7} {m.inflight:>9} " + " ".join(f"{gb(v):>7}" for v in vals)
               + f" {gb(m.total):>7}  {ok} ({(cap - m.total) / cap:+.0%} margin)")
@@ -155,11 +163,16 @@ def report(recipe, args, cap: float) -> int:
     if ep > 1:
         print("\n" + all_to_all_line(recipe, plan, model.config, args.link_gbs))
     sims = simulate_schedules(plan, recipe, p, args.tflops * 1e12, model=model, link_bytes_per_s=args.link_gbs * 1e9)
-    fullest = {name: max(x.total for x in schedule_memory(recipe, name, p, model, dp)) for name in sims}
+    fullest = {name: max(x.total for x in schedule_memory(recipe, name, p, model, dp, vocab)) for name in sims}
     print(f"\nsimulated at {args.tflops:g} TFLOP/s per device, {planned_microbatches(recipe, p)} microbatches per "
           "step (bubble = fill/drain, what equal stages would idle too, + imbalance, what unequal stages add; the "
           "virtual-stage schedules on the model split into more stages, balanced by FLOPs, planner only):")
     print("\n".join(schedule_lines(sims, recipe, fullest, not_planned(sims, plan.num_layers, recipe, p))))
+    if shareable:
+        other = plan_memory(recipe, p, model=model, dp=dp, vocab_parallel=not vocab)[0]
+        other_sims = simulate_schedules(other, recipe, p, args.tflops * 1e12, model=model)
+        print("\n" + "\n".join(vocab_lines(*((sims, other_sims) if vocab else (other_sims, sims)),
+                                            *((plan, other) if vocab else (other, plan)))))
     name = os.path.splitext(os.path.basename(args.recipe))[0]
     png = args.png or os.path.join(args.out or "", f"{name}-{p}stages.png")
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -220,6 +233,23 @@ def schedule_lines(sims: dict, recipe, fullest: dict | None = None, skipped: dic
     return lines
 
 
+def vocab_lines(shared: dict, whole: dict, shared_plan, whole_plan) -> list[str]:
+    """Per schedule simulated both ways, its seconds per step and imbalance with the vocabulary layers shared by every
+    stage and without (the head and loss on the last stage), each on its own split, and the speed-up."""
+    split = lambda plan: [len(st.layers) for st in plan.stages]
+    from ..plan.search import PLANNED_STEPS  # see report()
+
+    lines = [f"with the vocabulary layers shared by every stage (split {split(shared_plan)}) and without (split "
+             f"{split(whole_plan)}):"]
+    for name in shared:
+        if name in whole:
+            a, b = shared[name], whole[name]
+            lines.append(f"  {name:>15} shared: {a.makespan / PLANNED_STEPS:.4g} s/step, imbalance {a.imbalance:.1%}; "
+                         f"without: {b.makespan / PLANNED_STEPS:.4g} s/step, imbalance {b.imbalance:.1%}; "
+                         f"{b.makespan / a.makespan:.2f}x the speed")
+    return lines
+
+
 def not_planned(sims: dict, num_layers: int, recipe, p: int) -> dict[str, str]:
     """Why each planned schedule missing from ``sims`` was left out."""
     from ..plan.search import PLANNED_SCHEDULES, planned_microbatches, why_not_planned  # see report()
@@ -230,24 +260,30 @@ def not_planned(sims: dict, num_layers: int, recipe, p: int) -> dict[str, str]:
 
 
 def search(recipe, gpus: int, cap: float, args) -> None:
+    from ..plan.memory import meta_model
     from ..plan.search import reduction_stall, search_plans  # see report()
+    from ..plan.vocab import why_not_vocab_parallel
 
-    cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9)
+    model = meta_model(recipe)
+    shareable = why_not_vocab_parallel(recipe, model, max(2, recipe.pipeline.num_stages)) is None
+    cands = search_plans(recipe, gpus, cap, args.tflops * 1e12, args.link_gbs * 1e9, model,
+                         (False, True) if shareable else (False,))
     feasible = [c for c in cands if c.feasible]
     batch = recipe.pipeline.num_microbatches * recipe.pipeline.microbatch_size * max(1, gpus // recipe.pipeline.num_stages)
     print(f"\nsearch on {gpus} GPUs, {batch} sequences per step, {recipe.pipeline.schedule} in steady state at "
           f"{args.tflops:g} TFLOP/s, data-parallel ring all-reduce (fp32 gradients), stage-to-stage activations and "
-          f"expert all-to-alls at {args.link_gbs:g} GB/s per GPU; ep = pipeline.expert_parallel, ckpt = activation "
-          f"checkpointing: {len(feasible)} of {len(cands)} plans fit in 90% of {args.gpu_memory} and run; the best:")
+          f"expert all-to-alls at {args.link_gbs:g} GB/s per GPU{', each with the vocabulary layers shared by every stage and not' if shareable else ''}; "
+          f"ep = pipeline.expert_parallel, ckpt = activation checkpointing: {len(feasible)} of {len(cands)} plans fit "
+          f"in 90% of {args.gpu_memory} and run; the best:")
     print(f"  {'stages':>6} {'dp':>3} {'ep':>3} {'ckpt':>4} {'m':>4} {'mb size':>7} {'s/step':>7} {'tokens/s':>10} "
-          f"{'bubble':>7} {'imbal.':>7} {'reduce stall':>12} {'GB/GPU':>7}  feasible  layers per stage")
+          f"{'bubble':>7} {'imbal.':>7} {'reduce stall':>12} {'GB/GPU':>7}  feasible  vocab  layers per stage")
     for c in (feasible or cands)[: args.top]:
         why = "yes" if c.feasible else ("over memory" if not c.fits else "m < p")
         stall = f"{reduction_stall(recipe, c):.3g} s" if c.runnable else "-"
         print(f"  {c.num_stages:>6} {c.dp:>3} {c.expert_parallel:>3} {'on' if c.checkpointed else 'off':>4} "
               f"{c.num_microbatches:>4} {c.microbatch_size:>7} {c.step_s:>7.3g} "
               f"{c.tokens_per_s:>10,.0f} {c.bubble:>7.1%} {c.imbalance:>7.1%} {stall:>12} {gb(c.memory):>7}  {why:<8}  "
-              f"{c.layers_per_stage}")
+              f"{'shared' if c.vocab_parallel else 'last':<6} {c.layers_per_stage}")
     if feasible:
         print(f"  best: {feasible[0].overrides()} on {gpus} GPUs ({feasible[0].dp} data-parallel replicas)")
         print(without_checkpointing(recipe, cands))
@@ -299,15 +335,16 @@ def measure(recipe, plan, p: int, device: str | None, link_gbs: float) -> None:
           f"head and loss +{c.last * 1e3:.1f} ms ({c.last / mid:.1f} layers); optimizer step per layer "
           f"{sorted(c.layer_steps)[len(c.layer_steps) // 2] * 1e3:.1f} ms (median), counted 1/{m} per microbatch")
     flops_split = [len(s.layers) for s in plan.stages]
-    time_split = c.balance(p, m)
+    vocab = plan.vocab_parallel  # the head and loss measured, spread over every stage where they are shared
+    time_split = c.balance(p, m, vocab)
     for name, split in (("cost model", flops_split), ("measured", time_split)):
-        secs = c.stage_seconds(split, m)
+        secs = c.stage_seconds(split, m, vocab)
         print(f"  {name:>10} split {split}: stage seconds {' '.join(f'{x * 1e3:.1f}' for x in secs)} ms, "
               f"slowest / mean {max(secs) / (sum(secs) / len(secs)):.3f}")
     if time_split != flops_split:
         print(f"  use the measured split: --pipeline.layers_per_stage=[{','.join(map(str, time_split))}] "
               "(or layers_per_stage: auto, which measures at start on the machine that trains)")
-    costs = c.stage_costs(time_split)
+    costs = c.stage_costs(time_split, vocab)
     ms = lambda v: " ".join(f"{x * 1e3:.2f}" for x in v)
     split_ms = "" if backend else (f"  I [{ms(costs.backward_input)}]  W [{ms(costs.backward_weight)}]")
     print(f"\nthe schedules on the measured split {time_split}, simulated with the measured ms per stage (the first stage "

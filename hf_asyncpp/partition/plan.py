@@ -51,6 +51,22 @@ class PartitionPlan:
     param_names: list[list[str]]  # per stage, the names its ``named_parameters()`` yields
     _owner: dict[str, int] = field(default_factory=dict, repr=False)
     tied_pairs: list[tuple[str, str]] = field(default_factory=list)  # (name on an earlier stage, copy's name on a later)
+    vocab_parallel: bool = False
+    """The vocabulary layers shared by every stage (``pipeline.vocab_parallel``): the output layer and the loss are
+    in no stage's ``cost`` and the head's weight in no stage's ``params``; every stage holds a ``vocab_shard`` of the
+    head's rows (``vocab_shard_params``) and computes ``vocab_cost`` in its VOCAB passes."""
+    head_cost: float = 0.0
+    """Forward FLOPs per token of the output layer and the loss over the whole vocabulary (2 x its weights + 8 x
+    vocab), in the last stage's ``cost`` unless ``vocab_parallel``."""
+    vocab_shard_params: int = 0
+    """With ``vocab_parallel``: the parameters of one stage's shard of the output layer (its largest: ceil(vocab /
+    stages) rows), counted in each stage's ``params``."""
+
+    @property
+    def vocab_cost(self) -> float:
+        """Forward FLOPs per token of one stage's shard of the output layer and loss (``head_cost`` / stages) with
+        ``vocab_parallel``, else 0."""
+        return self.head_cost / len(self.stages) if self.vocab_parallel else 0.0
 
     def stage_of(self, name: str) -> int:
         """The stage owning original parameter ``name`` (a tied head's name: the last stage, which holds the copy)."""
@@ -60,23 +76,29 @@ class PartitionPlan:
             raise KeyError(f"{name!r} is not a parameter of the partitioned model") from None
 
     def format(self) -> str:
-        total = sum(s.cost for s in self.stages) or 1.0
+        total = sum(s.cost + self.vocab_cost for s in self.stages) or 1.0
         rows = [f"{'stage':>5}  {'layers':>9}  {'params':>14}  {'GFLOP/token':>11}  {'share':>6}"]
         copies = {b for _, b in self.tied_pairs}
         for i, s in enumerate(self.stages):
-            extra = (" +embed" if i == 0 else "") + (" +norm+head" if i == len(self.stages) - 1 else "")
+            last = i == len(self.stages) - 1
+            extra = (" +embed" if i == 0 else "") + ((" +norm" if self.vocab_parallel else " +norm+head") if last else "")
+            if self.vocab_parallel:  # the head's cost per token in every stage's VOCAB passes, beside the layers'
+                extra += f" +1/{len(self.stages)} of the head (VOCAB: {self.vocab_cost / 1e9:.4f})"
             n_copies = sum(n in copies for n in self.param_names[i])
             if n_copies:  # tensors an earlier stage also holds (a tied head, a block shared by several layers)
                 extra += f" +{n_copies} shared cop{'y' if n_copies == 1 else 'ies'}"
             lay = f"{s.layers.start}-{s.layers.stop - 1}" if len(s.layers) else "-"
-            rows.append(f"{i:>5}  {lay:>9}  {s.params:>14,}  {s.cost / 1e9:>11.4f}  {s.cost / total:>6.1%}{extra}")
+            rows.append(f"{i:>5}  {lay:>9}  {s.params:>14,}  {s.cost / 1e9:>11.4f}  {(s.cost + self.vocab_cost) / total:>6.1%}{extra}")
         return "\n".join(rows)
 
     __str__ = format
 
 
-def balanced_sizes(costs: list[float], first: float, last: float, p: int) -> list[int]:
-    """Contiguous split of per-layer costs into p non-empty stages minimizing the most expensive stage (exact DP)."""
+def balanced_sizes(costs: list[float], first: float, last: float, p: int, shared: float = 0.0) -> list[int]:
+    """Contiguous split of per-layer costs into p non-empty stages minimizing the most expensive stage (exact DP).
+    ``shared``: what every stage adds alike (its shard of the vocabulary layers shared by every stage, where the head
+    is then not in ``last``); it changes no stage's rank, so the layers split as if the head were not there, evenly
+    where the layers are alike."""
     L = len(costs)
     pre = [0.0]
     for c in costs:
@@ -88,7 +110,7 @@ def balanced_sizes(costs: list[float], first: float, last: float, p: int) -> lis
     for k in range(1, p + 1):
         for i in range(k, L - (p - k) + 1):
             for j in range(k - 1, i):
-                c = pre[i] - pre[j] + (first if k == 1 else 0.0) + (last if k == p else 0.0)
+                c = pre[i] - pre[j] + (first if k == 1 else 0.0) + (last if k == p else 0.0) + shared
                 v = max(best[k - 1][j], c)
                 if v < best[k][i]:
                     best[k][i], cut[k][i] = v, j
@@ -126,7 +148,7 @@ def _check_split(num_stages, layers_per_stage, L: int) -> list[int] | None:
 
 
 def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int] | None = None,
-                   seq_len: int = 2048) -> PartitionPlan:
+                   seq_len: int = 2048, vocab_parallel: bool = False) -> PartitionPlan:
     """The split (layers, parameters, estimated cost per stage), without building stages.
 
     Accepts a model (any device, meta included) or a config (a meta model is built from it). Automatic balance
@@ -137,6 +159,10 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     (bench/throughput.py, Llama h128, vocab 4096): the head costs 2.3 layers, as 2 x its parameters predicts; an
     earlier 128 x vocab softmax term overweighted it to 3.4 layers and split 8 layers 6/2 instead of 5/3 (0.72
     instead of 0.90 of the no-bubble limit).
+
+    ``vocab_parallel``: the vocabulary layers shared by every stage: the head and the loss (``head_cost``) leave the
+    last stage, each stage gets 1/num_stages of them (``vocab_cost``, its VOCAB passes; ``vocab_shard_params``), and
+    the layers are balanced without them (evenly, where the layers are alike).
     """
     model = model_or_config
     if not isinstance(model, nn.Module):
@@ -165,8 +191,14 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
 
     first_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "pre") or 2 * hidden
     last_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "post") + 8 * vocab
+    head_cost = (unit_flops(a.head) if a.head is not None else 0) + 8 * vocab
+    head_module = get_module(model, a.head) if a.head is not None else None
+    head_numel = sum(q.numel() for q in head_module.parameters()) if head_module is not None else 0
+    shard_params = -(-head_numel // num_stages) if vocab_parallel else 0  # ceil: the largest shard
+    if vocab_parallel:
+        last_cost -= head_cost
     if sizes is None:
-        sizes = balanced_sizes(costs, first_cost, last_cost, num_stages)
+        sizes = balanced_sizes(costs, first_cost, last_cost, num_stages, head_cost / num_stages if vocab_parallel else 0.0)
     layer_stage = [s for s, n in enumerate(sizes) for _ in range(n)]
     owner, param_names, tied_pairs = _owners(model, a, layer_stage, num_stages)
     emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
@@ -175,9 +207,12 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     stages, start = [], 0
     for s, n in enumerate(sizes):
         cost = sum(costs[start:start + n]) + (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
-        stages.append(StagePlan(range(start, start + n), sum(numel[x] for x in param_names[s]), cost))
+        held = sum(numel[x] for x in param_names[s])
+        if vocab_parallel:  # the head's rows sharded over every stage instead of whole on the last
+            held += shard_params - (head_numel if s == num_stages - 1 else 0)
+        stages.append(StagePlan(range(start, start + n), held, cost))
         start += n
-    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs)
+    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs, vocab_parallel, head_cost, shard_params)
 
 
 def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int) -> int:

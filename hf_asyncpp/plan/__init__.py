@@ -7,5 +7,6 @@ imports it.
 ``search``     how fast: the schedules compared on the same costs, and the search over layouts for a GPU count
 ``autosplit``  ``layers_per_stage: auto``: the split from costs measured at start, cached
 ``profile``    a run's measured per-stage times and the timeline they imply
+``vocab``      ``pipeline.vocab_parallel``: whether the vocabulary layers are shared by every stage (``auto``'s decision)
 =============  ==========================================================================================
 """

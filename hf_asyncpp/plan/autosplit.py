@@ -98,12 +98,15 @@ def measured_costs(recipe: Recipe, build: Callable[[], torch.nn.Module], device:
 
 
 def auto_split(recipe: Recipe, build: Callable[[], torch.nn.Module], device: torch.device,
-               measure: Callable[..., MeasuredCosts] = measure_costs, folder: Optional[Path] = None) -> list[int]:
-    """The measured split for ``recipe`` on ``device``, logged with each stage's time per microbatch."""
+               measure: Callable[..., MeasuredCosts] = measure_costs, folder: Optional[Path] = None,
+               vocab_parallel: bool = False) -> list[int]:
+    """The measured split for ``recipe`` on ``device``, logged with each stage's time per microbatch.
+    ``vocab_parallel`` (resolved: ``plan.vocab.resolve_vocab_parallel``): the vocabulary layers shared by every
+    stage, the measured head and loss spread over all stages (``MeasuredCosts.balance``)."""
     p, m = recipe.pipeline.num_stages, recipe.pipeline.num_microbatches
     costs, path, hit = measured_costs(recipe, build, device, measure, folder)
-    split = costs.balance(p, m)
-    secs = costs.stage_seconds(split, m)
+    split = costs.balance(p, m, vocab_parallel)
+    secs = costs.stage_seconds(split, m, vocab_parallel)
     log.info("pipeline.layers_per_stage auto: %s (%s %s): per microbatch, forward + backward + 1/%d of the optimizer "
              "step, stage seconds %s ms, slowest / mean %.3f", split, "cached in" if hit else "measured, saved to", path,
              m, " ".join(f"{x * 1e3:.1f}" for x in secs), max(secs) / (sum(secs) / len(secs)))

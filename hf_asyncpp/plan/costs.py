@@ -79,29 +79,45 @@ class MeasuredCosts:
         return ([f + st / m for f, st in zip(self.layers, steps)], self.first + self.first_step / m,
                 self.last + self.last_step / m)
 
-    def balance(self, num_stages: int, num_microbatches: int = 1) -> list[int]:
+    def balance(self, num_stages: int, num_microbatches: int = 1, vocab_parallel: bool = False) -> list[int]:
+        """The split minimizing the slowest stage. ``vocab_parallel``: the vocabulary layers shared by every stage:
+        the measured head and loss (``last``) spread over all stages (1 / num_stages each), so the layers split as
+        if it were not there."""
         layers, first, last = self.per_microbatch(num_microbatches)
+        if vocab_parallel:
+            return balanced_sizes(layers, first, 0.0, num_stages, last / num_stages)
         return balanced_sizes(layers, first, last, num_stages)
 
-    def stage_seconds(self, layers_per_stage: list[int], num_microbatches: int = 1) -> list[float]:
-        """Per stage, seconds per microbatch (forward + backward + its share of the optimizer step)."""
-        return _per_stage(*self.per_microbatch(num_microbatches), layers_per_stage)
+    def stage_seconds(self, layers_per_stage: list[int], num_microbatches: int = 1,
+                      vocab_parallel: bool = False) -> list[float]:
+        """Per stage, seconds per microbatch (forward + backward + its share of the optimizer step; with
+        ``vocab_parallel`` its 1 / stages of the head and loss instead of the last stage all of it)."""
+        layers, first, last = self.per_microbatch(num_microbatches)
+        if vocab_parallel:
+            return [t + last / len(layers_per_stage) for t in _per_stage(layers, first, 0.0, layers_per_stage)]
+        return _per_stage(layers, first, last, layers_per_stage)
 
-    def stage_costs(self, layers_per_stage: list[int]) -> Costs:
+    def stage_costs(self, layers_per_stage: list[int], vocab_parallel: bool = False, shards: int | None = None) -> Costs:
         """The simulator's per-stage costs of this split: F, B, I and W per microbatch and one optimizer step per
         step, all measured (needs ``measure_costs(split_backward=True)``). The first stage's I is 0 and its W its
         whole backward B: it has no input gradient to send, so the executor's I there does nothing and its W runs one
-        plain backward. Measured with compiled layers, I and W are None (half of B each, the simulator's default)."""
+        plain backward. Measured with compiled layers, I and W are None (half of B each, the simulator's default).
+        ``vocab_parallel``: the head and loss's measured forward + backward leave the last stage and become every
+        stage's VOCAB pass, 1 / ``shards`` (default: the stages) of it (the softmax statistics' and the broadcast's
+        collectives not measured: ``Costs.vocab_comm``)."""
         if not self.passes:
             raise ValueError("no per-pass seconds: measure with measure_costs(..., split_backward=True)")
         if sum(layers_per_stage) != len(self.layers) or min(layers_per_stage) < 1:
             raise ValueError(f"layers_per_stage {layers_per_stage} does not split {len(self.layers)} layers")
-        per = {name: _per_stage(t.layers, t.first, t.last, layers_per_stage) for name, t in self.passes.items()}
+        per = {name: _per_stage(t.layers, t.first, 0.0 if vocab_parallel else t.last, layers_per_stage)
+               for name, t in self.passes.items()}
         if "backward_input" in per:  # not measured with compiled layers: the simulator's halves of B
             per["backward_input"][0], per["backward_weight"][0] = 0.0, per["backward"][0]
         steps = _per_stage(self.layer_steps or [0.0] * len(self.layers), self.first_step, self.last_step,
                            layers_per_stage)
-        return Costs(**per, step=steps)
+        vocab = (self.passes["forward"].last + self.passes["backward"].last) / (shards or len(layers_per_stage)) \
+            if vocab_parallel else 0.0
+        return Costs(**per, step=steps, vocab=vocab)
 
     def to_dict(self) -> dict:
         return asdict(self)

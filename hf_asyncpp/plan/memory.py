@@ -40,6 +40,13 @@ Memory per stage (bytes), one term each, as ``PipelineEngine.memory_report`` mea
                  parallelism + the reducer's concatenated buckets (``reducer.py``: the flat buckets hold a copy of
                  every gradient from REDUCE until the all-reduce completes, 25 MB each). ``steady`` is without
                  them, ``total`` (the peak) with them.
+  vocab        = with the vocabulary layers shared by every stage (``vocab_parallel``): what one VOCAB pass holds
+                 while it runs, one at a time: the final hidden states received (h fp32 values per token), the
+                 partial gradient of them it sends back (h fp32), and its logits shard and their gradient (2 x
+                 ceil(vocab / stages) fp32 values per token). The head's weight is then not on the last stage: every
+                 stage holds its shard (``plan.vocab_shard_params``) with the head's weights, versions, gradients and
+                 optimizer state per parameter, and the last stage keeps no logits for the loss (2 h fp32 values per
+                 token for the final norm).
 A tensor held on several stages (a tied head, a block shared by several layers) counts on each: ``plan.param_names``.
 
 Expert parallelism (``pipeline.expert_parallel`` = ep > 1): each GPU holds 1/ep of every MoE layer's experts
@@ -91,12 +98,13 @@ class StageMemory:
     ef_copy: float = 0.0
     reducer: float = 0.0
     all_to_all: float = 0.0
+    vocab: float = 0.0
     expert_params: int = 0
     """Of ``params``, the MoE layers' expert tensors (``expert_parameters``), whole; a GPU holds 1/expert_parallel."""
     expert_parallel: int = 1
 
     TERMS = ("weights", "grads", "optimizer", "ef", "casts", "activations", "recompute", "transfers", "all_to_all",
-             "ef_copy", "reducer")
+             "vocab", "ef_copy", "reducer")
 
     @property
     def params_per_gpu(self) -> float:
@@ -107,7 +115,7 @@ class StageMemory:
     def steady(self) -> float:
         """Between steps: what every action of the step holds at the schedule's peak of in-flight microbatches."""
         return (self.weights + self.grads + self.optimizer + self.ef + self.casts + self.activations + self.recompute
-                + self.transfers + self.all_to_all)
+                + self.transfers + self.all_to_all + self.vocab)
 
     @property
     def total(self) -> float:
@@ -228,7 +236,8 @@ def check_expert_parallel(expert_parallel: int, replicas: int, config) -> None:
 
 
 def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpointed: bool = False,
-                               bf16: bool = False, fused_loss: bool = False, expert_parallel: int = 1) -> float:
+                               bf16: bool = False, fused_loss: bool = False, expert_parallel: int = 1,
+                               vocab_parallel: bool = False) -> float:
     """Bytes per token one in-flight microbatch keeps on a stage. With activation checkpointing a layer keeps only
     its input (the fp32 hidden state, h values) and the stage the rotary tables once; the head and loss are not
     checkpointed. ``fused_loss``: the last stage keeps the hidden states' fp32 gradient in place of the logits (plus
@@ -241,9 +250,18 @@ def activation_bytes_per_token(config, layer_ids: list[int], last: bool, checkpo
         total = 4.0 * (h * len(layer_ids) + (2 * head_dim if layer_ids else 0))
     else:
         total = float(sum(4 * per_layer[i][0] + 2 * per_layer[i][1] for i in layer_ids))
-    if last:
+    if last and vocab_parallel:  # the loss is computed in the VOCAB passes; the final norm's input and output stay
+        total += 4 * 2 * h
+    elif last:
         total += 4 * 3 * h if fused_loss else 4 * (config.vocab_size + 2 * h) + (2 * h if bf16 else 0)
     return total
+
+
+def vocab_pass_bytes_per_token(config, num_stages: int) -> float:
+    """What one VOCAB pass holds per token while it runs (module doc, ``vocab``): the hidden states received and the
+    partial gradient sent back (h fp32 each), the logits shard and its gradient (ceil(vocab / stages) fp32 each)."""
+    h = getattr(config, "hidden_size", None) or config.n_embd
+    return 4.0 * (2 * h + 2 * -(-config.vocab_size // num_stages))
 
 
 def fused_loss_bytes_per_microbatch(model) -> float:
@@ -282,13 +300,16 @@ def received_values_per_token(anatomy, layers: range, stage: int) -> float:
 
 
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
-                layers_per_stage: list[int] | None = None, dp: int = 1) -> tuple[object, list[StageMemory], object]:
+                layers_per_stage: list[int] | None = None, dp: int = 1,
+                vocab_parallel: bool = False) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule); ``dp``: data-parallel
     replicas of each stage (the reducer's buckets exist only with more than one). With a virtual-stage schedule
     (several stages per rank) ``num_stages`` counts ranks, the plan splits the model into ranks x stages_per_rank
     stages, and the memory is per rank: the parameters of all its stages, and the activations of the in-flight
     (stage, microbatch) pairs at the rank's peak, each of its own stage's size. ``pipeline.expert_parallel``
-    (checked against ``dp`` and the model: ``check_expert_parallel``) shards the experts' state (module doc)."""
+    (checked against ``dp`` and the model: ``check_expert_parallel``) shards the experts' state (module doc).
+    ``vocab_parallel``: the vocabulary layers shared by every stage (resolved: ``plan.vocab.resolve_vocab_parallel``),
+    one shard per rank, its VOCAB passes in the schedule (their deeper warm-up counts in the in-flight microbatches)."""
     p = num_stages or recipe.pipeline.num_stages
     sched = planned_schedule(recipe.pipeline.schedule)
     v = sched.stages_per_rank
@@ -297,7 +318,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     check_expert_parallel(ep, dp, model.config)
     if layers_per_stage is None:
         layers_per_stage = recipe.pipeline.split if p == recipe.pipeline.num_stages and v == 1 else None
-    plan = partition_plan(model, p * v, layers_per_stage, seq_len=recipe.data.seq_len)
+    plan = partition_plan(model, p * v, layers_per_stage, seq_len=recipe.data.seq_len, vocab_parallel=vocab_parallel)
     ranks = sched.stage_ranks(p)
     m, steps = sched.representative(p, recipe.pipeline.num_microbatches)
     m = _runnable_m(sched, p, m)
@@ -307,8 +328,9 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     except ValueError:
         extra = 0  # planning another stage count than the recipe's: plain warm-up
     scope = sched.reduce_scope(recipe.training.max_grad_norm)
-    sim = simulate(sched.actions(p, m, steps, extra_warmup=extra), Costs(
-        forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages]), sched, reduce_scope=scope)
+    sim = simulate(sched.actions(p, m, steps, extra_warmup=extra, vocab_parallel=vocab_parallel), Costs(
+        forward=[s.cost for s in plan.stages], backward=[2 * s.cost for s in plan.stages],
+        vocab=3 * plan.vocab_cost * v), sched, reduce_scope=scope)
     kinds = classify_parameters(model)
     sizes = {n: q.numel() for n, q in model.named_parameters(remove_duplicate=False)}
     experts = expert_parameters(model)
@@ -326,7 +348,11 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     h = getattr(cfg, "hidden_size", None) or cfg.n_embd
     cast_names = (linear_weights(model) | expert_stacks(model)) if bf16 else set()
     last = len(plan.stages) - 1
-    fused = use_fused_loss(recipe.training.fused_loss, model)
+    fused = use_fused_loss(recipe.training.fused_loss, model) and not vocab_parallel
+    head = f"{plan.anatomy.head}.weight"
+    head_names = {n for n in sizes if plan.anatomy.head and n.startswith(plan.anatomy.head + ".")}
+    shard = {n: -(-sizes[n] // p) for n in head_names} if vocab_parallel else {}  # per rank: one shard of each
+    local.update({n: float(c) for n, c in shard.items()})
     fused_head = fused_loss_bytes_per_microbatch(model) if fused else 0.0
     out = []
     for r in range(p):
@@ -334,7 +360,9 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         # a rank holding both names of a tied pair (V placement: the embedding's and the head's stage) holds one tensor
         held = [n for g in mine for n in per_stage_names[g]]
         held = [n for n in held if not any(n == copy and first in held for first, copy in plan.tied_pairs)]
-        n_params = sum(sizes[n] for n in held)
+        if vocab_parallel:  # the head's rows: a shard on every rank, none whole on the last stage's
+            held = [n for n in held if n not in shard] + list(shard)
+        n_params = sum(shard.get(n, sizes[n]) for n in held)
         n_local = sum(local[n] for n in held)
         n_experts = sum(local[n] for n in held if n in sharded)  # this GPU's shard of the experts
         versions = sched.weight_versions(r, p)
@@ -346,7 +374,7 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         opt_experts = sum(local[n] * per_param[n] for n in held if n in sharded)
         inflight = sim.peak_inflight[r]
         per_microbatch = {g: tokens_mb * (activation_bytes_per_token(cfg, list(plan.stages[g].layers), g == last, ckpt,
-                                                                     bf16, fused and g == last, ep)
+                                                                     bf16, fused and g == last, ep, vocab_parallel)
                                           + 4 * received_values_per_token(plan.anatomy, plan.stages[g].layers, g))
                           + (fused_head if g == last else 0.0) for g in mine}
         act = peak_in_flight([iv.action for iv in sim.timeline[r]], r, per_microbatch)
@@ -355,7 +383,6 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         # on this stage (a tied head beside its embedding), which autocast casts for each microbatch in flight
         n16 = sum(local[n] for n in held if n in cast_names)
         weights = 4.0 * (n_local - n16) * versions + (4.0 + 2.0 * versions) * n16
-        head = f"{plan.anatomy.head}.weight"
         # (the fused loss keeps no cast for the backward: the weight's gradient is computed in the forward)
         casts = inflight * 2.0 * sizes[head] if bf16 and not fused and tied_here(plan, ranks, r) and head in sizes else 0.0
         recompute = tokens_mb * recompute_bytes_per_token(cfg, layer_ids, bf16, ep) if ckpt else 0.0
@@ -381,7 +408,8 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         out.append(StageMemory(r, layers, n_params, weights, 4.0 * n_local * sched.grad_sets, float(opt_bytes), ef,
                                act, inflight, casts=casts, transfers=transfers, recompute=recompute, ef_copy=ef,
                                reducer=4.0 * reduced if dp > 1 else 0.0, all_to_all=exchange,
-                               expert_params=sum(sizes[n] for n in held if n in experts), expert_parallel=ep))
+                               expert_params=sum(sizes[n] for n in held if n in experts), expert_parallel=ep,
+                               vocab=tokens_mb * vocab_pass_bytes_per_token(cfg, p) if vocab_parallel else 0.0))
     return plan, out, sim
 
 

@@ -73,7 +73,14 @@ def flops_costs(plan, recipe: Recipe, flops_per_s: float) -> Costs:
     them all instead)."""
     tokens_mb = recipe.pipeline.microbatch_size * recipe.data.seq_len
     fwd = [s.cost * tokens_mb / flops_per_s for s in plan.stages]
-    return Costs(forward=fwd, backward=[2 * f for f in fwd])
+    return Costs(forward=fwd, backward=[2 * f for f in fwd], vocab=vocab_seconds(plan, tokens_mb, flops_per_s))
+
+
+def vocab_seconds(plan, tokens_mb: int, flops_per_s: float) -> float:
+    """Seconds of one stage's VOCAB pass (its shard of the output layer and loss, forward + backward: 3 x the forward's
+    FLOPs) for a microbatch of ``tokens_mb`` tokens; 0 unless the plan shares the vocabulary layers. Never replayed by
+    activation checkpointing (the head is not checkpointed)."""
+    return 3 * plan.vocab_cost * tokens_mb / flops_per_s
 
 
 def expert_exchange(costs: Costs, stage_layers, recipe: Recipe, config, link_bytes_per_s: float | None) -> Costs:
@@ -95,10 +102,11 @@ def run_costs(costs: Costs, recipe: Recipe) -> Costs:
     return costs.checkpointed() if recipe.training.gradient_checkpointing else costs
 
 
-def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1) -> list[StageMemory]:
+def schedule_memory(recipe: Recipe, schedule: str, num_stages: int, model=None, dp: int = 1,
+                    vocab_parallel: bool = False) -> list[StageMemory]:
     """``plan_memory`` of ``recipe`` run with ``schedule`` instead of its own (per rank for a virtual-stage one)."""
     r = dataclasses.replace(recipe, pipeline=dataclasses.replace(recipe.pipeline, schedule=schedule))
-    return plan_memory(r, num_stages, model, dp=dp)[1]
+    return plan_memory(r, num_stages, model, dp=dp, vocab_parallel=vocab_parallel)[1]
 
 
 def planned_microbatches(recipe: Recipe, num_stages: int) -> int:
@@ -121,21 +129,23 @@ def why_not_planned(sched: Schedule, num_layers: int, num_stages: int, num_micro
 
 
 def virtual_costs(sched: Schedule, recipe: Recipe, num_stages: int, model=None, flops_per_s: float | None = None,
-                  measured=None, link_bytes_per_s: float | None = None) -> Costs:
+                  measured=None, link_bytes_per_s: float | None = None, vocab_parallel: bool = False) -> Costs:
     """The simulator's costs for a schedule whose ranks hold several stages: the model split into num_stages x
     stages_per_rank stages, each costed by its own layers -- ``measured`` per-layer seconds (``MeasuredCosts``,
     the split balanced by them), else the FLOPs of the balanced ``partition_plan`` of ``model`` at
     ``flops_per_s`` -- and the optimizer step per rank, the sum of its stages' (``Costs.per_rank``); with
-    ``link_bytes_per_s`` and a model, each stage's expert all-to-alls (``expert_exchange``)."""
+    ``link_bytes_per_s`` and a model, each stage's expert all-to-alls (``expert_exchange``). With
+    ``vocab_parallel`` each rank holds one shard of the vocabulary layers (1 / ``num_stages`` of them)."""
     stages = num_stages * sched.stages_per_rank
     if measured is not None:
-        sizes = measured.balance(stages, planned_microbatches(recipe, num_stages))
-        costs = measured.stage_costs(sizes)
+        sizes = measured.balance(stages, planned_microbatches(recipe, num_stages), vocab_parallel)
+        costs = measured.stage_costs(sizes, vocab_parallel, shards=num_stages)
         starts = [sum(sizes[:g]) for g in range(stages)]
         stage_layers = [range(a, a + n) for a, n in zip(starts, sizes)]
     elif model is not None and flops_per_s is not None:
-        finer = partition_plan(model, stages, seq_len=recipe.data.seq_len)
+        finer = partition_plan(model, stages, seq_len=recipe.data.seq_len, vocab_parallel=vocab_parallel)
         costs, stage_layers = flops_costs(finer, recipe, flops_per_s), [st.layers for st in finer.stages]
+        costs.vocab *= sched.stages_per_rank  # the plan's shards are per model stage, a rank's is 1 / num_stages
     else:
         raise ValueError("virtual_costs needs measured per-layer costs, or a model and flops_per_s")
     if model is not None:
@@ -153,7 +163,9 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
     imbalance (``SimResult.fill_drain``, ``SimResult.imbalance``); ``peak_inflight`` per rank. The costs are those of
     layers that keep their activations: with activation checkpointing each backward pass is charged its replay
     (``run_costs``). With ``pipeline.expert_parallel`` > 1, ``link_bytes_per_s`` and ``model``, each stage's expert
-    all-to-alls are added (``expert_exchange``)."""
+    all-to-alls are added (``expert_exchange``). With ``plan.vocab_parallel`` every schedule runs its VOCAB passes
+    (``costs.vocab`` each)."""
+    vocab = plan.vocab_parallel
     if costs is None:
         if flops_per_s is None:
             raise ValueError("simulate_schedules needs costs or flops_per_s")
@@ -166,10 +178,10 @@ def simulate_schedules(plan, recipe: Recipe, num_stages: int, flops_per_s: float
     for name in PLANNED_SCHEDULES:
         sched = get_schedule(name)
         if sched.stages_per_rank == 1:
-            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), costs, sched)
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS, vocab_parallel=vocab), costs, sched)
         elif (measured is not None or model is not None) and why_not_planned(sched, plan.num_layers, num_stages, m) is None:
-            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured, link_bytes_per_s)
-            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS), finer, sched)
+            finer = virtual_costs(sched, recipe, num_stages, model, flops_per_s, measured, link_bytes_per_s, vocab)
+            res[name] = simulate(sched.actions(num_stages, m, PLANNED_STEPS, vocab_parallel=vocab), finer, sched)
     return res
 
 
@@ -197,6 +209,8 @@ class Candidate:
     expert_parallel: int = 1
     checkpointed: bool = False
     """Activation checkpointing on (``training.gradient_checkpointing``)."""
+    vocab_parallel: bool = False
+    """The vocabulary layers shared by every stage (``pipeline.vocab_parallel``)."""
 
     @property
     def feasible(self) -> bool:
@@ -207,27 +221,33 @@ class Candidate:
                 f"--pipeline.microbatch_size={self.microbatch_size} "
                 f"--pipeline.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}] "
                 f"--pipeline.expert_parallel={self.expert_parallel} "
-                f"--training.gradient_checkpointing={str(self.checkpointed).lower()}")
+                f"--training.gradient_checkpointing={str(self.checkpointed).lower()} "
+                f"--pipeline.vocab_parallel={'true' if self.vocab_parallel else 'false'}")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def steady_state(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, BubbleSplit]:
+def steady_state(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, vocab_parallel: bool = False,
+                 **sim) -> tuple[float, BubbleSplit]:
     """(seconds per step, bubble split into fill/drain and imbalance) in steady state: the difference of a 4-step
     and a 2-step window, so the fill and drain of a window (paid once per drain point, not per step) do not count
-    against an asynchronous schedule. ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
-    short = simulate(sched.actions(p, m, 2, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
-    long = simulate(sched.actions(p, m, 4, extra_warmup=extra), costs, sched, reduce_scope=scope, **sim)
+    against an asynchronous schedule. ``vocab_parallel``: with the VOCAB passes of the vocabulary layers shared by
+    every stage. ``sim``: further ``simulate`` options (``reduce_on_compute_stream``, ``nccl``)."""
+    short = simulate(sched.actions(p, m, 2, extra_warmup=extra, vocab_parallel=vocab_parallel), costs, sched,
+                     reduce_scope=scope, **sim)
+    long = simulate(sched.actions(p, m, 4, extra_warmup=extra, vocab_parallel=vocab_parallel), costs, sched,
+                    reduce_scope=scope, **sim)
     step = (long.makespan - short.makespan) / 2
     busy = [b_long - b_short for b_long, b_short in zip(long.busy, short.busy)]
     return step, split_bubble(busy, 2 * step)
 
 
-def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, **sim) -> tuple[float, float]:
+def steady_step_time(sched, p: int, m: int, costs: Costs, scope: str, extra: int = 0, vocab_parallel: bool = False,
+                     **sim) -> tuple[float, float]:
     """(seconds per step, bubble) in steady state (``steady_state`` without the bubble's split)."""
-    step, bubble = steady_state(sched, p, m, costs, scope, extra, **sim)
+    step, bubble = steady_state(sched, p, m, costs, scope, extra, vocab_parallel, **sim)
     return step, bubble.total
 
 
@@ -244,9 +264,12 @@ def _ring_all_reduce_seconds(nbytes: float, ranks: int, link_bytes_per_s: float)
 
 def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, split: list[int] | None, cap: float,
                   flops_per_s: float, link_bytes_per_s: float, expert_parallel: int | None = None,
-                  checkpointed: bool | None = None) -> Candidate:
+                  checkpointed: bool | None = None, vocab_parallel: bool = False) -> Candidate:
     """Memory and steady-state speed of one (stages, replicas, microbatches, microbatch size, split, expert-parallel
-    size, activation checkpointing); the last two None: the recipe's."""
+    size, activation checkpointing, vocabulary layers shared or not); expert-parallel size and checkpointing None: the
+    recipe's. With ``vocab_parallel`` a VOCAB pass costs its shard's FLOPs plus a broadcast of the final hidden states
+    and a reduce of their gradient, each one boundary transfer at the link speed (``Costs.vocab_comm``'s default; the
+    softmax statistics' all-gather, 3 values per token, is left out)."""
     ep = recipe.pipeline.expert_parallel if expert_parallel is None else expert_parallel
     ckpt = recipe.training.gradient_checkpointing if checkpointed is None else checkpointed
     check_expert_parallel(ep, dp, model.config)
@@ -255,11 +278,11 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
     r = dataclasses.replace(recipe, pipeline=rp,
                             training=dataclasses.replace(recipe.training, gradient_checkpointing=ckpt))
     sched = planned_schedule(rp.schedule)
-    plan, mem, _ = plan_memory(r, p, model, split, dp=dp)
+    plan, mem, _ = plan_memory(r, p, model, split, dp=dp, vocab_parallel=vocab_parallel)
     sizes = [len(st.layers) for st in plan.stages]
     worst = max(x.total for x in mem)
     tokens_mb = mbs * recipe.data.seq_len
-    layout = dict(expert_parallel=ep, checkpointed=ckpt)
+    layout = dict(expert_parallel=ep, checkpointed=ckpt, vocab_parallel=vocab_parallel)
     try:
         sched.check(p, m)
     except ValueError:
@@ -272,9 +295,11 @@ def evaluate_plan(recipe: Recipe, model, p: int, dp: int, m: int, mbs: int, spli
               + _ring_all_reduce_seconds(4 * x.expert_params / ep, dp // ep, link_bytes_per_s) for x in mem]
     h = getattr(model.config, "hidden_size", None) or model.config.n_embd
     comm = tokens_mb * h * 4 / link_bytes_per_s  # the boundary tensor is the fp32 residual stream, bf16 or not
-    costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm)
+    costs = Costs(forward=fwd, backward=[2 * f for f in fwd], reduce=reduce, comm=comm,
+                  vocab=vocab_seconds(plan, tokens_mb, flops_per_s))
     costs = run_costs(expert_exchange(costs, [st.layers for st in plan.stages], r, model.config, link_bytes_per_s), r)
-    step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm))
+    step, bubble = steady_state(sched, p, m, costs, sched.reduce_scope(recipe.training.max_grad_norm),
+                                vocab_parallel=vocab_parallel)
     tokens = m * tokens_mb * dp
     return Candidate(p, dp, m, mbs, sizes, step, bubble.total, worst, worst <= 0.9 * cap, True, tokens / step, costs,
                      imbalance=bubble.imbalance, **layout)
@@ -286,14 +311,17 @@ def reduction_stall(recipe: Recipe, c: Candidate) -> float:
     schedule behind nothing (its STEP follows the step's last backward)."""
     sched = planned_schedule(recipe.pipeline.schedule)
     free = dataclasses.replace(c.costs, reduce=0.0)
-    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free, sched.reduce_scope(recipe.training.max_grad_norm))
+    step, _ = steady_step_time(sched, c.num_stages, c.num_microbatches, free,
+                               sched.reduce_scope(recipe.training.max_grad_norm), vocab_parallel=c.vocab_parallel)
     return max(0.0, round(c.step_s - step, 9))  # float noise of the two simulations is no stall
 
 
 def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link_bytes_per_s: float,
-                 model=None) -> list[Candidate]:
+                 model=None, vocab_modes: tuple[bool, ...] = (False,)) -> list[Candidate]:
     """Every plan for ``gpus`` GPUs at the recipe's global batch, best first: feasible ones (fits in 90% of
-    ``cap``, schedule accepts m) by simulated tokens/s, then the rest by tokens/s.
+    ``cap``, schedule accepts m) by simulated tokens/s, then the rest by tokens/s. ``vocab_modes``: each layout
+    with the vocabulary layers on the last stage (False) and/or shared by every stage (True; where the model and
+    the schedule allow it: ``plan.vocab.why_not_vocab_parallel``), each with its own balanced split.
 
     The global batch (sequences per step) is the recipe's ``num_microbatches x microbatch_size`` times the
     data-parallel degree the recipe implies on these GPUs (``gpus / num_stages``), so every candidate trains the same
@@ -315,14 +343,15 @@ def search_plans(recipe: Recipe, gpus: int, cap: float, flops_per_s: float, link
                 continue
             m = batch // (mbs * dp)
             seen = set()
-            for split in splits:
-                for ep in expert_parallel_sizes(model.config, dp):
-                    for ckpt in (False, True):
-                        c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s, link_bytes_per_s,
-                                          ep, ckpt)
-                        key = (tuple(c.layers_per_stage), ep, ckpt)
-                        if key not in seen:
-                            seen.add(key)
-                            out.append(c)
+            for vocab in vocab_modes:
+                for split in splits:
+                    for ep in expert_parallel_sizes(model.config, dp):
+                        for ckpt in (False, True):
+                            c = evaluate_plan(recipe, model, p, dp, m, mbs, split, cap, flops_per_s,
+                                              link_bytes_per_s, ep, ckpt, vocab)
+                            key = (tuple(c.layers_per_stage), ep, ckpt, vocab)
+                            if key not in seen:
+                                seen.add(key)
+                                out.append(c)
     # ties (to 6 digits: float noise of the simulation) go to the larger microbatch, whose kernels run faster
     return sorted(out, key=lambda c: (not c.feasible, -float(f"{c.tokens_per_s:.6g}"), -c.microbatch_size))

@@ -24,7 +24,9 @@ build orders from it. Actions (``str(a)`` / ``Action.from_str`` round-trip; ``k`
                             broadcast, the softmax's statistics combined, the gradient to the hidden states
                             summed back onto the last stage). It accumulates the shard's weight gradient as a B
                             does; the last stage runs it between F and B (or I) of the microbatch, stage s
-                            after its forward of microbatch (k, i) + p-1-s (``records._vocab_passes``)
+                            after its forward of microbatch (k, i) + p-1-s (``records._vocab_passes``); with
+                            several stages per rank it names no stage (the shard is the rank's) and goes where
+                            the rank stands when the last stage's forward of (k, i) ends (``records._vocab_cut``)
 ``REDUCE{k}``               after the stage's last B (or W) of step k: post step k's gradient
                             reductions (data-parallel all-reduce, tied-embedding sum, global grad norm),
                             a collective every stage issues in the same step order

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from .actions import BACKWARDS, Action, ActionType
-from .torch_orders import Item, torch_chunks
+from .torch_orders import Item, torch_chunks, torch_slots
 
 __all__ = [
     "Schedule", "SCHEDULES", "GPIPE", "ONE_F_ONE_B", "ZB_H1", "TWO_BW", "PIPEDREAM", "get_schedule",
@@ -89,7 +89,7 @@ def _order_1f1b(stage: int, p: int, n: int, extra: int = 0) -> Order:
         yield ActionType.B, j
 
 
-def _order_zb_h1(stage: int, p: int, n: int) -> Order:
+def _order_zb_h1(stage: int, p: int, n: int, extra: int = 0) -> Order:
     """ZB-H1 at ``stage`` over ``n`` microbatches (Qi et al., "Zero Bubble Pipeline Parallelism", 2024; torch's
     ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B with each B split into I and W. Stage s
     runs p-1-s warm-up forwards and F/I pairs as 1F1B does; its first s I's are not followed by their W, so the
@@ -97,7 +97,7 @@ def _order_zb_h1(stage: int, p: int, n: int) -> Order:
     back. Activations live from F to W, so a stage holds at most p-s microbatches plus the s whose W trails:
     1F1B's p at stage 0, about 1F1B's at the others (the papers' "H1": 1F1B's peak memory)."""
     T = ActionType
-    w = min(p - 1 - stage, n)
+    w = min(p - 1 - stage + extra, n)  # extra: the vocabulary passes' deeper warm-up (``vocab_warmup``)
     weights = 0  # W's placed so far (in microbatch order)
     for j in range(w):
         yield T.F, j
@@ -123,14 +123,35 @@ def _order_gpipe(stage: int, p: int, n: int) -> Order:
         yield ActionType.B, j
 
 
+def vocab_warmup(stage: int, p: int, n: int, extra: int = 0) -> int:
+    """Forwards stage ``stage`` runs ahead of plain 1F1B (ZB-H1) where the vocabulary layers are shared by every stage:
+    p-1-stage, so its warm-up is 2 (p-1-stage) (+ ``extra``); where that exceeds ``n`` microbatches at stage 0 (2BW's
+    STEP k-2 must come before the first forward of step k, and its reduction overlap a pair: fewer than m forwards
+    ahead), at most n - p - ``extra``
+    at every stage, so each stage still runs at least one forward more than the next (fewer, and stage s-1 would
+    wait at a VOCAB for a backward of stage s that waits at the next VOCAB: a deadlock).
+
+    A VOCAB is a barrier of every stage: between VOCAB j and VOCAB j+1 each stage runs one forward and one backward,
+    and a forward (backward) that needs its neighbour's output of the same interval waits for it, so a chain of them
+    through the stages runs one after the other. Stage s's forward in the interval is of microbatch j + p-1-s (its
+    predecessor's of j + p-s ran an interval earlier: no chain), and its backward must be of microbatch j - (p-1-s)
+    for the same reason (the gradient left stage s+1 an interval earlier), so F and B are 2 (p-1-s) microbatches apart:
+    plain 1F1B's warm-up of p-1-s would chain every backward of the interval through all the stages (simulated: 1F1B
+    on 8 stages 3x slower). The price is activation memory: stage s holds 2 (p-1-s) + 1 microbatches in flight
+    instead of p-s (the planner counts it; the Vocabulary Parallelism paper's schedules pay a similar
+    amount)."""
+    return max(0, min(p - 1 - stage, n - p - extra))
+
+
 def _vocab_passes(order: Order, stage: int, p: int, n: int) -> Order:
-    """``order`` (one stage per rank, ``n`` microbatches) with a VOCAB pass per microbatch, for the vocabulary layers
-    shared by every stage: VOCAB j right after the stage's forward of microbatch j + p-1-stage (after its last forward
-    where there is none). Every stage then runs the VOCABs in microbatch order, as the collective they are needs; the
-    last stage runs VOCAB j between F j and its B (or I) j, which waits for the loss's gradient; and stage s reaches
-    VOCAB j when, in a steady pipeline, the last stage reaches it too: its forward of j + p-1-s runs in the same slot
-    as the last stage's forward of j. Every order here runs F j + p-1-s before B (or I) j at stage s (1F1B's warm-up
-    is p-1-s forwards, GPipe's every forward), so no stage waits at a VOCAB for a backward that needs it."""
+    """``order`` (one stage per rank, ``n`` microbatches, with the ``vocab_warmup`` forwards ahead) with a VOCAB pass
+    per microbatch, for the vocabulary layers shared by every stage: VOCAB j right after the stage's forward of
+    microbatch j + p-1-stage (after its last forward where there is none). Every stage then runs the VOCABs in
+    microbatch order, as the collective they are needs; the last stage runs VOCAB j between F j and its B (or I) j,
+    which waits for the loss's gradient; and stage s reaches VOCAB j when, in a steady pipeline, the last stage reaches
+    it too: its forward of j + p-1-s runs in the same interval as the last stage's forward of j. Every order here runs
+    F j + p-1-s before B (or I) j at stage s (the warm-up is at least p-1-s forwards, GPipe's every forward), so no
+    stage waits at a VOCAB for a backward that needs it."""
     ahead, placed = p - 1 - stage, 0
     for t, j in order:
         yield t, j
@@ -237,8 +258,8 @@ def _lower(chunks: Chunks, rank: int, ranks: list[int], m: int, k0: int, version
                 computes.append(A(T.F, k, i, version(k), stage=tag))
                 if g < last and ranks[g + 1] != rank:
                     sends.append(A(T.SEND_ACT, k, i, peer=ranks[g + 1], stage=tag))
-            elif t in (T.W, T.VOCAB):
-                computes.append(A(t, k, i, version(k), stage=tag))
+            elif t in (T.W, T.VOCAB):  # a VOCAB is the rank's (one shard per rank), whatever stages it holds
+                computes.append(A(t, k, i, version(k), stage=tag if t == T.W else None))
             else:
                 if g < last and ranks[g + 1] != rank:
                     receive(receives, T.RECV_GRAD, j, g)
@@ -281,8 +302,8 @@ def _check(name: str, p: int, m: int, n: int, k0: int, extra: int = 0) -> None:
 def _flushed(local: Callable[[int, int, int, int], Order]):
     """Builder of a synchronous schedule: ``local`` per step, REDUCE and STEP right after a step's last backward."""
     def build(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
-        step = (lambda s_, p_, m_: _vocab_passes(local(s_, p_, m_, extra), s_, p_, m_)) if vocab else \
-            (lambda s_, p_, m_: local(s_, p_, m_, extra))
+        step = (lambda s_, p_, m_: _vocab_passes(local(s_, p_, m_, extra + vocab_warmup(s_, p_, m_, extra)), s_, p_,
+                                                 m_)) if vocab else (lambda s_, p_, m_: local(s_, p_, m_, extra))
         order = _per_step(step, s, p, m, n)
         return _lower(_one_stage(order, s), s, list(range(p)), m, k0, lambda k: sched.version(k, s, p), False, False)
     return build
@@ -290,7 +311,11 @@ def _flushed(local: Callable[[int, int, int, int], Order]):
 
 def _stream_1f1b(sched: "Schedule", s: int, p: int, m: int, n: int, k0: int, extra: int, vocab: bool) -> Iterator[Action]:
     """Builder of an asynchronous schedule: 1F1B over the continuous stream of n*m microbatches, no flush."""
-    order = _order_1f1b(s, p, n * m, extra)
+    if vocab and sched.one_update_per_microbatch:
+        raise ValueError(f"{sched.name}: the vocabulary layers shared by every stage need one version of the output "
+                         "layer per step at every stage; an update per microbatch (weight stashing) has none: use 2bw")
+    # 2BW's STEP k-2 comes before the first forward of step k: a warm-up of at most m forwards keeps it there
+    order = _order_1f1b(s, p, n * m, extra + (vocab_warmup(s, p, m, extra) if vocab else 0))
     return _lower(_one_stage(_vocab_passes(order, s, p, n * m) if vocab else order, s), s, list(range(p)), m, k0,
                   lambda k: sched.version(k, s, p), sched.late_step, False)
 
@@ -299,10 +324,10 @@ def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int,
     """Builder of a synchronous schedule with ``stages_per_rank`` stages per rank: one step's chunks of torch's order
     (``torch_orders.torch_chunks``) per step; REDUCE and STEP right after the rank's last backward of the step (of
     every stage it holds)."""
-    if vocab:
-        raise ValueError(f"{sched.name}: the vocabulary layers shared by every stage are not placed in its order")
     ranks = stage_ranks(sched.placement, p, sched.stages_per_rank)
     order = torch_chunks(sched.name, p, sched.stages_per_rank, m)
+    if vocab:
+        order = _vocab_cut(order, ranks, torch_slots(sched.name, p, sched.stages_per_rank, m))
 
     def chunks(rank: int) -> Chunks:
         for k in range(n):
@@ -311,6 +336,100 @@ def _flushed_virtual(sched: "Schedule", r: int, p: int, m: int, n: int, k0: int,
     peers = {ranks[g + d] for g in range(len(ranks)) if ranks[g] == r for d in (-1, 1) if 0 <= g + d < len(ranks)}
     senders = {q: _sends(chunks(q), q, r, ranks) for q in peers - {r}}
     return _lower(chunks(r), r, ranks, m, k0, lambda k: sched.version(k, r, p), False, True, senders)
+
+
+_UNIT = {ActionType.F: 1.0, ActionType.B: 2.0, ActionType.I: 1.0, ActionType.W: 1.0}
+"""Durations of ``_unit_times``: a backward twice a forward, each half of a split backward one forward."""
+
+
+def _needs(t: ActionType, j: int, g: int, last: int) -> list[tuple[str, int, int]]:
+    """What item (t, j, g) of a chunk order needs computed first: ("F", j, g) a forward, ("G", j, g) the input gradient
+    (B or I), ("I", j, g) an I."""
+    if t == ActionType.F:
+        return [("F", j, g - 1)] if g > 0 else []
+    if t == ActionType.W:
+        return [("I", j, g)]
+    return [("F", j, g)] + ([("G", j, g + 1)] if g < last else [])
+
+
+def _produces(t: ActionType, j: int, g: int) -> list[tuple[str, int, int]]:
+    """What item (t, j, g) computes, in ``_needs``' terms."""
+    return {ActionType.F: [("F", j, g)], ActionType.B: [("G", j, g)], ActionType.I: [("G", j, g), ("I", j, g)],
+            ActionType.W: []}[t]
+
+
+def _slot_times(order, ranks: list[int], slots) -> Optional[list[list[tuple[float, float]]]]:
+    """torch's time slots of ``order`` as (start, end) = (slot, slot + 1), if every chunk's inputs come from chunks of
+    earlier slots (interleaved 1F1B's and ZBV's grids); None where one does not (DualPipeV's overlapped chunks)."""
+    slot_of = {d: slot for chunks, at in zip(order, slots) for chunk, slot in zip(chunks, at)
+               for item in chunk for d in _produces(*item)}
+    last = len(ranks) - 1
+    for chunks, at in zip(order, slots):
+        for chunk, slot in zip(chunks, at):
+            own = {d for item in chunk for d in _produces(*item)}
+            if any(d not in own and slot_of[d] >= slot for item in chunk for d in _needs(*item, last)):
+                return None
+    return [[(float(slot), slot + 1.0) for slot in at] for at in slots]
+
+
+def _unit_times(order, ranks: list[int]) -> list[list[tuple[float, float]]]:
+    """Per rank, (start, end) of each chunk of one step's ``order`` run with ``_UNIT`` durations and free transfers: a
+    chunk starts when its rank is free and every input of its items is there (its forward's input, its backward's
+    output gradient; ``_lower`` receives all of a chunk's inputs before it), as the simulator would run it."""
+    last = len(ranks) - 1
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "I", microbatch, stage) -> end
+
+    ptr, free = [0] * len(order), [0.0] * len(order)
+    times: list[list[tuple[float, float]]] = [[] for _ in order]
+    progress = True
+    while progress:
+        progress = False
+        for r, chunks in enumerate(order):
+            while ptr[r] < len(chunks):
+                chunk = chunks[ptr[r]]
+                own = {d for item in chunk for d in _produces(*item)}
+                deps = [d for item in chunk for d in _needs(*item, last) if d not in own]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                end = start + sum(_UNIT[t] for t, _, _ in chunk)
+                done.update(dict.fromkeys(own, end))
+                times[r].append((start, end))
+                free[r], ptr[r] = end, ptr[r] + 1
+                progress = True
+    if any(p < len(chunks) for p, chunks in zip(ptr, order)):
+        raise RuntimeError("a virtual-stage order waits on itself")  # torch's orders never do
+    return times
+
+
+def _vocab_cut(order, ranks: list[int], slots=None) -> list[list[tuple[Item, ...]]]:
+    """One step's chunk ``order`` per rank with a VOCAB pass per microbatch, for the vocabulary layers shared by every
+    stage, placed by the rule of the one-stage orders (``_vocab_passes``): every rank reaches VOCAB j when the last
+    stage has run its forward of j. With the chunks timed by torch's grid where it is one (``_slot_times``; it
+    keeps the order's own pacing: simulated within 1% of the order without VOCABs plus their time at 8 ranks and 16
+    microbatches), else by ``_unit_times`` (DualPipeV: within 9% there, 2.4% at 64 microbatches), VOCAB j goes on
+    every rank after the chunks that start before the last stage's forward of j ends (on the rank holding it: right
+    after that forward).
+    No rank then waits at a VOCAB for a rank that waits for it: a chunk that starts before that time needs only
+    chunks that ended before it, so started before it too and come before VOCAB j on their ranks as well; and a
+    chunk that needs VOCAB j (the last stage's backward of j, every backward of j after it) starts after the
+    forward ended, so comes after VOCAB j (``tests/test_virtual_stages.py`` simulates every schedule so). VOCABs go
+    in microbatch order (the last stage forwards in that order)."""
+    T, last = ActionType, len(ranks) - 1
+    times = (_slot_times(order, ranks, slots) if slots is not None else None) or _unit_times(order, ranks)
+    holder = ranks[last]
+    ends = {j: end for chunk, (_, end) in zip(order[holder], times[holder]) for t, j, g in chunk
+            if t == T.F and g == last}
+    out = []
+    for chunks, rank_times in zip(order, times):
+        placed, pending = [], sorted(ends)
+        for chunk, (start, _) in zip(chunks, rank_times):
+            while pending and ends[pending[0]] <= start:
+                placed.append(((T.VOCAB, pending.pop(0), last),))
+            placed.append(chunk)
+        placed.extend(((T.VOCAB, j, last),) for j in pending)
+        out.append(placed)
+    return out
 
 
 def _check_interleaved(p: int, m: int, extra: int) -> None:
@@ -398,7 +517,8 @@ class Schedule:
         """One action list per stage for steps [first_step, first_step + num_steps), empty at the start and drained
         at the end. Versions follow ``version``, so where a run is cut into such windows changes no numerics.
         ``vocab_parallel``: every stage holds a shard of the output layer and loss, and runs a VOCAB pass per
-        microbatch (``_vocab_passes``)."""
+        microbatch (``_vocab_passes``; the 1F1B-shaped orders then run ``vocab_warmup`` more forwards ahead, and the
+        virtual-stage ones place the passes by ``_vocab_cut``)."""
         _check(self.name, num_stages, num_microbatches, num_steps, first_step, extra_warmup)
         return [list(self.stage_actions(s, num_stages, num_microbatches, num_steps, first_step, extra_warmup,
                                         vocab_parallel)) for s in range(num_stages)]
@@ -466,7 +586,7 @@ PIPEDREAM = Schedule(
 ZB_H1 = Schedule(
     name="zbh1", title="ZB-H1 zero bubble, synchronous", synchronous=True, version=lambda k, s, p: k,
     lag=lambda s, p: 0, late_step=False, one_update_per_microbatch=False, extra_warmup_ok=False,
-    _build=_flushed(lambda s, p, m, extra: _order_zb_h1(s, p, m)), split_backward=True)
+    _build=_flushed(_order_zb_h1), split_backward=True)
 """ZB-H1: 1F1B with each backward split into I (the input gradient, sent on at once) and W (the weight gradient,
 later); the W's fill the cool-down. It computes 1F1B's gradients, flushed every step (version k)."""
 

@@ -10,6 +10,14 @@ its inputs are ready):
   -- type, step and microbatch must equal the head of the queue -- so an executor needs no tags.
   ``blocking_sends=True`` models a send that is waited for in place (gloo completes a large ``isend``
   only when the peer receives): the sender also waits until the receiver reaches the matching receive.
+- ``VOCAB{k}.{i}`` (the vocabulary layers shared by every stage, ``records._vocab_passes``): a computation and a
+  collective of every stage (every rank) of the replica. It starts when the last of them reaches it, and all end
+  together, after the slowest stage's ``vocab`` (its shard of the output layer and loss, forward and backward) plus
+  ``vocab_comm`` (the broadcast of the final hidden states from the last stage and the reduce of their gradient back
+  to it; 2 x ``comm`` unless given). The rank holding the last model stage must have run that stage's forward of
+  (k, i) before it, and that stage's backward (B or I) of (k, i) needs it (the hidden states' gradient). Every rank
+  runs the VOCABs in the same order, each microbatch once, with the step's version, before the step's REDUCE (it
+  accumulates the shard's weight gradient).
 - ``REDUCE{k}`` costs the stage nothing: it posts step k's reduction, a collective of all stages (global
   grad norm, tied embeddings, data parallel) that runs off the compute stream, starts when the last stage
   posts it and takes ``reduce``. Every stage must post the reductions in the same step order.
@@ -49,8 +57,10 @@ Checks (``ScheduleError``): deadlock (with a grid of each stage's blocked action
 receive out of send order, a message never received, a microbatch not forwarded and backwarded exactly
 once on every stage, a backward with another version than its forward, microbatches of one step on
 different versions at one stage, a forward on a version not produced yet, a step's REDUCE before its last
-backward, STEPs out of order or missing, collectives out of order; with ``schedule``, also every forward's
-version against the schedule record's ``version`` rule.
+backward, STEPs out of order or missing, collectives out of order; VOCAB passes out of order across ranks, twice,
+missing on a rank, on another version than the step's, before the last stage's forward or after the step's REDUCE
+or the last stage's backward of its microbatch; with ``schedule``, also every forward's version against the schedule
+record's ``version`` rule.
 """
 from __future__ import annotations
 
@@ -98,10 +108,16 @@ class Costs:
     backward_input: Optional[Number] = None
     """``I`` of a split backward (zero-bubble schedules); None: half of ``backward``."""
     backward_weight: Optional[Number] = None
-    """``W`` of a split backward; None: half of ``backward``.
+    """``W`` of a split backward; None: half of ``backward``."""
+    vocab: Number = 0.0
+    """``VOCAB``: a stage's shard of the output layer and loss for one microbatch, forward and backward (the head's
+    forward + backward / num_stages where the vocabulary is split evenly)."""
+    vocab_comm: Optional[Number] = None
+    """Latency a VOCAB adds to its computation: the broadcast of the last stage's final hidden states and the reduce
+    of their gradient back to it (each the size of one boundary transfer); None: 2 x ``comm``.
 
-    With several stages per rank, lists index F, B, I, W, comm and all_to_all by model stage and STEP and REDUCE by
-    rank."""
+    With several stages per rank, lists index F, B, I, W, comm and all_to_all by model stage and STEP, REDUCE and
+    VOCAB by rank."""
     all_to_all: Number = 0.0
     """Seconds a stage's expert all-to-alls take per microbatch and pass (expert parallelism: the forward's dispatch
     and combine; the backward's, their gradients, the same bytes), on the compute stream: transformers'
@@ -110,7 +126,7 @@ class Costs:
     B so that measured compute and modelled communication stay apart."""
 
     _KEYS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight", "STEP": "step",
-             "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm"}
+             "REDUCE": "reduce", "RECV_ACT": "comm", "RECV_GRAD": "comm", "VOCAB": "vocab"}
 
     def of(self, action: Action, stage: int) -> float:
         name = self._KEYS.get(action.type.value)
@@ -122,6 +138,13 @@ class Costs:
             v = 0.5 * at(self.backward)
         exchange = at(self.all_to_all) if action.type in (T.F, T.B, T.I) else 0.0
         return at(v) + exchange
+
+    def vocab_latency(self) -> float:
+        """What a VOCAB's collectives add to its slowest stage's computation (``vocab_comm``, else 2 x the largest
+        ``comm``): one value for the whole replica, as the pass ends on every stage together."""
+        v = self.vocab_comm if self.vocab_comm is not None else self.comm
+        v = max(v) if isinstance(v, (list, tuple)) else v
+        return float(v if self.vocab_comm is not None else 2 * v)
 
     def per_rank(self, stage_ranks: list[int]) -> "Costs":
         """These per-stage costs for lists whose ranks hold several stages (``stage_ranks[g]``: the rank of stage g):
@@ -194,6 +217,14 @@ def _cost_fn(costs: CostsLike) -> Callable[[Action, int], float]:
     if callable(costs):
         return costs  # (action, stage) -> cost; for a receive: its latency, for REDUCE: the reduction's
     raise TypeError(f"costs must be Costs, a dict or a callable (action, stage) -> float, not {type(costs).__name__}")
+
+
+def _vocab_latency(costs: CostsLike) -> float:
+    """The VOCAB pass's collective latency (``Costs.vocab_latency``); 0 where the costs are a dict without it or a
+    callable (whose VOCAB cost is then the whole pass)."""
+    if isinstance(costs, Mapping):
+        costs = Costs.from_dict(costs)
+    return costs.vocab_latency() if isinstance(costs, Costs) else 0.0
 
 
 class Interval(NamedTuple):
@@ -308,7 +339,8 @@ def simulate(actions: list[list[Action]], costs: CostsLike = None, schedule: Opt
     if channel is None:
         channel = channels.channel if ranks is None else functools.partial(channels.channel, num_ranks=len(actions))
     sim = _Run(actions, _cost_fn(costs), schedule, blocking_sends, reduce_scope == "global",
-               NcclFifos(channel, prefetch) if nccl else None, reduce_on_compute_stream, ranks)
+               NcclFifos(channel, prefetch) if nccl else None, reduce_on_compute_stream, ranks,
+               _vocab_latency(costs))
     sim.run()
     sim.check_complete(num_microbatches)
     return _metrics(actions, sim.timeline, sim.fwd, sim.peak_inflight, sim.k0, sim.steps)
@@ -346,7 +378,7 @@ class _Run(NcclRule):
     list; it holds one stage (the stages are the ranks) or several (``stage_rank``: the rank of each stage)."""
 
     def __init__(self, actions, cost, schedule, blocking_sends, global_reduce, nccl: Optional[NcclFifos] = None,
-                 reduce_blocks: bool = False, stage_rank: Optional[list[int]] = None):
+                 reduce_blocks: bool = False, stage_rank: Optional[list[int]] = None, vocab_latency: float = 0.0):
         p = self.p = len(actions)
         self.stage_rank = stage_rank if stage_rank is not None else list(range(p))
         self.label = "stage" if stage_rank is None else "rank"
@@ -377,10 +409,19 @@ class _Run(NcclRule):
         self.step_version: list[dict[int, int]] = [{} for _ in range(p)]
         self.last_b: list[dict[int, int]] = [{} for _ in range(p)]  # step -> list index of its last B
         self.inflight, self.peak_inflight = [0] * p, [0] * p
+        # the VOCAB passes (a collective of every rank): per rank the (k, i) posted in order and where; per (k, i) the
+        # time each rank reached it, and its end once all have
+        self.vocab_on = any(a.type == T.VOCAB for acts in actions for a in acts)
+        self.vocab_latency = vocab_latency
+        self.vocab_seq: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.vocab_idx: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
+        self.vocab_at: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        self.vocab_end: dict[tuple[int, int], float] = {}
+        self.span: list[float] = [0.0] * p  # the duration of the rank's last VOCAB (it waits for the slowest rank)
         recv, send = (self.nccl_recv, self.nccl_send) if nccl is not None else (self.recv, self.send)
         self.handlers = {T.F: self.forward, T.B: self.backward, T.I: self.backward_input, T.W: self.backward_weight,
                          T.REDUCE: self.reduce, T.STEP: self.step, T.RECV_ACT: recv, T.RECV_GRAD: recv,
-                         T.SEND_ACT: send, T.SEND_GRAD: send}
+                         T.SEND_ACT: send, T.SEND_GRAD: send, T.VOCAB: self.vocab}
 
     def where(self, a: Action, s: int) -> int:
         """The model stage of rank s's action ``a`` (its own where the rank holds one)."""
@@ -411,7 +452,7 @@ class _Run(NcclRule):
                 self.check_neighbour(s, a)
         if not self.handlers[t](s, a):
             return False
-        dur = self.cost(a, s if a.stage is None else a.stage) if t in _TIMED else 0.0
+        dur = self.span[s] if t == T.VOCAB else self.cost(a, s if a.stage is None else a.stage) if t in _TIMED else 0.0
         self.timeline[s].append(Interval(self.clock[s] - dur, self.clock[s], a))
         return True
 
@@ -495,6 +536,41 @@ class _Run(NcclRule):
         self.latest[s] += 1
         return True
 
+    def vocab(self, s: int, a: Action) -> bool:
+        """VOCAB: posted once (checked then), blocked until every rank has posted it; then all end together."""
+        key, last = (a.step, a.microbatch), self.num_stages - 1
+        if key not in self.vocab_at or s not in self.vocab_at[key]:
+            n = len(self.vocab_seq[s])
+            for o, seq in enumerate(self.vocab_seq):
+                if len(seq) > n and seq[n] != key:
+                    self.fail(s, f"VOCAB #{n} is {key} here but {seq[n]} on {self.label} {o} (collectives out of "
+                                 f"order)", "collective out of order")
+            if key in self.vocab_idx[s]:
+                self.fail(s, f"{a} twice", "duplicate VOCAB")
+            if a.version > self.latest[s]:
+                self.fail(s, f"{a} uses version {a.version}, only {self.latest[s]} exists yet", "future version")
+            if self.step_version[s].setdefault(a.step, a.version) != a.version:
+                self.fail(s, f"{a}: step {a.step} uses version {self.step_version[s][a.step]} here (the shard's "
+                             f"gradient accumulates in the step's version)", "mixed versions")
+            if a.step in self.reduce_idx[s]:
+                self.fail(s, f"{a} after REDUCE{a.step} (its shard's gradient would miss the reduction)",
+                          "VOCAB after its step's reduction")
+            if self.stage_rank[last] == s and key not in self.fwd[last]:
+                self.fail(s, f"{a} before the last stage's forward of {key} (no hidden states to broadcast)",
+                          "dependency not met")
+            self.vocab_seq[s].append(key)
+            self.vocab_idx[s][key] = self.ptr[s]
+            self.vocab_at[key][s] = self.clock[s]
+        arrived = self.vocab_at[key]
+        if len(arrived) < self.p:
+            return False
+        if key not in self.vocab_end:
+            start = max(arrived.values())
+            self.vocab_end[key] = start + max(self.cost(a, o) for o in range(self.p)) + self.vocab_latency
+        self.span[s] = self.vocab_end[key] - max(self.clock[s], max(arrived.values()))
+        self.clock[s] = self.vocab_end[key]
+        return True
+
     def forward(self, s: int, a: Action) -> bool:
         g, key, p = self.where(a, s), (a.step, a.microbatch), self.p
         if key in self.fwd[g]:
@@ -544,6 +620,9 @@ class _Run(NcclRule):
     def _input_gradient(self, s: int, a: Action) -> None:
         """B or I: needs the gradient of the stage's output; hands the input gradient to the previous stage if here."""
         g = self.where(a, s)
+        if self.vocab_on and g == self.num_stages - 1 and (a.step, a.microbatch) not in self.vocab_end:
+            self.fail(s, f"{a} before VOCAB{a.step}.{a.microbatch} (the loss's gradient of the hidden states)",
+                      "dependency not met")
         if g + 1 < self.num_stages:
             need = (g, a.step, a.microbatch)
             if need not in self.grad_in:
@@ -592,6 +671,9 @@ class _Run(NcclRule):
             return f"waits for {awaited_text(a, s)} from {self.label} {a.peer}"
         if a.type.is_send:
             return f"blocking send waits for {self.label} {a.peer} to receive it"
+        if a.type == T.VOCAB:
+            missing = sorted(set(range(self.p)) - set(self.vocab_at.get((a.step, a.microbatch), ())))
+            return f"waits for VOCAB{a.step}.{a.microbatch} of {self.label}(s) {missing}"
         missing = sorted(set(range(self.p)) - set(self.reduce_at[a.step]))
         return f"waits for REDUCE{a.step} of {self.label}(s) {missing}"
 
@@ -622,6 +704,10 @@ class _Run(NcclRule):
                     raise ScheduleError(f"stage {g} {what} {len(got)} microbatches, stage 0 forwards {len(ref)}: "
                                         f"extra {sorted(got - ref)[:4]}, missing {sorted(ref - got)[:4]}")
         for s in range(self.p):
+            if self.vocab_on and set(self.vocab_idx[s]) != ref:
+                got = set(self.vocab_idx[s])
+                raise ScheduleError(f"{self.label} {s} runs VOCAB for {len(got)} microbatches, stage 0 forwards "
+                                    f"{len(ref)}: extra {sorted(got - ref)[:4]}, missing {sorted(ref - got)[:4]}")
             for k in sizes:
                 if k not in self.reduce_idx[s]:
                     raise ScheduleError(f"{self.label} {s}: step {k} has no REDUCE")
@@ -636,7 +722,7 @@ def _peak_versions(acts: list[Action], k0: int) -> int:
     """Most versions alive at once: the newest, plus older ones an F/B later in the list still uses."""
     last_use: dict[int, int] = {}
     for idx, a in enumerate(acts):
-        if a.type in _COMPUTED:
+        if a.type in _COMPUTED or a.type == T.VOCAB:
             last_use[a.version] = idx
     latest = k0
     live = lambda idx: len({latest} | {v for v, u in last_use.items() if v < latest and u >= idx})

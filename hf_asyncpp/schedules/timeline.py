@@ -14,7 +14,7 @@ __all__ = ["plot_steady_step", "plot_timeline", "steady_step", "step_shares", "s
 T = ActionType
 
 _COLORS = {T.F: ("#3D7DD8", "#8DB7EE"), T.B: ("#E8871E", "#F5C07A"), T.I: ("#E8871E", "#F5C07A"),
-           T.W: ("#B8336A", "#E08DB0"), T.STEP: ("#3A9E4F", "#3A9E4F")}
+           T.W: ("#B8336A", "#E08DB0"), T.STEP: ("#3A9E4F", "#3A9E4F"), T.VOCAB: ("#14A38B", "#7FD6C4")}
 _IDLE, _REDUCE = "#D9D9D9", "#8E44AD"
 
 
@@ -98,7 +98,8 @@ def plot_steady_step(res: SimResult, path: str, title: str = "") -> str:
     return path
 
 
-_KINDS = {"forward": (T.F,), "backward": (T.B, T.I), "weight gradient": (T.W,), "optimizer step": (T.STEP,)}
+_KINDS = {"forward": (T.F,), "backward": (T.B, T.I), "weight gradient": (T.W,), "vocabulary shard": (T.VOCAB,),
+          "optimizer step": (T.STEP,)}
 
 
 def step_timeline(res: SimResult, window: tuple[float, float]) -> list[list[Interval]]:
@@ -110,7 +111,7 @@ def step_timeline(res: SimResult, window: tuple[float, float]) -> list[list[Inte
 
 
 def step_shares(tls: list[list[Interval]], span: float) -> dict[str, list[float]]:
-    """Per kind of work (forward, backward, weight gradient, optimizer step), each row's share of ``span`` spent on
+    """Per kind of work (forward, backward, weight gradient, VOCAB pass, optimizer step), each row's share of ``span`` spent on
     it; what the rows do not spend is idle."""
     return {kind: [sum(iv.end - iv.start for iv in tl if iv.action.type in types) / span for tl in tls]
             for kind, types in _KINDS.items()}
@@ -164,9 +165,11 @@ def _legend(ax, tls, below: float) -> None:
     split = any(iv.action.type == T.W for tl in tls for iv in tl)
     whole = any(iv.action.type == T.B for tl in tls for iv in tl)  # DualPipeV runs both
     backward = ("backward (B) or to the input (I)" if whole else "backward to the input (I)") if split else "backward"
+    vocab = any(iv.action.type == T.VOCAB for tl in tls for iv in tl)
     handles = [Patch(color=_COLORS[T.F][0], label="forward (step.microbatch)"),
                Patch(color=_COLORS[T.B][0], label=backward),
                *([Patch(color=_COLORS[T.W][0], label="weight gradient (W)")] if split else []),
+               *([Patch(color=_COLORS[T.VOCAB][0], label="vocabulary shard (VOCAB)")] if vocab else []),
                Patch(color=_COLORS[T.STEP][0], label="optimizer step (S k)"),
                Line2D([], [], color=_REDUCE, lw=1.5, label="reduction posted"), Patch(color=_IDLE, label="idle")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=len(handles), fontsize=8,

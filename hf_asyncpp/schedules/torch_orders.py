@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from .actions import ActionType
 
-__all__ = ["TORCH_CLASSES", "torch_chunks"]
+__all__ = ["TORCH_CLASSES", "torch_chunks", "torch_slots"]
 
 TORCH_CLASSES = {"interleaved1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
                  "dualpipev": "ScheduleDualPipeV"}
@@ -30,12 +30,23 @@ _COMPUTE = {t.value: t for t in (ActionType.F, ActionType.B, ActionType.I, Actio
 Item = tuple[ActionType, int, int]  # (F, B, I or W, microbatch in the step, model stage)
 
 
-@lru_cache(maxsize=64)
 def torch_chunks(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> tuple[tuple[tuple[Item, ...], ...], ...]:
     """Per rank, one step's order of ``name``'s torch class as chunks: a chunk is one action of torch's
     ``pipeline_order``, one computation, except DualPipeV's overlapped pair (``OVERLAP_F_B``), whose forward and
     backward are one chunk, in the order torch's runtime computes them without a custom overlap function. torch's
     ``ValueError`` for a number of microbatches it refuses comes through (the records check first, with the fix)."""
+    return _torch_order(name, num_ranks, stages_per_rank, num_microbatches)[0]
+
+
+def torch_slots(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the time slot of each chunk of ``torch_chunks`` in torch's ``pipeline_order``, a grid of slots (its
+    idle slots are None there) whose actions of one slot are meant to run at the same time on every rank."""
+    return _torch_order(name, num_ranks, stages_per_rank, num_microbatches)[1]
+
+
+@lru_cache(maxsize=64)
+def _torch_order(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int):
+    """(``torch_chunks``, ``torch_slots``) from one build of torch's order."""
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, TORCH_CLASSES[name])
@@ -43,12 +54,13 @@ def torch_chunks(name: str, num_ranks: int, stages_per_rank: int, num_microbatch
     stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, submod=None,
                               stage_index_to_group_rank=None) for _ in range(v)]
     order = cls(stages, num_microbatches).pipeline_order
-    out = []
+    out, slots = [], []
     for r in range(p):
-        chunks = []
-        for a in order[r]:
+        chunks, at = [], []
+        for slot, a in enumerate(order[r]):
             if a is None:  # torch's idle slot: the lowering needs only the order
                 continue
+            at.append(slot)
             chunk = []
             for b in a.sub_actions or (a,):
                 kind = _COMPUTE.get(b.computation_type.value)
@@ -58,4 +70,5 @@ def torch_chunks(name: str, num_ranks: int, stages_per_rank: int, num_microbatch
                 chunk.append((kind, b.microbatch_index, b.stage_index))
             chunks.append(tuple(chunk))
         out.append(tuple(chunks))
-    return tuple(out)
+        slots.append(tuple(at))
+    return tuple(out), tuple(slots)
