@@ -74,3 +74,73 @@ def test_vocab_pass_equals_the_models_head_and_loss(world, chunk):
     torch.testing.assert_close(torch.cat([w for _, w, _ in out]), model.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
     assert all(dh is None for _, _, dh in out[:-1])
     torch.testing.assert_close(out[-1][2], h.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["llama_untied", "qwen3_moe"])
+def test_stages_hold_their_rows_and_the_last_returns_the_final_hidden_states(arch):
+    """Every stage holds its rows of the head under a name of its own; the last stage's forward ends at the final
+    norm (with the router aux term a MoE adds to its loss); the merged state dict is the model's; layers split
+    evenly."""
+    from hf_asyncpp.partition import merge_state_dicts, partition_model, partition_plan, run_stages
+
+    model = make_model(arch).eval()
+    stages = partition_model(model, 3, vocab_parallel=True, check=True)
+    ranges = vocab_ranges(128, 3)
+    for s, st in enumerate(stages):
+        (name, p), = [(n, p) for n, p in st.named_parameters() if n.startswith("lm_head.")]
+        assert name == shard_name("lm_head.weight", ranges[s])
+        assert torch.equal(p, model.lm_head.weight[ranges[s][0]:ranges[s][1]])
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = run_stages(stages, ids)
+        ref = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    h = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(h, ref.hidden_states[-1], rtol=1e-6, atol=1e-6)
+    if arch == "qwen3_moe":  # the model's loss = its cross-entropy + coef * router aux loss
+        ce = model.loss_function(model.lm_head(h), ids, vocab_size=128)
+        torch.testing.assert_close(ce + out[1], ref.loss, rtol=1e-6, atol=1e-6)
+    sd = merge_state_dicts([st.state_dict() for st in stages])
+    assert set(sd) == set(model.state_dict())
+    assert torch.equal(sd["lm_head.weight"], model.lm_head.weight)
+    assert [len(s.layers) for s in partition_plan(model, 2, vocab_parallel=True).stages] == [2, 2]
+    with pytest.raises(ValueError, match="VOCAB pass"):
+        stages[-1](torch.zeros(2, 8, 32), labels=ids)
+
+
+def test_a_stage_built_alone_draws_the_whole_models_rows():
+    """Stage-local initialisation (``seeded_init``): a stage's rows of the head are the whole model's, bit for bit."""
+    from hf_asyncpp.model.seeded_init import init_stage, seeded_init
+    from hf_asyncpp.partition import partition_model
+
+    cfg_model = make_model("llama_untied")
+    seeded_init(cfg_model, cfg_model._init_weights, 7)
+    with torch.device("meta"):
+        meta = type(cfg_model)(cfg_model.config)
+    stages = partition_model(meta, 2, vocab_parallel=True)
+    assert init_stage(stages[1], meta, 7, torch.device("cpu")) == []
+    rows = vocab_ranges(128, 2)[1]
+    assert torch.equal(stages[1].head_shard.weight, cfg_model.lm_head.weight[rows[0]:rows[1]])
+
+
+def test_the_recipe_field_is_resolved_in_one_place():
+    from hf_asyncpp.config.recipe import recipe_from_dict
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.partition.vocab import use_vocab_parallel
+    from support import LLAMA_UNTIED
+
+    def pipeline(**kw):
+        d = {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 2, "microbatch_size": 1, **kw}
+        return recipe_from_dict({"model": {"config": dict(LLAMA_UNTIED)}, "pipeline": d}).pipeline
+
+    untied, tied = make_model("llama_untied"), make_model("llama")
+    assert use_vocab_parallel(pipeline(vocab_parallel=True), untied)
+    assert not use_vocab_parallel(pipeline(vocab_parallel=False), untied)
+    assert not use_vocab_parallel(pipeline(), untied)  # auto: off until the planner decides it
+    for bad, model, why in [({}, tied, "tied"), ({"schedule": "pipedream"}, untied, "pipedream"),
+                            ({"num_stages": 1}, untied, "num_stages is 1"),
+                            ({"schedule": "none", "num_stages": 1}, untied, "num_stages is 1")]:
+        with pytest.raises(RecipeError, match=why):
+            use_vocab_parallel(pipeline(vocab_parallel=True, **bad), model)
+    gemma = make_model("gemma2")
+    with pytest.raises(RecipeError, match="pipeline.vocab_parallel: true"):
+        use_vocab_parallel(pipeline(vocab_parallel=True), gemma)

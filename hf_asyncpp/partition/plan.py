@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .trace import Anatomy, PartitionError, get_module, trace
+from .vocab import VocabShards, vocab_ranges
 
 _ANATOMY: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
@@ -51,6 +52,7 @@ class PartitionPlan:
     param_names: list[list[str]]  # per stage, the names its ``named_parameters()`` yields
     _owner: dict[str, int] = field(default_factory=dict, repr=False)
     tied_pairs: list[tuple[str, str]] = field(default_factory=list)  # (name on an earlier stage, copy's name on a later)
+    vocab: "VocabShards | None" = None  # the output layer cut over every stage (``vocab.py``), or None: the last holds it
 
     def stage_of(self, name: str) -> int:
         """The stage owning original parameter ``name`` (a tied head's name: the last stage, which holds the copy)."""
@@ -64,7 +66,11 @@ class PartitionPlan:
         rows = [f"{'stage':>5}  {'layers':>9}  {'params':>14}  {'GFLOP/token':>11}  {'share':>6}"]
         copies = {b for _, b in self.tied_pairs}
         for i, s in enumerate(self.stages):
-            extra = (" +embed" if i == 0 else "") + (" +norm+head" if i == len(self.stages) - 1 else "")
+            last = " +norm" if self.vocab is not None else " +norm+head"
+            extra = (" +embed" if i == 0 else "") + (last if i == len(self.stages) - 1 else "")
+            if self.vocab is not None:
+                v0, v1 = self.vocab.ranges[i]
+                extra += f" +head rows {v0}-{v1 - 1}"
             n_copies = sum(n in copies for n in self.param_names[i])
             if n_copies:  # tensors an earlier stage also holds (a tied head, a block shared by several layers)
                 extra += f" +{n_copies} shared cop{'y' if n_copies == 1 else 'ies'}"
@@ -126,7 +132,7 @@ def _check_split(num_stages, layers_per_stage, L: int) -> list[int] | None:
 
 
 def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int] | None = None,
-                   seq_len: int = 2048) -> PartitionPlan:
+                   seq_len: int = 2048, vocab_parallel: bool = False) -> PartitionPlan:
     """The split (layers, parameters, estimated cost per stage), without building stages.
 
     Accepts a model (any device, meta included) or a config (a meta model is built from it). Automatic balance
@@ -137,6 +143,10 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     (bench/throughput.py, Llama h128, vocab 4096): the head costs 2.3 layers, as 2 x its parameters predicts; an
     earlier 128 x vocab softmax term overweighted it to 3.4 layers and split 8 layers 6/2 instead of 5/3 (0.72
     instead of 0.90 of the no-bubble limit).
+
+    ``vocab_parallel``: the output layer's weight is cut by vocabulary rows over every stage (``vocab.py``): each
+    stage holds its rows under a name of its own (``lm_head.weight@v0:v1``), the head's cost is shared evenly, so the
+    layers split as if the last stage held no head.
     """
     model = model_or_config
     if not isinstance(model, nn.Module):
@@ -164,20 +174,38 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
                    for x in m.modules())
 
     first_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "pre") or 2 * hidden
+    head_cost = (unit_flops(a.head) if a.head in a.units else 0) + 8 * vocab
     last_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "post") + 8 * vocab
+    emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
+    tied = emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
+    shards = None
+    if vocab_parallel:
+        if tied or not isinstance(head, nn.Linear) or head.bias is not None or a.head not in a.units:
+            raise PartitionError(f"{type(model).__name__}: the output layer cannot be cut over the stages (vocab_parallel): "
+                                 "it must be an untied nn.Linear without bias")
+        shards = VocabShards(a.head, tuple(vocab_ranges(head.out_features, num_stages)))
+        last_cost -= head_cost  # every stage runs its share: an even addition, which moves no cut
     if sizes is None:
         sizes = balanced_sizes(costs, first_cost, last_cost, num_stages)
     layer_stage = [s for s, n in enumerate(sizes) for _ in range(n)]
     owner, param_names, tied_pairs = _owners(model, a, layer_stage, num_stages)
-    emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
-    tied = emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
     numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+    if shards is not None:
+        param_names[-1].remove(shards.name)
+        hidden_in = head.in_features
+        for s, names in enumerate(param_names):
+            v0, v1 = shards.ranges[s]
+            names.append(shards.shard_name(s))
+            owner[shards.shard_name(s)] = s
+            numel[shards.shard_name(s)] = (v1 - v0) * hidden_in
     stages, start = [], 0
     for s, n in enumerate(sizes):
         cost = sum(costs[start:start + n]) + (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
+        if shards is not None:
+            cost += head_cost * (shards.ranges[s][1] - shards.ranges[s][0]) / head.out_features
         stages.append(StagePlan(range(start, start + n), sum(numel[x] for x in param_names[s]), cost))
         start += n
-    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs)
+    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs, shards)
 
 
 def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int) -> int:

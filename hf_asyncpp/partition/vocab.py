@@ -144,6 +144,17 @@ class HeadShard(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         return torch.empty((), dtype=dtype, device=x.device).expand(*x.shape[:-1], self.vocab_size)
 
+    @torch.no_grad()
+    def init_with(self, init_fn) -> None:
+        """Initialise the rows as the model's ``_init_weights`` initialises the whole head (the same random draws:
+        a temporary full-size linear layer, drawn, then this shard's rows copied), so the values do not depend on
+        the cut."""
+        w = self.weight
+        # built on meta and emptied: a constructor's own init would draw from the stream the model's init reads
+        whole = nn.Linear(w.shape[1], self.vocab_size, bias=False, device="meta", dtype=w.dtype).to_empty(device=w.device)
+        init_fn(whole)
+        w.copy_(whole.weight[self.rows[0]:self.rows[1]])
+
     def take(self) -> torch.Tensor:
         """The recorded final hidden states (once)."""
         h, self.hidden = self.hidden, None
