@@ -1,4 +1,4 @@
-"""The output layer and loss shared by every stage (``partition/vocab.py``): the pass over gloo ranks against the
+"""The output layer and loss shared by every stage (``model/vocab_parallel.py``): the pass over gloo ranks against the
 unpartitioned model's own head and loss; the stages built with it against the whole model."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from support import make_model
 
-from hf_asyncpp.partition.vocab import assemble, parse_shard, rows_of, shard_name, vocab_pass, vocab_ranges
+from hf_asyncpp.model.vocab_parallel import assemble, parse_shard, rows_of, shard_name, vocab_pass, vocab_ranges
 
 
 def test_vocab_ranges_cover_the_rows_evenly():
@@ -125,7 +125,7 @@ def test_a_stage_built_alone_draws_the_whole_models_rows():
 def test_the_recipe_field_is_resolved_in_one_place():
     from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.errors import RecipeError
-    from hf_asyncpp.partition.vocab import use_vocab_parallel
+    from hf_asyncpp.model.vocab_parallel import use_vocab_parallel
     from support import LLAMA_UNTIED
 
     def pipeline(**kw):
@@ -144,3 +144,29 @@ def test_the_recipe_field_is_resolved_in_one_place():
     gemma = make_model("gemma2")
     with pytest.raises(RecipeError, match="pipeline.vocab_parallel: true"):
         use_vocab_parallel(pipeline(vocab_parallel=True), gemma)
+
+
+# ---------------------------------------------------------------------------- the pipeline against the whole model
+
+
+def _run(scenarios, world):
+    from support import pipeline_worker
+
+    return run_distributed(pipeline_worker, world, [(rec, batches) for rec, batches, _, _ in scenarios])
+
+
+def _check(scenarios, world):
+    from support import check_against_reference
+
+    results = _run(scenarios, world)
+    # every rank returns the same losses; rank 0 holds the merged state dict
+    check_against_reference(scenarios, results[0])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zbh1", "2bw"])
+def test_pipeline_with_the_head_shared_equals_the_whole_model(schedule):
+    """Losses, grad norms and every weight after 4 steps (2 windows) equal the single-process whole model's (2BW: its
+    delayed reference), the head's rows trained on every stage, a dense model on 2 stages."""
+    from support import LLAMA_UNTIED, scenario
+
+    _check([scenario(LLAMA_UNTIED, schedule, 2, 3, 2, "adamw", False, vocab=True)], 2)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .trace import Anatomy, PartitionError, get_module, trace
-from .vocab import VocabShards, vocab_ranges
+from ..model.vocab_parallel import VocabShards, vocab_ranges
 
 _ANATOMY: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
@@ -52,7 +52,7 @@ class PartitionPlan:
     param_names: list[list[str]]  # per stage, the names its ``named_parameters()`` yields
     _owner: dict[str, int] = field(default_factory=dict, repr=False)
     tied_pairs: list[tuple[str, str]] = field(default_factory=list)  # (name on an earlier stage, copy's name on a later)
-    vocab: "VocabShards | None" = None  # the output layer cut over every stage (``vocab.py``), or None: the last holds it
+    vocab: "VocabShards | None" = None  # the output layer cut over every stage (``model/vocab_parallel.py``), or None: the last holds it
 
     def stage_of(self, name: str) -> int:
         """The stage owning original parameter ``name`` (a tied head's name: the last stage, which holds the copy)."""
@@ -144,7 +144,7 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     earlier 128 x vocab softmax term overweighted it to 3.4 layers and split 8 layers 6/2 instead of 5/3 (0.72
     instead of 0.90 of the no-bubble limit).
 
-    ``vocab_parallel``: the output layer's weight is cut by vocabulary rows over every stage (``vocab.py``): each
+    ``vocab_parallel``: the output layer's weight is cut by vocabulary rows over every stage (``model/vocab_parallel.py``): each
     stage holds its rows under a name of its own (``lm_head.weight@v0:v1``), the head's cost is shared evenly, so the
     layers split as if the last stage held no head.
     """

@@ -25,7 +25,7 @@ from ..model.seeded_init import initializers
 from .moe_aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
-from .vocab import HeadShard, VocabShards, assemble
+from ..model.vocab_parallel import HeadShard, VocabShards, assemble
 
 # Model types whose stages the test suite compares with the whole model (loss, logits, every gradient) in
 # tests/test_partition.py; tests/test_partition_sweep.py covers every decoder-only type transformers ships.
@@ -110,7 +110,7 @@ class Stage(nn.Module):
         self._side_out = [g for g, slots in enumerate(a.side) if not self.is_last and max(j for j, _ in slots) >= self._stop]
         self._run: _Run | None = None
         self._capture: HeadCapture | None = None
-        self.vocab: VocabShards | None = plan.vocab  # the output layer cut over every stage (vocab.py)
+        self.vocab: VocabShards | None = plan.vocab  # the output layer cut over every stage (model/vocab_parallel.py)
         self.head_shard: HeadShard | None = None
         self._fused = fused_loss and self.is_last and a.head is not None and plan.vocab is None
         held = {n for n in plan.param_names[index]}
@@ -360,7 +360,7 @@ class Stage(nn.Module):
             raise ValueError(f"stage {self.index} of {self.num_stages}: labels go to the last stage only")
         if labels is not None and self.vocab is not None:
             raise ValueError(f"stage {self.index}: the output layer is cut over the stages (vocab_parallel); the loss is "
-                             "the VOCAB pass's (partition.vocab.vocab_pass), not the last stage's")
+                             "the VOCAB pass's (model.vocab_parallel.vocab_pass), not the last stage's")
         aux = self._aux
         if self.is_first:
             ids, run = x, _Run(x.device)
@@ -420,7 +420,7 @@ def partition_model(model: nn.Module, num_stages: int, layers_per_stage: list[in
     ``fused_loss``: the last stage computes its loss with ``model.fused_loss`` (no whole logits); a PartitionError
     names why where the model's head or loss is not one it stands for (``fused_loss_blocker``).
 
-    ``vocab_parallel``: every stage holds its rows of the output layer (``vocab.py``; ``Stage.head_shard``), the last
+    ``vocab_parallel``: every stage holds its rows of the output layer (``model/vocab_parallel.py``; ``Stage.head_shard``), the last
     stage returns the final hidden states, and the layers split as if the last stage held no head.
 
     ``check``: compare the chained stages' logits with the model's on a short input before returning; None checks

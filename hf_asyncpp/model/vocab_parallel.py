@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import RecipeError
-from ..model.fused_loss import chunk_tokens, fused_loss_blocker
+from .fused_loss import chunk_tokens, fused_loss_blocker
 from ..schedules.records import get_schedule
 
 __all__ = ["vocab_ranges", "VocabShards", "HeadShard", "shard_name", "parse_shard", "assemble", "rows_of",
