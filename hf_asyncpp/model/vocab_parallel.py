@@ -160,6 +160,11 @@ class HeadShard(nn.Module):
         h, self.hidden = self.hidden, None
         if h is None:
             raise RuntimeError("vocabulary shards: the model's forward never called its output head")
+        base = h._base
+        if base is not None and (base.shape, base.stride(), base.storage_offset()) == (h.shape, h.stride(), h.storage_offset()):
+            # the model's ``hidden_states[:, slice(0, None), :]`` (logits_to_keep 0): the whole tensor, as a view;
+            # the final norm's output itself is what a split backward may detach in place
+            h = base
         return h
 
 
