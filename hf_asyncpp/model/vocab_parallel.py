@@ -37,7 +37,7 @@ from .fused_loss import chunk_tokens, fused_loss_blocker
 from ..schedules.records import get_schedule
 
 __all__ = ["vocab_ranges", "VocabShards", "HeadShard", "shard_name", "parse_shard", "assemble", "rows_of",
-           "vocab_pass", "vocab_parallel_blocker", "use_vocab_parallel", "vocab_parallel_auto"]
+           "vocab_pass", "vocab_logits", "vocab_parallel_blocker", "use_vocab_parallel", "vocab_parallel_auto"]
 
 _SHARD = re.compile(r"^(?P<base>.+)@(?P<v0>\d+):(?P<v1>\d+)$")
 
@@ -232,6 +232,28 @@ def vocab_pass(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
         del logits
     dist.reduce(dh, dst=src, group=group)
     return loss, (dh.view(hidden.shape) if dist.get_rank() == src else None)
+
+
+@torch.no_grad()
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, group, src: int, vocab_size: int) -> torch.Tensor | None:
+    """Forward only (an evaluation through the stages): the whole logits ``(..., T, vocab)`` on rank ``src`` (None
+    elsewhere), as the model's head gives them (in the autocast dtype under autocast). ``hidden`` is rank ``src``'s
+    final hidden states, broadcast into this tensor on the others; each rank's logits of its rows are gathered
+    onto ``src`` (padded to the largest shard: a gather takes one shape), which holds the whole logits as the last
+    stage of an unshared head does."""
+    dist.broadcast(hidden, src=src, group=group)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    with torch.autocast(dev, enabled=False):
+        z = torch.matmul(hidden.to(dtype), weight.to(dtype).t())
+    p = dist.get_world_size(group)
+    size = -(-vocab_size // p)
+    if z.shape[-1] < size:
+        z = nn.functional.pad(z, (0, size - z.shape[-1]))
+    mine = dist.get_rank() == src
+    parts = [torch.empty_like(z) for _ in range(p)] if mine else None
+    dist.gather(z.contiguous(), parts, dst=src, group=group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size] if mine else None
 
 
 # ---------------------------------------------------------------------------- the recipe field

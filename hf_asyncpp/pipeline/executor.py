@@ -727,7 +727,7 @@ class PipelineEngine:
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
-        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder)
+        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder, self.groups.vocab)
 
     def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
         """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage
