@@ -254,6 +254,7 @@ def _state_worker(rank, world, rec, others, batches, tmp):
     blocks = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(9))
     nll = eng.eval_nll(blocks, 2)
     folder = export_engine(eng, tmp / "export")
+    reloaded = eng.reload_nll(tmp / "export", blocks, 2)  # each stage reads its rows of the exported head
     trained = eng.full_state_dict()
     cont = [(r.loss, r.grad_norm) for r in eng.train_steps(mine[2:], 2)]
     final = eng.full_state_dict()
@@ -268,7 +269,7 @@ def _state_worker(rank, world, rec, others, batches, tmp):
         theirs = theirs[topo.dp_rank] if isinstance(theirs[0], list) else theirs
         resumed.append(([(x.loss, x.grad_norm) for x in eng.train_steps(theirs[2:], 2)], eng.full_state_dict()))
         eng.close()
-    return nll, folder, trained, cont, final, resumed
+    return nll, folder, trained, cont, final, resumed, reloaded
 
 
 @pytest.mark.parametrize("shared_first", [True, False])
@@ -285,8 +286,8 @@ def test_checkpoint_export_and_evaluation_with_the_head_shared(tmp_path, shared_
     off = make_recipe(LLAMA_UNTIED, "2bw", 2, 2, 2, vocab=not shared_first)
     batches = make_batches(4, 2, 2, seed=11)
     out = run_distributed(_state_worker, 2, rec, [off], batches, str(tmp_path))
-    nll, folder, trained, cont, final, resumed = out[0]
-    assert out[1][0] == nll
+    nll, folder, trained, cont, final, resumed, reloaded = out[0]
+    assert out[1][0] == nll and reloaded[1] == nll[1] and reloaded[0] == pytest.approx(nll[0], rel=1e-6)
     model = build(rec)
     model.load_state_dict(trained)
     blocks = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(9))
@@ -316,7 +317,7 @@ def test_a_checkpoint_resumes_onto_another_number_of_stages():
 
     with tempfile.TemporaryDirectory() as tmp:
         out = run_distributed(_state_worker, 4, rec, [(halves, replicas), whole], batches, tmp)
-    _, _, _, cont, final, resumed = out[0]
+    _, _, _, cont, final, resumed, _ = out[0]
     for got, sd in resumed[1:]:
         torch.testing.assert_close(torch.tensor(got), torch.tensor(cont), rtol=1e-5, atol=1e-6)
         # atol 3e-5: Adam turns the summation-order noise of near-zero gradients (a data-parallel mean against the
