@@ -295,6 +295,10 @@ def test_checkpoint_export_and_evaluation_with_the_head_shared(tmp_path, shared_
         want = nll_per_block(model(blocks).logits, blocks).sum()
     assert nll[1] == 5 * 15 and nll[0] == pytest.approx(float(want), rel=1e-6)
     assert_reload_equals_stages(folder, rec, trained)
+    from hf_asyncpp.storage import checkpoint_io
+
+    # from_pretrained cannot read a head cut by rows: the checkpoint gets no index (the export has the head whole)
+    assert (checkpoint_io.weight_index(tmp_path / "ckpt") is None) == shared_first
     (same, same_sd), (whole, whole_sd) = resumed
     if shared_first:  # bitwise (the unshared head's run, resumed, was seen one bit off in a grad norm)
         assert same == cont and all(torch.equal(same_sd[k], final[k]) for k in final)
@@ -324,3 +328,37 @@ def test_a_checkpoint_resumes_onto_another_number_of_stages():
         # global batch) into weight noise of that size (support.check_against_reference); a wrong row is 1e-2 off
         for k in final:
             torch.testing.assert_close(sd[k], final[k], rtol=1e-5, atol=3e-5)
+
+
+def _bf16_worker(rank, world, recipe, replica_batches):
+    """The same bf16 run with each version's bf16 copies (the shard among them) and with autocast's casts."""
+    from support import build
+
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.topology import Topology
+
+    out = []
+    for held in (True, False):
+        topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
+        eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
+        eng.bf16_versions = held
+        res = eng.train_steps(replica_batches[topo.dp_rank], 0)
+        shard_dtype = eng.versions.buffers[eng.versions.latest][eng.shard].dtype
+        out.append(([(r.loss, r.grad_norm) for r in res], eng.full_state_dict(), shard_dtype))
+        eng.close()
+    return out
+
+
+def test_bf16_versions_hold_the_shard_in_bf16_bit_for_bit():
+    """training.bf16 under 2BW: each version holds the shard as a bf16 copy, and the numbers are those of autocast's
+    casts bit for bit; against the single-process whole model within bf16 tolerance."""
+    from support import LLAMA_UNTIED, reference, scenario
+
+    rec, replica, ref_rec, ref_batches = scenario(LLAMA_UNTIED, "2bw", 2, 2, 2, "adamw", False, vocab=True, seed=13)
+    rec.training.bf16 = ref_rec.training.bf16 = True
+    out = run_distributed(_bf16_worker, 2, rec, replica)
+    (held, held_sd, _), (cast, cast_sd, _) = out[0]
+    assert [o[0][2] for o in out] == [torch.bfloat16, torch.bfloat16] and out[0][1][2] == torch.float32
+    assert held == cast and all(torch.equal(held_sd[k], cast_sd[k]) for k in held_sd)
+    ref, _ = reference(ref_rec, ref_batches)
+    torch.testing.assert_close(torch.tensor([l for l, _ in held]), torch.tensor([r.loss for r in ref]), rtol=2e-2, atol=0)
