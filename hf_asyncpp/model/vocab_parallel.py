@@ -21,7 +21,7 @@ the GEMMs in the autocast dtype, the softmax, the loss and the weight gradient's
 
 Each stage holds its shard as a parameter named after the model's (:func:`shard_name`: ``lm_head.weight@0:12288``),
 so checkpoints, exports and resumes onto another split reassemble or re-cut the full matrix by name
-(:func:`assemble`, :func:`rows_of`).
+(:func:`assemble`; ``pipeline/stage_state._recut``).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ..errors import RecipeError
 from .fused_loss import chunk_tokens, fused_loss_blocker
 from ..schedules.records import get_schedule
 
-__all__ = ["vocab_ranges", "VocabShards", "HeadShard", "shard_name", "parse_shard", "assemble", "rows_of",
+__all__ = ["vocab_ranges", "VocabShards", "HeadShard", "shard_name", "parse_shard", "assemble",
            "vocab_pass", "vocab_logits", "vocab_parallel_blocker", "use_vocab_parallel", "vocab_parallel_auto"]
 
 _SHARD = re.compile(r"^(?P<base>.+)@(?P<v0>\d+):(?P<v1>\d+)$")
@@ -82,23 +82,6 @@ def assemble(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise ValueError(f"{base}: the vocabulary shards {[r for r, _ in parts]} do not cover its rows once")
         out[base] = torch.cat([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
     return out
-
-
-def rows_of(name: str, lookup) -> torch.Tensor | None:
-    """The tensor a parameter ``name`` (a shard's, or a plain name) needs, from ``lookup(other name) -> tensor or
-    None`` over what a checkpoint holds: the name itself; for a shard, its rows of the full tensor or of the saved
-    shards (another cut); for a plain name, its saved shards concatenated. None where nothing covers it."""
-    t = lookup(name)
-    if t is not None:
-        return t
-    parsed = parse_shard(name)
-    if parsed is not None:
-        base, (v0, v1) = parsed
-        full = lookup(base)
-        if full is not None:
-            return full[v0:v1]
-        return None
-    return None
 
 
 @dataclass(frozen=True)
