@@ -130,9 +130,13 @@ class Groups:
     # point-to-point: one group per direction between adjacent stages of this replica (``pipeline.channels``),
     # this rank's only
     p2p: dict = field(default_factory=dict)
+    # the stages of this replica, for the VOCAB passes of an output layer cut over them (``pipeline.vocab_parallel``):
+    # a group of its own, because the reducer's grad-norm all-reduce on ``pipe`` is issued between actions and would
+    # otherwise interleave with them
+    vocab: object = None
 
     def _collective(self) -> list:
-        return [g for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values())
+        return [g for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values())
                             if x is not None and x is not dist.GroupMember.NON_GROUP_MEMBER}.values()]
 
     def set_timeouts(self, timeout: timedelta, p2p: timedelta) -> None:
@@ -146,7 +150,7 @@ class Groups:
 
     def destroy(self) -> None:
         mesh = self.mesh.get_all_groups() if self.mesh is not None else []  # with dp = 1 its "dp" too
-        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, *self.ties.values(), *self.p2p.values(),
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values(), *self.p2p.values(),
                                      *mesh) if x is not None}.values():
             dist.destroy_process_group(g)
 
@@ -183,11 +187,12 @@ def stage_mesh(topo: Topology, timeout: timedelta) -> DeviceMesh:
 
 
 def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None,
-                sharded_norm: str | None = None) -> Groups:
+                sharded_norm: str | None = None, vocab_parallel: bool = False) -> Groups:
     """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and
     data-parallel replica sums their gradients. ``timeout``: the collectives' groups; ``p2p_timeout`` (default the
     same): the point-to-point groups (on NCCL their watchdog is what ends a rank whose neighbour went silent).
-    ``sharded_norm`` ("global" or "stage"): the optimizer state is sharded across replicas; make ``Groups.norm``."""
+    ``sharded_norm`` ("global" or "stage"): the optimizer state is sharded across replicas; make ``Groups.norm``.
+    ``vocab_parallel``: the output layer is cut over the stages; make ``Groups.vocab``."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
     g.mesh = stage_mesh(topo, timeout)
@@ -206,6 +211,11 @@ def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta
             grp = dist.new_group([s * dp + d for s in stages], timeout=timeout)
             if d == topo.dp_rank and topo.stage in stages:
                 g.ties[stages] = grp
+    if vocab_parallel:
+        for d in range(dp):
+            grp = dist.new_group([s * dp + d for s in range(p)], timeout=timeout)
+            if d == topo.dp_rank:
+                g.vocab = grp
     # gloo whatever the default backend: the reports are a few CPU scalars, and a NCCL collective would
     # be ordered on the compute stream
     g.report = dist.new_group(list(range(topo.world_size)), timeout=timeout, backend="gloo")

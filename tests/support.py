@@ -235,20 +235,22 @@ ZAMBA = {"model_type": "zamba", **DIMS, "num_hidden_layers": 4, "num_key_value_h
          "mamba_d_state": 8, "layers_block_type": ["linear_attention", "hybrid"] * 2}
 
 
-def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5, lam=1.0, start=0):
+def make_recipe(arch, schedule, stages, m, mbs, opt="adamw", ef=False, delay="0", extra=0, clip=0.5, lam=1.0, start=0,
+                vocab=False, checkpointing=False):
     from hf_asyncpp.config.recipe import recipe_from_dict
 
     return recipe_from_dict({
         "model": {"config": dict(arch)},
         "data": {"seq_len": SEQ},
         "pipeline": {"schedule": schedule, "num_stages": stages, "num_microbatches": m, "microbatch_size": mbs,
-                     "extra_warmup": extra},
+                     "extra_warmup": extra, "vocab_parallel": vocab},
         "optimizer": {"name": opt, "learning_rate": 0.01, "delay_correction": "error_feedback" if ef else "none",
                       "simulate_delay": delay, "ns_dtype": "float32", "adam_epsilon": 1e-6, "ef_lambda": lam,
                       "ef_lambda_lr": 0.5, "delay_start_step": start},  # a large lambda step: 8 steps show it
         # float32 Newton-Schulz and a non-tiny Adam epsilon: bf16 rounding and g/sqrt(v) of near-zero gradients
         # would amplify summation-order noise (data-parallel mean vs global batch) past the 1e-5 tolerance
-        "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": clip, "report_to": []},
+        "training": {"max_steps": 8, "warmup_ratio": 0.25, "max_grad_norm": clip, "report_to": [],
+                     "gradient_checkpointing": checkpointing},
     })
 
 
@@ -291,10 +293,13 @@ def pipeline_worker(rank, world, scenarios):
     return out
 
 
-def scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, clip=0.5, lam=1.0, start=0):
+def scenario(arch, schedule, stages, m, mbs, opt, ef, dp=1, seed=0, extra=0, clip=0.5, lam=1.0, start=0, vocab=False,
+             checkpointing=False):
     """(pipeline recipe, per-replica batches, reference recipe, reference batches): the reference runs the
-    schedule's delay semantics on one process and the replicas' batches concatenated."""
-    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef, extra=extra, clip=clip, lam=lam, start=start)
+    schedule's delay semantics on one process and the replicas' batches concatenated. ``vocab``: the pipeline's
+    output layer cut over its stages (``pipeline.vocab_parallel``); the reference is the whole model."""
+    rec = make_recipe(arch, schedule, stages, m, mbs, opt, ef, extra=extra, clip=clip, lam=lam, start=start,
+                      vocab=vocab, checkpointing=checkpointing)
     replica = [make_batches(STEPS, m, mbs, seed + 100 * d) for d in range(dp)]
     delay = {"2bw": "1", "pipedream": "pipedream"}.get(schedule, "0")
     # the learned lambda is one per stage: the reference is told the stages (its lambda groups)

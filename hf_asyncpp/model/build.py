@@ -14,6 +14,7 @@ from ..config.sections import ModelConfig
 from ..errors import RecipeError, StageLocalError
 from ..storage import checkpoint_io as ckpt
 from .seeded_init import init_stage, seeded_init
+from .vocab_parallel import parse_shard
 
 log = logging.getLogger("hf_asyncpp.modeling")
 
@@ -153,9 +154,12 @@ def read_stage_tensors(stage: torch.nn.Module, name_or_path: str) -> dict[str, t
     partner = {}
     for a, b in getattr(stage, "tied_pairs", ()):
         partner.update({a: b, b: a})
-    wanted = {}  # stage name -> name in the checkpoint
+    wanted, rows = {}, {}  # stage name -> name in the checkpoint; a vocabulary shard's -> its rows of that tensor
     for name in stage.state_dict():
         source = name if name in where else partner.get(name)
+        shard = parse_shard(name) if source not in where else None
+        if shard is not None:  # a stage's rows of the output layer (vocab_parallel): read from the whole matrix
+            source, rows[name] = shard
         if source not in where:
             raise KeyError(f"{folder}: no tensor {name!r} for this stage; was it saved for another model?")
         wanted[name] = source
@@ -165,7 +169,7 @@ def read_stage_tensors(stage: torch.nn.Module, name_or_path: str) -> dict[str, t
     read = {}
     for f, names in by_file.items():
         read.update((opened.get(f) or ckpt.TensorFile(f)).get(names))
-    return {n: read[s] for n, s in wanted.items()}
+    return {n: read[s][rows[n][0]:rows[n][1]].clone() if n in rows else read[s] for n, s in wanted.items()}
 
 
 def local_weights(name_or_path: str):

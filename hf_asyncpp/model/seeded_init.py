@@ -51,7 +51,8 @@ def seeded_init(root: torch.nn.Module, init_fn, base: int) -> None:
             if any(t.is_meta for t in m.parameters(recurse=False)):
                 continue  # a stand-in for another stage's part
             torch.manual_seed(module_seed(base, name))
-            fns[name](m)
+            # a part of a module (a stage's rows of the output layer) draws the whole module's values, keeps its own
+            m.init_with(fns[name]) if hasattr(m, "init_with") else fns[name](m)
 
 
 @torch.no_grad()

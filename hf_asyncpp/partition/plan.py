@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .trace import Anatomy, PartitionError, get_module, trace
+from ..model.vocab_parallel import VocabShards, vocab_ranges
 
 _ANATOMY: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
@@ -51,16 +52,22 @@ class PartitionPlan:
     param_names: list[list[str]]  # per stage, the names its ``named_parameters()`` yields
     _owner: dict[str, int] = field(default_factory=dict, repr=False)
     tied_pairs: list[tuple[str, str]] = field(default_factory=list)  # (name on an earlier stage, copy's name on a later)
-    vocab_parallel: bool = False
-    """The vocabulary layers shared by every stage (``pipeline.vocab_parallel``): the output layer and the loss are
-    in no stage's ``cost`` and the head's weight in no stage's ``params``; every stage holds a ``vocab_shard`` of the
-    head's rows (``vocab_shard_params``) and computes ``vocab_cost`` in its VOCAB passes."""
+    vocab: "VocabShards | None" = None
+    """The output layer cut over every stage (``pipeline.vocab_parallel``, ``model/vocab_parallel.py``), or None: the
+    last stage holds it whole. With it the output layer and the loss are in no stage's ``cost`` and the head's weight
+    in no stage's ``param_names`` but as its rows' shard (``lm_head.weight@v0:v1``) in every stage's; each stage computes
+    ``vocab_cost`` in its VOCAB passes."""
     head_cost: float = 0.0
     """Forward FLOPs per token of the output layer and the loss over the whole vocabulary (2 x its weights + 8 x
-    vocab), in the last stage's ``cost`` unless ``vocab_parallel``."""
+    vocab), in the last stage's ``cost`` unless the vocabulary is shared."""
     vocab_shard_params: int = 0
-    """With ``vocab_parallel``: the parameters of one stage's shard of the output layer (its largest: ceil(vocab /
-    stages) rows), counted in each stage's ``params``."""
+    """With the vocabulary shared: the parameters of one stage's shard of the output layer (its largest: ceil(vocab /
+    stages) rows)."""
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """The vocabulary layers shared by every stage."""
+        return self.vocab is not None
 
     @property
     def vocab_cost(self) -> float:
@@ -82,8 +89,9 @@ class PartitionPlan:
         for i, s in enumerate(self.stages):
             last = i == len(self.stages) - 1
             extra = (" +embed" if i == 0 else "") + ((" +norm" if self.vocab_parallel else " +norm+head") if last else "")
-            if self.vocab_parallel:  # the head's cost per token in every stage's VOCAB passes, beside the layers'
-                extra += f" +1/{len(self.stages)} of the head (VOCAB: {self.vocab_cost / 1e9:.4f})"
+            if self.vocab is not None:  # the head's cost per token in every stage's VOCAB passes, beside the layers'
+                v0, v1 = self.vocab.ranges[i]
+                extra += f" +head rows {v0}-{v1 - 1} (VOCAB: {self.vocab_cost / 1e9:.4f})"
             n_copies = sum(n in copies for n in self.param_names[i])
             if n_copies:  # tensors an earlier stage also holds (a tied head, a block shared by several layers)
                 extra += f" +{n_copies} shared cop{'y' if n_copies == 1 else 'ies'}"
@@ -160,9 +168,11 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
     earlier 128 x vocab softmax term overweighted it to 3.4 layers and split 8 layers 6/2 instead of 5/3 (0.72
     instead of 0.90 of the no-bubble limit).
 
-    ``vocab_parallel``: the vocabulary layers shared by every stage: the head and the loss (``head_cost``) leave the
-    last stage, each stage gets 1/num_stages of them (``vocab_cost``, its VOCAB passes; ``vocab_shard_params``), and
-    the layers are balanced without them (evenly, where the layers are alike).
+    ``vocab_parallel``: the vocabulary layers shared by every stage: the output layer's weight is cut by vocabulary
+    rows over every stage (``model/vocab_parallel.py``): each stage holds its rows under a name of its own
+    (``lm_head.weight@v0:v1``); the head and the loss (``head_cost``) leave the last stage, each stage gets 1/num_stages
+    of them (``vocab_cost``, its VOCAB passes; ``vocab_shard_params``), and the layers are balanced without them
+    (evenly, where the layers are alike).
     """
     model = model_or_config
     if not isinstance(model, nn.Module):
@@ -190,29 +200,38 @@ def partition_plan(model_or_config, num_stages: int, layers_per_stage: list[int]
                    for x in m.modules())
 
     first_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "pre") or 2 * hidden
+    head_cost = (unit_flops(a.head) if a.head in a.units else 0) + 8 * vocab
     last_cost = sum(unit_flops(u) for u, ph in a.units.items() if ph == "post") + 8 * vocab
-    head_cost = (unit_flops(a.head) if a.head is not None else 0) + 8 * vocab
-    head_module = get_module(model, a.head) if a.head is not None else None
-    head_numel = sum(q.numel() for q in head_module.parameters()) if head_module is not None else 0
-    shard_params = -(-head_numel // num_stages) if vocab_parallel else 0  # ceil: the largest shard
+    emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
+    tied = emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
+    head_numel = sum(q.numel() for q in head.parameters()) if head is not None else 0
+    shards = None
     if vocab_parallel:
-        last_cost -= head_cost
+        if tied or not isinstance(head, nn.Linear) or head.bias is not None or a.head not in a.units:
+            raise PartitionError(f"{type(model).__name__}: the output layer cannot be cut over the stages (vocab_parallel): "
+                                 "it must be an untied nn.Linear without bias")
+        shards = VocabShards(a.head, tuple(vocab_ranges(head.out_features, num_stages)))
+        last_cost -= head_cost  # every stage runs its share in its VOCAB passes: in no stage's cost
+    shard_params = -(-head_numel // num_stages) if vocab_parallel else 0  # ceil: the largest shard
     if sizes is None:
         sizes = balanced_sizes(costs, first_cost, last_cost, num_stages, head_cost / num_stages if vocab_parallel else 0.0)
     layer_stage = [s for s, n in enumerate(sizes) for _ in range(n)]
     owner, param_names, tied_pairs = _owners(model, a, layer_stage, num_stages)
-    emb, head = get_module(model, a.embed[0]) if a.embed else None, get_module(model, a.head)
-    tied = emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0)
     numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+    if shards is not None:
+        param_names[-1].remove(shards.name)
+        hidden_in = head.in_features
+        for s, names in enumerate(param_names):
+            v0, v1 = shards.ranges[s]
+            names.append(shards.shard_name(s))
+            owner[shards.shard_name(s)] = s
+            numel[shards.shard_name(s)] = (v1 - v0) * hidden_in
     stages, start = [], 0
     for s, n in enumerate(sizes):
         cost = sum(costs[start:start + n]) + (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
-        held = sum(numel[x] for x in param_names[s])
-        if vocab_parallel:  # the head's rows sharded over every stage instead of whole on the last
-            held += shard_params - (head_numel if s == num_stages - 1 else 0)
-        stages.append(StagePlan(range(start, start + n), held, cost))
+        stages.append(StagePlan(range(start, start + n), sum(numel[x] for x in param_names[s]), cost))
         start += n
-    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs, vocab_parallel, head_cost, shard_params)
+    return PartitionPlan(stages, a, L, tied, param_names, owner, tied_pairs, shards, head_cost, shard_params)
 
 
 def stage_of_path(a: Anatomy, path: str, layer_stage: list[int], num_stages: int) -> int:

@@ -25,6 +25,7 @@ from ..model.seeded_init import initializers
 from .moe_aux import AuxLoss, _aux_loss, _capture, _router_modules
 from .hollow import MetaValues, absent, alias, hollow
 from .plan import PartitionError, PartitionPlan, get_module, partition_plan
+from ..model.vocab_parallel import HeadShard, VocabShards, assemble
 
 # Model types whose stages the test suite compares with the whole model (loss, logits, every gradient) in
 # tests/test_partition.py; tests/test_partition_sweep.py covers every decoder-only type transformers ships.
@@ -109,7 +110,9 @@ class Stage(nn.Module):
         self._side_out = [g for g, slots in enumerate(a.side) if not self.is_last and max(j for j, _ in slots) >= self._stop]
         self._run: _Run | None = None
         self._capture: HeadCapture | None = None
-        self._fused = fused_loss and self.is_last and a.head is not None
+        self.vocab: VocabShards | None = plan.vocab  # the output layer cut over every stage (model/vocab_parallel.py)
+        self.head_shard: HeadShard | None = None
+        self._fused = fused_loss and self.is_last and a.head is not None and plan.vocab is None
         held = {n for n in plan.param_names[index]}
         copied = {b for _, b in plan.tied_pairs} & held  # this stage's copies of a tensor an earlier stage holds
         shell = self._build(model, plan, held, copied)
@@ -148,6 +151,10 @@ class Stage(nn.Module):
     def _unit(self, module, path, phase, held, copied):
         if phase == "copy":
             return copy.deepcopy(module)  # stateless (rotary frequencies, dropout): every stage runs its own
+        if self.vocab is not None and path == self.vocab.head:
+            shard = HeadShard(module, self.vocab.ranges[self.index])  # every stage: its rows
+            self.__dict__["head_shard"] = shard  # not a child of its own: the shell holds it, under the head's name
+            return shard
         if phase == "pre" and not self.is_first or phase == "post" and not self.is_last:
             return absent(module, lambda: self._run.device if self._run is not None else None)
         if any(n in copied for n, _ in module.named_parameters(prefix=path, remove_duplicate=False)):
@@ -328,7 +335,10 @@ class Stage(nn.Module):
         """
         with torch.no_grad():
             for m in self.modules():
-                self._init_fn(m)
+                if isinstance(m, HeadShard):
+                    m.init_with(self._init_fn)
+                else:
+                    self._init_fn(m)
         self._init_buffers()
 
     def train(self, mode: bool = True):
@@ -343,8 +353,14 @@ class Stage(nn.Module):
 
     # -------------------------------------------------------------- forward
     def forward(self, x, labels: torch.Tensor | None = None):
+        """The stage's part of the model's forward (see the class doc). With the output layer cut over the stages
+        (``vocab``), the last stage returns the final hidden states (after the final norm), and with a router aux
+        loss the tuple (hidden states, ``coef * aux_loss``): the head and the loss are the VOCAB pass's."""
         if labels is not None and not self.is_last:
             raise ValueError(f"stage {self.index} of {self.num_stages}: labels go to the last stage only")
+        if labels is not None and self.vocab is not None:
+            raise ValueError(f"stage {self.index}: the output layer is cut over the stages (vocab_parallel); the loss is "
+                             "the VOCAB pass's (model.vocab_parallel.vocab_pass), not the last stage's")
         aux = self._aux
         if self.is_first:
             ids, run = x, _Run(x.device)
@@ -381,6 +397,9 @@ class Stage(nn.Module):
             sent = [run.hidden_out] + [run.side_out[g] if self.is_first else side[g] for g in self._side_out] + run.carry_out
             sent = [t.contiguous() for t in sent] + (list(stats) if aux else [])
             return sent[0] if len(sent) == 1 else tuple(sent)
+        if self.vocab is not None:
+            h = self.head_shard.take()
+            return (h, aux.coef * aux.loss(*stats).to(h.device)) if aux else h
         if labels is None:
             return out.logits if hasattr(out, "logits") else out[0]
         if run.fused:
@@ -395,18 +414,22 @@ class Stage(nn.Module):
 
 
 def partition_model(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None, seq_len: int = 2048,
-                    check: bool | None = None, fused_loss: bool = False) -> list[Stage]:
+                    check: bool | None = None, fused_loss: bool = False, vocab_parallel: bool = False) -> list[Stage]:
     """``num_stages`` stage modules sharing the model's parameters (a tied lm_head is copied for the last stage).
 
     ``fused_loss``: the last stage computes its loss with ``model.fused_loss`` (no whole logits); a PartitionError
     names why where the model's head or loss is not one it stands for (``fused_loss_blocker``).
 
+    ``vocab_parallel``: every stage holds its rows of the output layer (``model/vocab_parallel.py``; ``Stage.head_shard``), the last
+    stage returns the final hidden states, and the layers split as if the last stage held no head.
+
     ``check``: compare the chained stages' logits with the model's on a short input before returning; None checks
-    model types outside ``VERIFIED_MODEL_TYPES`` when the weights are real (a meta model cannot be checked).
+    model types outside ``VERIFIED_MODEL_TYPES`` when the weights are real (a meta model cannot be checked). With
+    ``vocab_parallel`` the same split with the head on the last stage is checked.
     """
     if fused_loss and (why := fused_loss_blocker(model)):
         raise PartitionError(f"{type(model).__name__}: the fused loss cannot stand for the model's own: {why}")
-    plan = partition_plan(model, num_stages, layers_per_stage, seq_len)
+    plan = partition_plan(model, num_stages, layers_per_stage, seq_len, vocab_parallel=vocab_parallel)
     aux = _aux_loss(model)
     stages = [Stage(model, plan, s, aux, fused_loss) for s in range(num_stages)]
     if check is None:
@@ -416,7 +439,11 @@ def partition_model(model: nn.Module, num_stages: int, layers_per_stage: list[in
                           "meta model cannot be checked; call hf_asyncpp.partition.check_partition once it has weights")
             check = False
     if check:
-        check_partition(model, stages)
+        if plan.vocab is not None:  # the same layers, with the head whole on the last stage
+            whole = partition_plan(model, num_stages, [len(s.layers) for s in plan.stages], seq_len)
+            check_partition(model, [Stage(model, whole, s, aux) for s in range(num_stages)])
+        else:
+            check_partition(model, stages)
     return stages
 
 
@@ -493,7 +520,7 @@ def shared_tensors(stages: list[nn.Module]) -> list[tuple[tuple[int, ...], list[
 
 def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
                       tied: list[tuple[str, str]] | None = None) -> dict[str, torch.Tensor]:
-    """One state dict by original names, loadable into the HF model with ``strict=True``.
+    """One state dict by original names (vocabulary shards concatenated: ``vocab.assemble``), loadable into the HF model with ``strict=True``.
 
     With ``tied`` (from ``tied_parameters``), each later-stage copy is replaced by the earlier-stage tensor itself,
     so the tied pair is re-tied (one tensor, one value) whatever drift the copies had.
@@ -504,6 +531,7 @@ def merge_state_dicts(state_dicts: list[dict[str, torch.Tensor]],
             if name in merged:
                 raise PartitionError(f"{name}: in two stage state dicts (second: stage {s}); stages own disjoint names")
             merged[name] = t
+    merged = assemble(merged)  # an output layer cut over the stages: its rows concatenated under the model's name
     for first, last in tied or []:
         if first in merged:
             merged[last] = merged[first]

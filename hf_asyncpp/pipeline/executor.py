@@ -44,6 +44,7 @@ from ..config.recipe import Recipe
 from ..engine import StepResult, finite_step
 from ..model.build import autocast, compile_layers, enable_activation_checkpointing, materialise_stage
 from ..model.fused_loss import use_fused_loss
+from ..model.vocab_parallel import use_vocab_parallel, vocab_pass
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY, has_correction, learned_values
 from ..optim.lr import build_scheduler
@@ -92,7 +93,8 @@ class _Micro:
     hold: Hold | None = None  # the version's in-flight hold, taken at the forward, released at the backward
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # the last stage's; with vocab_parallel its router aux term (None without one)
+    labels: torch.Tensor | None = None  # vocab_parallel, last stage: the ids, from the forward to the VOCAB pass
     grad_to_prev: list | None = None  # input gradients, sent back to the previous stage
     grad_from_next: list | None = None  # output gradients, received from the next stage
     weight_pass: tuple | None = None  # after an I: what its W computes the weight gradient from (_backward_input)
@@ -119,6 +121,7 @@ class _Window:
     prefetch: dict = field(default_factory=dict)  # (kind, (step, microbatch)) -> posted receive
     backwards: dict = field(default_factory=dict)  # step -> backwards run here so far (the m-th is its last)
     act_header_sent: bool = False
+    vocab_inputs: tuple | None = None  # vocab_parallel, stages but the last: what the VOCAB passes receive into
 
     def next_micro(self, key: tuple[int, int]) -> tuple[int, int] | None:
         """The microbatch after ``key`` in this window. Receives of one kind come in microbatch order in every
@@ -137,8 +140,11 @@ class PipelineEngine:
         self.schedule = with_sync_start(get_schedule(rc.schedule), recipe.optimizer.delay_start_step)
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
+        # the output layer cut over the stages, each running a VOCAB pass per microbatch (model/vocab_parallel.py)
+        self.vocab_parallel = use_vocab_parallel(rc, model)
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len,
-                                 fused_loss=use_fused_loss(recipe.training.fused_loss, model))
+                                 fused_loss=use_fused_loss(recipe.training.fused_loss, model),
+                                 vocab_parallel=self.vocab_parallel)
         shared = shared_tensors(stages)  # tensors held on several stages: gradients summed across them
         if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
             materialise_stage(stages[topo.stage], model, recipe.model)
@@ -148,6 +154,8 @@ class PipelineEngine:
         del stages
         self.first, self.last = topo.first, topo.last
         self.params = dict(self.stage.named_parameters())
+        # vocab_parallel: this stage's rows of the output layer (a parameter of its own, in its versions like any)
+        self.shard = self.stage.vocab.shard_name(topo.stage) if self.vocab_parallel else None
         tied: dict[tuple, list[str]] = {}  # per set of stages sharing tensors, this stage's names of them
         for holders, names in shared:
             if topo.stage in holders:
@@ -177,7 +185,8 @@ class PipelineEngine:
         # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
         self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
                                   p2p_timeout=timedelta(seconds=rc.init_timeout_s),
-                                  sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage")
+                                  sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage",
+                                  vocab_parallel=self.vocab_parallel)
         self.reducer = Reducer(self.groups, topo, tied, rc.init_timeout_s, self.global_norm, owner_of=self.owner_of)
         self.p2p = P2P(topo, rc.init_timeout_s, self.device, self.groups.p2p,
                        poll=polls(rc.recv_wait, self.device, ranks_on_this_node(topo.world_size)))
@@ -211,7 +220,8 @@ class PipelineEngine:
         self._handlers = {T.F: self._do_forward, T.B: self._do_backward, T.I: self._do_backward_input,
                           T.W: self._do_backward, T.SEND_ACT: self._do_send_act,
                           T.RECV_ACT: self._do_recv_act, T.SEND_GRAD: self._do_send_grad,
-                          T.RECV_GRAD: self._do_recv_grad, T.REDUCE: self._do_reduce, T.STEP: self._do_step}
+                          T.RECV_GRAD: self._do_recv_grad, T.VOCAB: self._do_vocab, T.REDUCE: self._do_reduce,
+                          T.STEP: self._do_step}
 
     # ------------------------------------------------------------------ the stream
     def run(self, batches: Iterable[torch.Tensor] | None, first_step: int, num_steps: int) -> Iterator[StepResult]:
@@ -278,7 +288,8 @@ class PipelineEngine:
 
     def _actions(self, w: _Window, num_steps: int) -> Iterator[Action]:
         return self.schedule.stage_actions(self.topo.stage, self.recipe.pipeline.num_stages, w.m, num_steps,
-                                           w.first_step, self.recipe.pipeline.extra_warmup)
+                                           w.first_step, self.recipe.pipeline.extra_warmup,
+                                           vocab_parallel=self.vocab_parallel)
 
     def _window_actions(self, w: _Window, num_steps: int) -> Iterator[Action]:
         """The window's actions, cut short after step s when the stop vote of step s - STOP_LAG says stop."""
@@ -368,7 +379,10 @@ class PipelineEngine:
             self.mem["peak_activations"] = max(self.mem["peak_activations"], self.mem["activations"])
             self.mem["peak_casts"] = max(self.mem["peak_casts"], self.mem["casts"])
             self.peak_inflight = max(self.peak_inflight, sum(self.versions.inflight.values()))
-        if self.last:
+        if self.last and self.vocab_parallel:  # the loss is the VOCAB pass's
+            h, mb.loss = out if isinstance(out, tuple) else (out, None)
+            mb.outputs, mb.labels = [h], ids
+        elif self.last:
             mb.loss = out
             s = w.loss_sums.get(k)
             # float64 on the device: no host sync per microbatch
@@ -389,7 +403,8 @@ class PipelineEngine:
         last = done == w.m - 1
         # the step's gradients become final during its last B: its reduction may start inside it, from hooks on the
         # leaves' accumulation (a W sets .grad itself: reduced at REDUCE)
-        hooked = last and a.type == T.B and self.reducer.arm(a.step, self.versions.leaves_for(mb.version))
+        hooked = last and a.type == T.B and self.reducer.arm(a.step, self.versions.leaves_for(mb.version),
+                                                              final=(self.shard,) if self.shard else ())
         self._recompute_from(mb)
         if a.type == T.W:  # weight_gradients takes each gradient from autograd: none added in place
             self._backward_weight(mb)
@@ -413,6 +428,38 @@ class PipelineEngine:
         mb.done = True
         if self.first or mb.sent:
             del w.micro[(a.step, a.microbatch)]
+
+    def _do_vocab(self, a: Action, w: _Window) -> None:
+        """VOCAB: this stage's rows of the output layer and loss for microbatch (k, i), forward and backward at once,
+        a collective of the replica's stages (``vocab_pass``): the shard's gradient accumulates into the version's
+        leaf as a B's does; on the last stage the loss is counted and the final hidden states' gradient kept for
+        its B. The last stage's hidden states and labels reach the others inside the pass (a middle stage reads no
+        data); they arrive in buffers made once per window."""
+        leaf = self.versions.leaves_for(a.version)[self.shard]
+        weight = self.versions.buffers[a.version][self.shard]  # the version's bf16 copy where held so, else fp32
+        if leaf.grad is None:
+            leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        dtype, p = self.params[self.shard].dtype, self.topo.num_stages
+        if self.last:
+            mb = w.micro[(a.step, a.microbatch)]
+            hidden, labels = mb.outputs[0].detach().to(dtype).contiguous(), mb.labels
+            mb.labels = None
+        else:
+            if w.vocab_inputs is None:
+                _, mbs, seq = w.shape
+                w.vocab_inputs = (torch.empty((mbs, seq, weight.shape[1]), dtype=dtype, device=self.device),
+                                  torch.empty((mbs, seq), dtype=torch.long, device=self.device))
+            hidden, labels = w.vocab_inputs
+        rows = self.stage.vocab.ranges[self.topo.stage]
+        with autocast(self.bf16):
+            loss, dh = vocab_pass(hidden, labels, weight.detach(), rows, self.groups.vocab, self.topo.rank_of(p - 1),
+                                  leaf.grad, grad_scale=1.0 / w.m)
+        if self.last:
+            mb.grad_from_next = [dh.to(mb.outputs[0].dtype)]
+            if mb.loss is not None:
+                loss = loss + mb.loss.detach()  # the model's loss: its cross-entropy + coef * router aux loss
+            s = w.loss_sums.get(a.step)
+            w.loss_sums[a.step] = loss.double() if s is None else s + loss
 
     def _do_send_act(self, a: Action, w: _Window) -> None:
         self.p2p.send(w.micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=not w.act_header_sent)
@@ -511,9 +558,11 @@ class PipelineEngine:
                 if t.is_floating_point():
                     t.requires_grad_()
             arg = micro.inputs[0] if len(micro.inputs) == 1 else tuple(micro.inputs)
-        kwargs = {"labels": ids} if self.last and ids is not None else None
+        kwargs = {"labels": ids} if self.last and ids is not None and not self.vocab_parallel else None
         if self.bf16_versions and self.versions.cast is None:
-            self.versions.use_bf16(find_casts(self.stage, self.versions.leaves_for(micro.version), arg, kwargs))
+            casts = find_casts(self.stage, self.versions.leaves_for(micro.version), arg, kwargs)
+            # the shard of the output layer: read by the VOCAB passes' GEMMs in bf16, held so per version
+            self.versions.use_bf16(casts | ({self.shard} if self.shard else set()))
         self._bind(micro.version)
         if not self.track_memory:
             with autocast(self.bf16):
@@ -569,8 +618,14 @@ class PipelineEngine:
     def _roots(self, micro: _Micro, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(tensors, their gradients) a microbatch's backward starts from: the loss, or the outputs the next stage
         sent gradients for."""
-        if self.last:
+        if self.last and not self.vocab_parallel:
             return [micro.loss / m], None
+        if self.last:  # the final hidden states, with the gradient the VOCAB pass reduced here; the router aux term
+            h = micro.outputs[0]
+            if micro.loss is None:
+                return [h], micro.grad_from_next
+            aux = micro.loss / m
+            return [h, aux], [micro.grad_from_next[0], torch.ones_like(aux)]
         floats = [o for o in micro.outputs if o.is_floating_point()]
         pairs = [(o, g) for o, g in zip(floats, micro.grad_from_next) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
@@ -672,7 +727,7 @@ class PipelineEngine:
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
-        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder)
+        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder, self.groups.vocab)
 
     def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
         """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage

@@ -22,6 +22,7 @@ from torch.func import functional_call
 from ..model.build import autocast
 from ..model.build import read_stage_tensors
 from ..model.nll import continuation_logprobs, nll_per_block, request_batches
+from ..model.vocab_parallel import vocab_logits
 
 
 @torch.no_grad()
@@ -29,7 +30,9 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
                     weights: dict[str, torch.Tensor] | None = None) -> None:
     """Run each id batch ``(B, T)`` forward through the stages with the newest weights (or ``weights``: this stage's
     tensors by name); the last stage calls ``on_logits(index, logits, ids)`` for each. Every stage of a replica gets
-    the same list (the ids reach only the first stage's modules and the last stage's callback)."""
+    the same list (the ids reach only the first stage's modules and the last stage's callback). With the output
+    layer cut over the stages (``vocab_parallel``) the last stage's forward gives the final hidden states, and every
+    stage's rows of the logits are gathered onto it (``vocab_logits``) before the callback."""
     stage, p2p, topo = engine.stage, engine.p2p, engine.topo
     stage.eval()
     leaves = weights if weights is not None else engine.versions.compute_for(engine.versions.latest)
@@ -37,6 +40,7 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
     # weights are fp32 leaves that no later forward reads: compiled layers would compile graphs for them alone, used
     # once, so these batches run eagerly (the kernels aot_eager and the training's compiled graphs run too)
     eager = weights is None and engine.bf16_versions and engine.versions.cast is None
+    shard = engine.shard
     try:
         for i, ids in enumerate(batches):
             ids = ids.to(engine.device)
@@ -47,10 +51,18 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
             with autocast(engine.bf16), \
                     (torch.compiler.set_stance("force_eager") if eager else nullcontext()):
                 out = functional_call(stage, leaves, (arg,), strict=False)
+            if not engine.last:
+                p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], topo.stage + 1, with_header=True)
+            if shard is not None:  # every stage: its rows of the logits, gathered onto the last
+                w = leaves[shard]
+                hidden = (out[0] if isinstance(out, tuple) else out).to(w.dtype).contiguous() if engine.last else \
+                    torch.empty((*ids.shape, w.shape[1]) if engine.first else inputs[0].shape, dtype=w.dtype,
+                                device=engine.device)
+                with autocast(engine.bf16):
+                    out = vocab_logits(hidden, w, engine.groups.vocab, topo.rank_of(topo.num_stages - 1),
+                                       stage.vocab.ranges[-1][1])
             if engine.last:
                 on_logits(i, out if torch.is_tensor(out) else out.logits, ids)
-            else:
-                p2p.send(list(out) if isinstance(out, (tuple, list)) else [out], topo.stage + 1, with_header=True)
         p2p.drain()
     finally:
         stage.train()

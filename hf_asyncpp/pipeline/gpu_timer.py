@@ -13,7 +13,7 @@ import torch
 
 from ..schedules.actions import ActionType
 
-DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.STEP})
+DEVICE_TIMED = frozenset({ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.VOCAB, ActionType.STEP})
 
 
 class GpuTimer:

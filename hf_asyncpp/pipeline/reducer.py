@@ -93,10 +93,11 @@ class Reducer:
         self.owner_of = owner_of if groups.dp is not None else None
 
     # ------------------------------------------------------------------ the executor's calls
-    def arm(self, key: int, leaves: dict[str, torch.Tensor]) -> bool:
+    def arm(self, key: int, leaves: dict[str, torch.Tensor], final: tuple[str, ...] = ()) -> bool:
         """Step ``key``'s last backward on this stage is next: launch each data-parallel bucket as soon as its
         gradients are final (no-op without data parallelism). True when it hooked the leaves' accumulation (the
-        backward must then accumulate through autograd, where the hooks fire)."""
+        backward must then accumulate through autograd, where the hooks fire). ``final``: leaves whose gradient is
+        already final, accumulated outside this backward (the VOCAB passes' shard of the output layer)."""
         some = next(iter(leaves.values()))
         # gloo on CPU: the hooks run on this thread and issue the all-reduce; NCCL on CUDA: events, issued after
         # backward; gloo with CUDA tensors (stages sharing a GPU): at submit, as without arming
@@ -104,9 +105,11 @@ class Reducer:
             return False
         early = self.early = self._plan(key, leaves)
         for n, leaf in leaves.items():
-            if leaf.requires_grad:
+            if leaf.requires_grad and n not in final:
                 early.handles.append(leaf.register_post_accumulate_grad_hook(
                     lambda t, n=n: self._accumulated(early, n)))
+        for n in final:
+            self._accumulated(early, n)
         return True
 
     def _plan(self, key: int, tensors: dict[str, torch.Tensor]) -> _Early:

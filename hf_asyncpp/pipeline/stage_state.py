@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.export import shard_file, write_shard
+from ..model.vocab_parallel import assemble, parse_shard
 from ..optim.ef import KEY as EF_KEY, ef_state_by_name, ef_state_from_names
 from ..optim.lr import continue_schedule
 from ..partition import merge_state_dicts
@@ -102,6 +103,9 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
                 by_name[n] = osd["state"][i]
         ef_by_name.update({n: t for n, t in ef_state_by_name(osd, names).items() if n in wanted})
     missing = [k for k in mine if k not in weights]
+    if missing:  # an output layer cut otherwise over the stages (vocab_parallel on, off, or another number of stages)
+        _recut(files, [k for k in missing if k in params], weights, older, by_name, ef_by_name)
+        missing = [k for k in mine if k not in weights]
     if missing:
         raise KeyError(f"{path}: the checkpoint has no {missing[:5]}; was it written for another model?")
     stage.load_state_dict({k: weights[k] for k in mine}, strict=True)
@@ -117,6 +121,69 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     return meta
 
 
+def _rows(parts: dict[str, torch.Tensor], base: str, rows: tuple[int, int] | None) -> torch.Tensor:
+    whole = assemble(parts)[base]
+    return (whole if rows is None else whole[rows[0]:rows[1]]).clone()
+
+
+def _recut(files: list[Path], names: list[str], weights: dict, older: dict, by_name: dict, ef_by_name: dict) -> None:
+    """The tensors ``names`` (this stage's rows of an output layer cut over the stages, ``lm_head.weight@v0:v1``, or
+    its whole weight) from a checkpoint that cut it otherwise (whole on its last stage, or rows of another number of
+    stages): every saved piece of the same weight is read (its values, older versions and optimizer and
+    Error-Feedback state), the pieces put together by rows (``model.vocab_parallel.assemble``) and this stage's rows
+    cut out. Optimizer state shaped like the weight is cut by rows; other entries (Adam's step) are the first
+    piece's (equal on every stage). Reads each file holding a piece, optimizer state included: a resume onto
+    another cut, not the common path."""
+    wanted: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    for n in names:
+        parsed = parse_shard(n)
+        base, rows = parsed if parsed else (n, None)
+        wanted.setdefault(base, []).append((n, rows))
+    for base, targets in wanted.items():
+        values, versions, states, efs = {}, {}, {}, {}
+        for f in files:
+            tf = ckpt.TensorFile(f)
+            pieces = [x for x in tf.names if x == base or (parse_shard(x) or ("",))[0] == base]
+            if not pieces:
+                continue
+            values.update(tf.get(pieces))
+            v = versions_of(f)
+            if v.exists():
+                vf = ckpt.TensorFile(v)
+                for key in vf.names:
+                    version, _, x = key.partition("/")
+                    if x in pieces:
+                        versions.setdefault(version, {})[x] = vf.get([key])[key]
+            saved = ckpt.load_state(optimizer_of(f))
+            osd, order = saved["optimizer"], saved["param_names"]
+            parts = [ckpt.load_state(p)["optimizer"] for p in optimizer_parts_of(f)]
+            if parts:
+                osd = merge_optimizer_states([osd, *parts], EF_KEY)
+            for i, x in enumerate(order):
+                if x in pieces and i in osd["state"]:
+                    states[x] = osd["state"][i]
+            efs.update({x: e for x, e in ef_state_by_name(osd, order).items() if x in pieces})
+        if not values:
+            continue
+        first = next(iter(values))
+
+        def cut(per_piece: dict, rows):
+            """Entries shaped like their piece of the weight, put together and cut; the others the first piece's."""
+            out = {}
+            for key, t in per_piece[first].items():
+                rowwise = all(torch.is_tensor(e.get(key)) and e[key].shape == values[x].shape for x, e in per_piece.items())
+                out[key] = _rows({x: e[key] for x, e in per_piece.items()}, base, rows) if rowwise else t
+            return out
+        for n, rows in targets:
+            weights[n] = _rows(values, base, rows)
+            for version, pieces_of in versions.items():
+                older[f"{version}/{n}"] = _rows(pieces_of, base, rows)
+            if len(states) == len(values):
+                by_name[n] = cut(states, rows)
+            if len(efs) == len(values):
+                ef_by_name[n] = cut(efs, rows)
+
+
 def gather_weights(stage: torch.nn.Module, topo) -> dict[str, torch.Tensor] | None:
     """Every stage's newest weights (from data-parallel rank 0) merged by name on the main process, None elsewhere
     (collective). For tests and one-process consumers: a run's own exports and evaluations never gather."""
@@ -128,13 +195,24 @@ def gather_weights(stage: torch.nn.Module, topo) -> dict[str, torch.Tensor] | No
     return merge_state_dicts([p for p in parts if p is not None])
 
 
-def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path,
+                        vocab_group=None) -> list[tuple[str, dict[str, int]]] | None:
     """Each stage (data-parallel rank 0) writes its own shard of an HF folder; only the file names and the tensor
-    names and sizes travel to the main process, which writes the index (collective)."""
+    names and sizes travel to the main process, which writes the index (collective). An output layer cut over the
+    stages (``vocab_group``: replica 0's stages) is gathered onto the last stage, which writes it whole under the
+    model's name (the one tensor of the export that crosses ranks: the head's weight, once)."""
     mine = None
     if topo.dp_rank == 0:
         name = shard_file(topo.stage, topo.num_stages)
-        mine = (name, write_shard(stage.state_dict(), config, folder / name))
+        sd = stage.state_dict()
+        if getattr(stage, "vocab", None) is not None:
+            own = stage.vocab.shard_name(topo.stage)
+            rows = sd.pop(own).detach().cpu()
+            parts = [None] * topo.num_stages if topo.last else None
+            dist.gather_object(rows, parts, dst=topo.rank_of(topo.num_stages - 1), group=vocab_group)
+            if topo.last:
+                sd[stage.vocab.name] = torch.cat(parts)
+        mine = (name, write_shard(sd, config, folder / name))
     parts = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(mine, parts, dst=0)
     return [x for x in parts if x is not None] if topo.is_main else None

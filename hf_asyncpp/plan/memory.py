@@ -361,7 +361,9 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
         held = [n for g in mine for n in per_stage_names[g]]
         held = [n for n in held if not any(n == copy and first in held for first, copy in plan.tied_pairs)]
         if vocab_parallel:  # the head's rows: a shard on every rank, none whole on the last stage's
-            held = [n for n in held if n not in shard] + list(shard)
+            # (the plan names each stage's rows ``lm_head.weight@v0:v1``: counted here under the head's own name, whose
+            # kind, cast and optimizer are the shard's)
+            held = [n for n in held if n not in shard and n in sizes] + list(shard)
         n_params = sum(shard.get(n, sizes[n]) for n in held)
         n_local = sum(local[n] for n in held)
         n_experts = sum(local[n] for n in held if n in sharded)  # this GPU's shard of the experts

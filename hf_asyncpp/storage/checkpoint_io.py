@@ -289,12 +289,17 @@ def weight_index(path: Path, tied: Mapping[str, str] = MappingProxyType({})) -> 
     several stage files hold, is compared (``torch.equal``, read by name: only those tensors) with its partner's
     first copy; None (no index rather than a wrong model) where one differs or its partner is in no stage file. The
     copies of a run's checkpoint are equal (one stage: one parameter; several: the same summed gradient and
-    update); a file edited by hand, or a run that let them drift apart, gets no index."""
+    update); a file edited by hand, or a run that let them drift apart, gets no index; nor does a checkpoint whose
+    output layer is cut over the stages (``pipeline.vocab_parallel``)."""
     files = [TensorFile(f) for f in stage_weight_files(path)]  # the headers
     held: dict[str, list[TensorFile]] = {}  # name -> the stage files holding it, in stage order
     for tf in files:
         for name in tf.names:
             held.setdefault(name, []).append(tf)
+    if any("@" in name for name in held):
+        # rows of a weight cut over the stages (``model/vocab_parallel.shard_name``: ``lm_head.weight@v0:v1``) are no
+        # tensor from_pretrained reads: no index rather than a model with a freshly drawn head (the export has it whole)
+        return None
     copies = [(tf, name, held[name][0], name) for name, tfs in held.items() for tf in tfs[1:]]
     for name, partner in tied.items():
         if name in held:
