@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from . import supervision
 from .config.recipe import Recipe
-from .errors import NonFiniteError
+from .errors import NonFiniteError, RecipeError
 from .model.build import autocast, compile_layers, enable_activation_checkpointing, ties
 from .model.export import shard_file, write_shard
 from .model.fused_loss import HeadCapture, use_fused_loss
-from .model.vocab_parallel import use_vocab_parallel
 from .model.nll import nll_per_block
 from .optim import DelaySimulator, apply_delay_correction, build_optimizer
 from .optim.delay import lambda_groups, stage_parameter_lists
@@ -146,7 +145,9 @@ class LocalEngine:
         self.forward_kwargs = model_kwargs(model)
         # the loss through the model's own forward, its head and cross-entropy fused (training.fused_loss)
         fused = use_fused_loss(recipe.training.fused_loss, model)
-        use_vocab_parallel(recipe.pipeline, model)  # one process holds the whole head: ``true`` is refused, named
+        if recipe.pipeline.vocab_parallel is True:  # one process holds the whole head: nothing to share it with
+            raise RecipeError("pipeline.vocab_parallel: true, but pipeline.schedule 'none' trains the whole model in "
+                              "one process, which holds the whole output layer; set pipeline.vocab_parallel: false")
         self.capture = HeadCapture(model.get_output_embeddings()) if fused else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = apply_delay_correction(build_optimizer(model, recipe.optimizer, log=log), recipe.optimizer,

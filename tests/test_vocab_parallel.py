@@ -121,27 +121,30 @@ def test_a_stage_built_alone_draws_the_whole_models_rows():
 
 
 def test_the_recipe_field_is_resolved_in_one_place():
+    """``plan.vocab.resolve_vocab_parallel`` is what the executor asks: true where allowed, else a RecipeError naming the
+    field and why; false; auto decided by the planner's simulation, its verdict said with the simulated figures."""
     from hf_asyncpp.config.recipe import recipe_from_dict
     from hf_asyncpp.errors import RecipeError
-    from hf_asyncpp.model.vocab_parallel import use_vocab_parallel
-    from support import LLAMA_UNTIED
+    from hf_asyncpp.plan.vocab import resolve_vocab_parallel
+    from support import LLAMA_UNTIED, make_config
 
-    def pipeline(**kw):
+    def recipe(config=LLAMA_UNTIED, **kw):
         d = {"schedule": "1f1b", "num_stages": 2, "num_microbatches": 2, "microbatch_size": 1, **kw}
-        return recipe_from_dict({"model": {"config": dict(LLAMA_UNTIED)}, "pipeline": d}).pipeline
+        return recipe_from_dict({"model": {"config": dict(config)}, "pipeline": d})
 
     untied, tied = make_model("llama_untied"), make_model("llama")
-    assert use_vocab_parallel(pipeline(vocab_parallel=True), untied)
-    assert not use_vocab_parallel(pipeline(vocab_parallel=False), untied)
-    assert not use_vocab_parallel(pipeline(), untied)  # auto: off until the planner decides it
-    for bad, model, why in [({}, tied, "tied"), ({"schedule": "pipedream"}, untied, "pipedream"),
-                            ({"num_stages": 1}, untied, "num_stages is 1"),
-                            ({"schedule": "none", "num_stages": 1}, untied, "num_stages is 1")]:
-        with pytest.raises(RecipeError, match=why):
-            use_vocab_parallel(pipeline(vocab_parallel=True, **bad), model)
+    assert resolve_vocab_parallel(recipe(vocab_parallel=True), untied)[0]
+    assert not resolve_vocab_parallel(recipe(vocab_parallel=False), untied)[0]
+    on, why = resolve_vocab_parallel(recipe(), untied)
+    assert why.startswith("on: " if on else "off: ") and "s/step" in why
+    for bad, model, reason in [({}, tied, "tied"), ({"schedule": "pipedream"}, untied, "pipedream"),
+                               ({"num_stages": 1}, untied, "one stage"),
+                               ({"schedule": "none", "num_stages": 1}, untied, "one stage")]:
+        with pytest.raises(RecipeError, match=reason):
+            resolve_vocab_parallel(recipe(vocab_parallel=True, **bad), model)
     gemma = make_model("gemma2")
     with pytest.raises(RecipeError, match="pipeline.vocab_parallel: true"):
-        use_vocab_parallel(pipeline(vocab_parallel=True), gemma)
+        resolve_vocab_parallel(recipe(make_config("gemma2").to_dict(), vocab_parallel=True), gemma)
 
 
 # ---------------------------------------------------------------------------- the pipeline against the whole model

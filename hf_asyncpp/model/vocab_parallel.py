@@ -34,10 +34,9 @@ from torch import nn
 
 from ..errors import RecipeError
 from .fused_loss import chunk_tokens, fused_loss_blocker
-from ..schedules.records import get_schedule
 
 __all__ = ["vocab_ranges", "VocabShards", "HeadShard", "shard_name", "parse_shard", "assemble",
-           "vocab_pass", "vocab_logits", "vocab_parallel_blocker", "use_vocab_parallel", "vocab_parallel_auto"]
+           "vocab_pass", "vocab_logits", "vocab_parallel_blocker"]
 
 _SHARD = re.compile(r"^(?P<base>.+)@(?P<v0>\d+):(?P<v1>\d+)$")
 
@@ -255,33 +254,3 @@ def vocab_parallel_blocker(model: nn.Module) -> str | None:
     if head.bias is not None:
         return "its output layer has a bias"
     return None
-
-
-def vocab_parallel_auto(pipeline, model: nn.Module) -> bool:
-    """``pipeline.vocab_parallel: auto``: whether sharing the output layer pays. Off for now; the planner's
-    simulation decides it here."""
-    return False
-
-
-def use_vocab_parallel(pipeline, model: nn.Module) -> bool:
-    """``pipeline.vocab_parallel`` resolved for this model: ``true`` requires it (a RecipeError names what stands in
-    the way), ``false`` keeps the head and loss on the last stage, ``auto`` asks :func:`vocab_parallel_auto` where
-    nothing stands in the way."""
-    setting = pipeline.vocab_parallel
-    if setting is False:
-        return False
-    why = None
-    if pipeline.num_stages < 2:
-        why = "pipeline.num_stages is 1 (no stages to share the output layer)"
-    elif pipeline.schedule in ("none", "pipedream"):
-        why = f"pipeline.schedule {pipeline.schedule!r} runs no VOCAB pass (use gpipe, 1f1b, zbh1 or 2bw)"
-    elif get_schedule(pipeline.schedule).stages_per_rank > 1:
-        why = f"pipeline.schedule {pipeline.schedule!r} holds several stages per rank (no VOCAB placement for it yet)"
-    else:
-        blocker = vocab_parallel_blocker(model)
-        why = f"{type(model).__name__}: {blocker}" if blocker else None
-    if setting is True:
-        if why:
-            raise RecipeError(f"pipeline.vocab_parallel: true, but {why}; set pipeline.vocab_parallel: false")
-        return True
-    return why is None and vocab_parallel_auto(pipeline, model)

@@ -44,10 +44,11 @@ from ..config.recipe import Recipe
 from ..engine import StepResult, finite_step
 from ..model.build import autocast, compile_layers, enable_activation_checkpointing, materialise_stage
 from ..model.fused_loss import use_fused_loss
-from ..model.vocab_parallel import use_vocab_parallel, vocab_pass
+from ..model.vocab_parallel import vocab_pass
 from ..optim import apply_delay_correction, build_optimizer
 from ..optim.ef import KEY as EF_KEY, has_correction, learned_values
 from ..optim.lr import build_scheduler
+from ..plan.vocab import resolve_vocab_parallel
 from ..partition import partition_model, shared_tensors
 from ..partition.split_backward import weight_gradients
 from ..schedules.actions import Action, ActionType
@@ -141,7 +142,8 @@ class PipelineEngine:
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
         # the output layer cut over the stages, each running a VOCAB pass per microbatch (model/vocab_parallel.py)
-        self.vocab_parallel = use_vocab_parallel(rc, model)
+        # (``auto``: where the planner's simulation says it pays; the same answer on every rank)
+        self.vocab_parallel = resolve_vocab_parallel(recipe, model)[0]
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len,
                                  fused_loss=use_fused_loss(recipe.training.fused_loss, model),
                                  vocab_parallel=self.vocab_parallel)

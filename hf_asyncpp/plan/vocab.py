@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
-
 from ..config.recipe import Recipe
 from ..errors import RecipeError
+from ..model.vocab_parallel import vocab_parallel_blocker
 from ..partition import partition_plan
 from ..schedules.records import pipelined
 from .memory import meta_model, planned_schedule
@@ -32,34 +31,10 @@ DECISION_FLOPS = 300e12
 """FLOP/s per device the decision's simulation assumes; only the ratio of the two step times matters, and with no
 link modelled it does not depend on this."""
 
-_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
-                    "output_multiplier_scale", "mup_width_multiplier")
-"""Config fields of transformers' models whose head is not a plain linear layer's logits (Gemma 2/3's soft-capping,
-Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...): a set value other than 1 refuses the sharing."""
-
-
-def why_not_model(model) -> str | None:
-    """Why ``model``'s output layer cannot be shared by every stage (None: it can): tied to the input embedding, not a
-    plain ``nn.Linear``, or its logits transformed (``_HEAD_TRANSFORMS``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if head is None:
-        return f"{type(model).__name__} has no output layer (get_output_embeddings() is None)"
-    if emb is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0):
-        return ("the output layer is tied to the input embedding (tie_word_embeddings); sharing it needs its gradient "
-                "summed with the embedding's across every stage, which is not done")
-    if type(head) is not nn.Linear:
-        return f"the output layer is a {type(head).__name__}, not a plain nn.Linear"
-    for name in _HEAD_TRANSFORMS:
-        value = getattr(model.config, name, None)
-        if value not in (None, 1, 1.0, False):
-            return f"the logits are transformed ({name}={value!r}), not the output layer's plain product"
-    return None
-
-
 def why_not_vocab_parallel(recipe: Recipe, model=None, num_stages: int | None = None) -> str | None:
     """Why ``recipe`` cannot share its vocabulary layers by every stage (None: it can): one stage, a schedule with
-    several stages per rank (planner only) or an update per microbatch, or the model (``why_not_model``)."""
+    several stages per rank (planner only) or an update per microbatch, or the model (``model.vocab_parallel.
+    vocab_parallel_blocker``: an untied plain linear head under transformers' own loss)."""
     p = num_stages or recipe.pipeline.num_stages
     if not pipelined(recipe.pipeline.schedule) or p < 2:
         return "one stage holds the whole vocabulary already"
@@ -68,7 +43,9 @@ def why_not_vocab_parallel(recipe: Recipe, model=None, num_stages: int | None = 
         return f"{sched.name} updates the weights per microbatch; the shards need one version per step"
     if not sched.runs_in_executor:
         return f"{sched.name} runs in the simulator and the planner only"
-    return why_not_model(model if model is not None else meta_model(recipe))
+    model = model if model is not None else meta_model(recipe)
+    why = vocab_parallel_blocker(model)
+    return f"{type(model).__name__}: {why}" if why else None
 
 
 def vocab_parallel_step_times(recipe: Recipe, model=None, num_stages: int | None = None,

@@ -33,6 +33,7 @@ from ..errors import NonFiniteError, StageLocalError
 from ..launch.spawn import check_topology, processes_needed
 from ..model.build import build_model, compile_counts, meta_model
 from ..plan.autosplit import auto_split
+from ..plan.vocab import resolve_vocab_parallel
 from ..pipeline.executor import PipelineEngine
 from ..plan.profile import write_report
 from ..schedules.records import pipelined
@@ -84,7 +85,8 @@ def make_engine(recipe: Recipe, tokenizer, topo: Topology) -> Engine:
 def measured_split(recipe: Recipe, tokenizer, main: bool) -> list[int]:
     """``pipeline.layers_per_stage: auto``: the main process measures (or finds its cache) and every rank gets its
     split, so all build the same stages whatever the timing noise on each."""
-    box = [auto_split(recipe, lambda: build_model(recipe.model, tokenizer), local_device()) if main else None]
+    box = [auto_split(recipe, lambda: build_model(recipe.model, tokenizer), local_device(),
+                      vocab_parallel=resolve_vocab_parallel(recipe)[0]) if main else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
