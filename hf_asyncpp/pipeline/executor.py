@@ -123,6 +123,8 @@ class _Window:
     backwards: dict = field(default_factory=dict)  # step -> backwards run here so far (the m-th is its last)
     act_header_sent: bool = False
     vocab_inputs: tuple | None = None  # vocab_parallel, stages but the last: what the VOCAB passes receive into
+    vocab_grads: dict = field(default_factory=dict)  # vocab_parallel: step -> its shard's gradient, until the step's
+    # last backward hands it to the version's leaf (two steps may share a version: 2BW's 0 and 1)
 
     def next_micro(self, key: tuple[int, int]) -> tuple[int, int] | None:
         """The microbatch after ``key`` in this window. Receives of one kind come in microbatch order in every
@@ -405,6 +407,8 @@ class PipelineEngine:
         last = done == w.m - 1
         # the step's gradients become final during its last B: its reduction may start inside it, from hooks on the
         # leaves' accumulation (a W sets .grad itself: reduced at REDUCE)
+        if last:
+            self._settle_vocab_grad(w, a.step, mb.version)
         hooked = last and a.type == T.B and self.reducer.arm(a.step, self.versions.leaves_for(mb.version),
                                                               final=(self.shard,) if self.shard else ())
         self._recompute_from(mb)
@@ -439,8 +443,9 @@ class PipelineEngine:
         data); they arrive in buffers made once per window."""
         leaf = self.versions.leaves_for(a.version)[self.shard]
         weight = self.versions.buffers[a.version][self.shard]  # the version's bf16 copy where held so, else fp32
-        if leaf.grad is None:
-            leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        grad = w.vocab_grads.get(a.step)
+        if grad is None:  # one per step, not in the leaf: a VOCAB of the next step may come before this one's REDUCE
+            grad = w.vocab_grads[a.step] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         dtype, p = self.params[self.shard].dtype, self.topo.num_stages
         if self.last:
             mb = w.micro[(a.step, a.microbatch)]
@@ -455,13 +460,23 @@ class PipelineEngine:
         rows = self.stage.vocab.ranges[self.topo.stage]
         with autocast(self.bf16):
             loss, dh = vocab_pass(hidden, labels, weight.detach(), rows, self.groups.vocab, self.topo.rank_of(p - 1),
-                                  leaf.grad, grad_scale=1.0 / w.m)
+                                  grad, grad_scale=1.0 / w.m)
         if self.last:
             mb.grad_from_next = [dh.to(mb.outputs[0].dtype)]
             if mb.loss is not None:
                 loss = loss + mb.loss.detach()  # the model's loss: its cross-entropy + coef * router aux loss
             s = w.loss_sums.get(a.step)
             w.loss_sums[a.step] = loss.double() if s is None else s + loss
+
+    def _settle_vocab_grad(self, w: _Window, step: int, version: int) -> None:
+        """Before the step's last backward (where its reduction may start) or its REDUCE: the shard's gradient of the
+        step's VOCABs, all run by then, into the version's leaf. Kept apart until now because with the deeper warm-up
+        (``records._vocab_passes``) a VOCAB of step k + 1 can run before REDUCE{k}, and 2BW's steps 0 and 1 (a sync
+        start's K and K + 1) use one version: its leaf would mix the two steps' gradients."""
+        grad = w.vocab_grads.pop(step, None)
+        if grad is not None:
+            leaf = self.versions.leaves_for(version)[self.shard]
+            leaf.grad = grad if leaf.grad is None else leaf.grad.add_(grad)
 
     def _do_send_act(self, a: Action, w: _Window) -> None:
         self.p2p.send(w.micro[(a.step, a.microbatch)].outputs, self.topo.stage + 1, with_header=not w.act_header_sent)
@@ -486,7 +501,9 @@ class PipelineEngine:
             del w.micro[(a.step, a.microbatch)]
 
     def _do_reduce(self, a: Action, w: _Window) -> None:
-        leaves = self.versions.leaves_for(w.step_version.pop(a.step))
+        version = w.step_version.pop(a.step)
+        self._settle_vocab_grad(w, a.step, version)  # (done at the step's last backward; here if none ran on this stage)
+        leaves = self.versions.leaves_for(version)
         grads = {}
         for n, leaf in leaves.items():
             grads[n] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
