@@ -60,7 +60,7 @@ from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, stor
 from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .step_reports import StepReports
-from .experts import expert_names, gather_expert_slices, shard_experts
+from .experts import expert_names, shard_experts
 from .sharding import assign_owners, keep_owned
 from .versions import Hold, Versions, find_casts
 
@@ -678,11 +678,11 @@ class PipelineEngine:
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Newest weights merged by name on the main process (collective: every rank calls it)."""
-        return stage_state.gather_weights(self.stage, self.topo)
+        return stage_state.gather_weights(self.stage, self.topo, self.experts)
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
-        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder)
+        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder, self.experts)
 
     def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
         """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage

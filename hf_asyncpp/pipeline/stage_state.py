@@ -23,6 +23,7 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.names import (optimizer_of, optimizer_parts_of, stage_file, stage_optimizer_file,
                              stage_optimizer_part_file, stage_versions_file, stage_weight_files, versions_of)
 from ..storage.staging import StagedFile, Stager
+from .experts import gather_expert_slices
 from .sharding import merge_optimizer_states
 from .versions import Versions
 
@@ -117,24 +118,43 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
     return meta
 
 
-def gather_weights(stage: torch.nn.Module, topo) -> dict[str, torch.Tensor] | None:
+def gather_weights(stage: torch.nn.Module, topo, experts=None) -> dict[str, torch.Tensor] | None:
     """Every stage's newest weights (from data-parallel rank 0) merged by name on the main process, None elsewhere
-    (collective). For tests and one-process consumers: a run's own exports and evaluations never gather."""
-    sd = {n: t.detach().cpu().clone() for n, t in stage.state_dict().items()} if topo.dp_rank == 0 else None
+    (collective). ``experts`` (``pipeline/experts.ExpertShard``): the expert tensors' slices of the first block's
+    ranks concatenated on dim 0. For tests and one-process consumers: a run's own exports and evaluations never
+    gather."""
+    mine = None
+    if topo.dp_rank == 0 or (experts is not None and experts.block == 0):
+        sd = {n: t.detach().cpu().clone() for n, t in stage.state_dict().items()
+              if topo.dp_rank == 0 or n in experts.names}
+        mine = (topo.stage, experts.rank if experts is not None else 0, sd)
     parts = [None] * topo.world_size if topo.is_main else None
-    dist.gather_object(sd, parts, dst=0)
+    dist.gather_object(mine, parts, dst=0)
     if not topo.is_main:
         return None
-    return merge_state_dicts([p for p in parts if p is not None])
+    stages: dict[int, dict] = {}
+    for s, rank, sd in sorted((p for p in parts if p is not None), key=lambda p: p[:2]):  # by stage, then block order
+        if s not in stages:
+            stages[s] = sd
+            continue
+        for n, t in sd.items():
+            stages[s][n] = torch.cat([stages[s][n], t])
+    return merge_state_dicts([stages[s] for s in sorted(stages)])
 
 
-def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
+def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path,
+                        experts=None) -> list[tuple[str, dict[str, int]]] | None:
     """Each stage (data-parallel rank 0) writes its own shard of an HF folder; only the file names and the tensor
-    names and sizes travel to the main process, which writes the index (collective)."""
+    names and sizes travel to the main process, which writes the index (collective). ``experts``: the first block's
+    expert slices are gathered to its rank 0 first, one tensor at a time, so the shard holds every expert, as
+    ``from_pretrained`` reads them."""
     mine = None
+    sd = stage.state_dict()
+    if experts is not None and experts.block == 0:
+        sd.update(gather_expert_slices(sd, experts, dst_rank=topo.stage * topo.dp_size))
     if topo.dp_rank == 0:
         name = shard_file(topo.stage, topo.num_stages)
-        mine = (name, write_shard(stage.state_dict(), config, folder / name))
+        mine = (name, write_shard(sd, config, folder / name))
     parts = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(mine, parts, dst=0)
     return [x for x in parts if x is not None] if topo.is_main else None
