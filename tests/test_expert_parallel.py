@@ -83,8 +83,9 @@ def _assert_same_run(plain, sharded, what):
     assert [x[1] for x in b] == pytest.approx([x[1] for x in a], rel=1e-5), what
     assert [x[2] for x in b] == [x[2] for x in a], what
     assert sd_a.keys() == sd_b.keys(), what
-    for k in sd_a:
-        torch.testing.assert_close(sd_b[k], sd_a[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{what}: {k}: {m}")
+    for k in sd_a:  # atol as check_against_reference's: Adam/Muon turn the summation-order noise of near-zero
+        # gradients into 1e-6..1e-5 weight noise (an update is ~1e-2 here; a wrong expert slice or scale is 1000x that)
+        torch.testing.assert_close(sd_b[k], sd_a[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
 def _pairs(specs):
