@@ -27,8 +27,8 @@ def _route_to_first_two(model) -> None:
 
 
 def ep_worker(rank, world, runs, route_two=False, export_dir=None):
-    """Each recipe trained on its replica batches in two windows: (loss, grad norm, lr) per step and the gathered
-    weights (main process); with ``export_dir`` the expert-parallel runs also export there (``export_engine``)."""
+    """Each recipe trained on its replica batches in two windows: (loss, grad norm, lr) per step, then a held-out
+    NLL, and the gathered weights (main process); with ``export_dir`` the expert-parallel runs also export there (``export_engine``)."""
     import os
     from pathlib import Path
 
@@ -58,10 +58,12 @@ def ep_worker(rank, world, runs, route_two=False, export_dir=None):
         batches = replica_batches[topo.dp_rank]
         res = eng.train_steps(batches[:2], 0) + eng.train_steps(batches[2:], 2)
         sd = eng.full_state_dict()
+        # held-out NLL: 5 blocks in batches of 2, so replica 0 runs 2 forwards and replica 1 one (a 2nd, filling)
+        nll = eng.eval_nll(torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(5)), 2)
         if export_dir is not None and recipe.pipeline.expert_parallel > 1:
             export_engine(eng, Path(export_dir) / f"export-{n}")
         local = {k: tuple(p.shape) for k, p in eng.params.items()}
-        out.append(([(r.loss, r.grad_norm, r.lr) for r in res], sd, local))
+        out.append(([(r.loss, r.grad_norm, r.lr) for r in res] + [nll], sd, local))
         eng.close()
     return (out, received) if route_two else out
 
@@ -77,6 +79,8 @@ def _with_ep(recipe, ep: int, **fields):
 
 def _assert_same_run(plain, sharded, what):
     (a, sd_a, _), (b, sd_b, _) = plain, sharded
+    (a, nll_a), (b, nll_b) = (a[:-1], a[-1]), (b[:-1], b[-1])
+    assert nll_b[1] == nll_a[1] and nll_b[0] == pytest.approx(nll_a[0], rel=1e-5), what
     assert len(a) == len(b) == 4, what
     torch.testing.assert_close(torch.tensor([x[0] for x in b]), torch.tensor([x[0] for x in a]), rtol=1e-5, atol=1e-6,
                                msg=what)
