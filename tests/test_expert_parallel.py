@@ -162,3 +162,56 @@ def test_bad_expert_parallel_is_named(arch, ep, replicas, fragment):
         expert_names(model, stage, ep, replicas)
     assert "pipeline.expert_parallel" in str(e.value)
     assert expert_names(model, stage, 1, replicas) == []
+
+
+def save_resume_worker(rank, world, recipe, batches, tmp):
+    """4 steps straight with the experts over both replicas; 2 steps, a save, a fresh engine that loads it, 2 steps;
+    and the same checkpoint resumed with every expert on every replica (expert_parallel 1)."""
+    from pathlib import Path
+
+    from hf_asyncpp.pipeline.executor import PipelineEngine
+    from hf_asyncpp.storage import checkpoint_io as ckpt
+    from hf_asyncpp.topology import Topology
+
+    topo = Topology(rank=rank, world_size=world, num_stages=recipe.pipeline.num_stages)
+    mine = batches[topo.dp_rank]
+    runs = {}
+    for how in ("straight", "resumed", "onto plain"):
+        eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
+        if how == "onto plain":
+            eng.close()
+            eng = PipelineEngine(_with_ep(recipe, 1), build(recipe), topo, log=lambda *a: None)
+            eng.load(Path(tmp))
+            res = []
+        else:
+            res = eng.train_steps(mine[:2], 0)
+        if how == "resumed":
+            eng.save(Path(tmp))
+            eng.close()
+            eng = PipelineEngine(recipe, build(recipe), topo, log=lambda *a: None)
+            eng.load(Path(tmp))
+        res += eng.train_steps(mine[2:], 2)
+        runs[how] = ([(r.loss, r.grad_norm) for r in res], eng.full_state_dict())
+        eng.close()
+    saved = {n: tuple(t.shape) for n, t in ckpt.load_tensors(Path(tmp) / "stage-00.safetensors").items()} \
+        if rank == 0 else None
+    return runs, saved
+
+
+def test_checkpoint_resumes_bit_for_bit_and_onto_another_expert_parallel_size(tmp_path):
+    """1 stage x 2 replicas, experts over both, 2BW with Muon and EF (two weight versions, momentum, EF buffers per
+    expert): a save after 2 steps holds every expert whole; resumed with the same expert_parallel the run continues
+    with the same losses and weights bit for bit, resumed with expert_parallel 1 within fp32 rounding."""
+    rec, replica, _, _ = scenario(MIXTRAL, "2bw", 1, 2, 2, "muon", True, dp=2, seed=3)
+    rec = _with_ep(rec, 2)
+    runs, saved = run_distributed(save_resume_worker, 2, rec, replica, str(tmp_path))[0]
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"][0] == 4  # every expert, in replica 0's file
+    (straight, a), (resumed, b), (plain, c) = runs["straight"], runs["resumed"], runs["onto plain"]
+    # as tests/test_runtime.py's resume: the restored grad norm's float64 sum may round its last bit differently
+    torch.testing.assert_close(torch.tensor(resumed, dtype=torch.float64), torch.tensor(straight, dtype=torch.float64),
+                               rtol=1e-9, atol=0)
+    assert [x[0] for x in resumed] == [x[0] for x in straight]
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert [x[0] for x in plain] == pytest.approx([x[0] for x in straight[2:]], rel=1e-6)
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-5)

@@ -687,11 +687,14 @@ class PipelineEngine:
     def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
         """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage
         its weights, versions and optimizer state; under ZeRO-1 each further replica the optimizer state it owns,
-        written by itself, so a checkpoint never gathers a replica's state on another rank. Others: nothing."""
-        if self.topo.dp_rank == 0 or self.owner_of is not None:
+        written by itself, so a checkpoint never gathers a replica's state on another rank. With the experts sharded,
+        the first block of replicas gathers their slices (weights, versions, optimizer state) into replica 0's files,
+        one tensor at a time, so a checkpoint holds every expert whole. Others: nothing."""
+        if self.topo.dp_rank == 0 or self.owner_of is not None or (self.experts is not None and self.experts.block == 0):
             return stage_state.stage_files(stager, self.topo.stage, self.stage, self.optimizer, self.scheduler,
                                            self.versions, {"nonfinite_skipped": self.nonfinite_skipped},
-                                           replica=self.topo.dp_rank)
+                                           replica=self.topo.dp_rank, experts=self.experts,
+                                           zero=self.owner_of is not None)
         return []
 
     def save(self, tmp: Path) -> None:
@@ -705,7 +708,7 @@ class PipelineEngine:
         """Restore this stage from a checkpoint of any number of stages (matched by parameter name); on an unchanged
         split this rank reads only its own stage's files."""
         meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
-                                       stage_index=self.topo.stage)
+                                       stage_index=self.topo.stage, experts=self.experts)
         self.nonfinite_skipped = meta["nonfinite_skipped"]
         if self.owner_of is not None:
             keep_owned(self.optimizer, {q for n, q in self.params.items()  # experts: every rank its own

@@ -37,7 +37,8 @@ from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
 
 from ..errors import RecipeError
 
-__all__ = ["ExpertShard", "expert_names", "shard_experts", "gather_expert_slices"]
+__all__ = ["ExpertShard", "expert_names", "shard_experts", "gather_expert_slices", "gather_expert_state",
+           "take_local_rows"]
 
 SHARDED_STYLE, DISPATCH_STYLE = "grouped_gemm", "ep_dispatch_experts"
 
@@ -146,3 +147,59 @@ def gather_expert_slices(tensors: dict[str, torch.Tensor], shard: ExpertShard, d
         if parts is not None:
             out[n] = torch.cat(parts)
     return out
+
+
+def gather_expert_state(weights: dict, older: dict, optimizer_state: dict, names: list[str], shard: ExpertShard,
+                        ef_key: str, dst_rank: int) -> tuple[dict, dict, dict]:
+    """A checkpoint's stage state with every expert whole, on ``dst_rank`` (the stage's replica 0): the weights, the
+    older versions (``v{k}/{name}``) and each optimizer and Error-Feedback tensor of an expert parameter's shape
+    gathered from the block's ranks and concatenated on dim 0 (collective over the first block; the others return
+    what they were given). New dicts: the live optimizer state is never modified."""
+    shapes = {n: tuple(weights[n].shape) for n in shard.names if n in weights}
+    flat = {f"w/{n}": weights[n] for n in shapes}
+    flat.update({f"o/{k}": t for k, t in older.items() if k.split("/", 1)[1] in shapes})
+    index = {i: n for i, n in enumerate(names) if n in shapes}
+    state = optimizer_state["state"]
+    for i, n in index.items():
+        for key, t in (state.get(i) or {}).items():
+            if torch.is_tensor(t) and tuple(t.shape) == shapes[n]:
+                flat[f"s/{i}/{key}"] = t
+    ef = optimizer_state.get(ef_key) or {}
+    for part in ("prev", "diffs"):
+        for i, t in (ef.get(part) or {}).items():
+            if int(i) in index and torch.is_tensor(t) and tuple(t.shape) == shapes[index[int(i)]]:
+                flat[f"e/{part}/{i}"] = t
+    whole = {}
+    for key in sorted(flat):  # the same keys, in the same order, on every rank of the block
+        t = flat[key].detach().contiguous()
+        parts = [torch.empty_like(t) for _ in range(shard.size)] if dist.get_rank() == dst_rank else None
+        dist.gather(t, parts, dst=dst_rank, group=shard.group)
+        if parts is not None:
+            whole[key] = torch.cat(parts)
+    if dist.get_rank() != dst_rank:
+        return weights, older, optimizer_state
+    weights = {**weights, **{k[2:]: t for k, t in whole.items() if k.startswith("w/")}}
+    older = {**older, **{k[2:]: t for k, t in whole.items() if k.startswith("o/")}}
+    optimizer_state = {**optimizer_state, "state": dict(state)}
+    for k, t in whole.items():
+        if k.startswith("s/"):
+            _, i, key = k.split("/", 2)
+            optimizer_state["state"][int(i)] = {**optimizer_state["state"][int(i)], key: t}
+    if any(k.startswith("e/") for k in whole):
+        ef = optimizer_state[ef_key] = {**ef, "prev": dict(ef.get("prev") or {}), "diffs": dict(ef.get("diffs") or {})}
+        for k, t in whole.items():
+            if k.startswith("e/"):
+                _, part, i = k.split("/", 2)
+                key = next(j for j in ef[part] if str(j) == i)
+                ef[part][key] = t
+    return weights, older, optimizer_state
+
+
+def take_local_rows(name: str, t, shard: ExpertShard | None, full_rows: int | None = None):
+    """A checkpoint's tensor of expert ``name`` as this rank holds it: its dim-0 slice when ``t`` has every expert
+    (``full_rows``: the saved tensor's expert count, the unsharded tensor's by default); anything else unchanged."""
+    if shard is None or name not in shard.names or not torch.is_tensor(t) or t.dim() == 0:
+        return t
+    if t.shape[0] != (full_rows or shard.global_rows[name]):
+        return t
+    return t[shard.local_slice(name)].clone()
