@@ -215,3 +215,51 @@ def test_checkpoint_resumes_bit_for_bit_and_onto_another_expert_parallel_size(tm
     assert [x[0] for x in plain] == pytest.approx([x[0] for x in straight[2:]], rel=1e-6)
     for k in a:
         torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-5)
+
+
+def host_ops_worker(rank, world, recipe):
+    """What ``hf_asyncpp.testing.host_ops_per_step`` measures (``HostOps`` over 2 steps after 2), and the host reads
+    ``Tensor.tolist`` makes in those steps (no dispatched op: ``HostOps`` does not see them)."""
+    from hf_asyncpp.testing import HostOps, _stage_engine
+
+    eng, batches = _stage_engine(rank, world, recipe)
+    eng.train_steps(batches(2), 0)
+    mode, real, calls = HostOps(), torch.Tensor.tolist, []
+    mode.watch(eng)
+
+    def counted(t):
+        calls.append(mode.label)
+        return real(t)
+    torch.Tensor.tolist = counted
+    try:
+        with mode:
+            eng.train_steps(batches(2), 2)
+    finally:
+        torch.Tensor.tolist = real
+    eng.close()
+    return {"actions": mode.per_call(), "reads_per_step": mode.reads, "tolist": {k: calls.count(k) / 2 for k in set(calls)}}
+
+
+def test_the_all_to_all_costs_a_few_host_ops_and_one_read_per_moe_layer():
+    """The all-to-alls run inside F and B and are counted there (``hf_asyncpp.testing.HostOps``): per microbatch,
+    a bounded number of extra ops per MoE layer (dispatch and combine: the counts, the sort, two exchanges), and
+    transformers' ``AllToAllEP`` reads the split sizes to the host once per layer and forward (nothing more in the
+    backward); the reduction and the step add nothing per expert."""
+    def recipe(ep):
+        return {"model": {"config": QWEN3_MOE}, "data": {"seq_len": 16},
+                "pipeline": {"schedule": "2bw", "num_stages": 1, "num_microbatches": 2, "microbatch_size": 2,
+                             "expert_parallel": ep},
+                "optimizer": {"name": "muon", "learning_rate": 0.01}, "training": {"max_steps": 8, "report_to": []}}
+    plain, sharded = (run_distributed(host_ops_worker, 2, recipe(ep))[0] for ep in (1, 2))
+    layers, m = QWEN3_MOE["num_hidden_layers"], 2
+    f, b = (sharded["actions"][k]["ops"] - plain["actions"][k]["ops"] for k in ("F", "B"))
+    assert 0 < f <= 40 * layers and 0 <= b <= 12 * layers, (f, b)  # measured: 37 and 9 per layer
+    # the reduction's phases land in REDUCE, STEP or between actions as their collectives complete: their sum per
+    # step is no larger (the experts leave the data-parallel buckets; their mean is one _foreach_div_)
+    def reducing(r):
+        return sum(r["actions"][k]["ops"] * r["actions"][k]["calls"] for k in ("REDUCE", "STEP", "between")
+                   if k in r["actions"]) / 2
+    assert reducing(sharded) <= reducing(plain), (sharded["actions"], plain["actions"])
+    reads = {k: n - plain["tolist"].get(k, 0) for k, n in sharded["tolist"].items()}
+    assert {k: n for k, n in reads.items() if n} == {"F": layers * m}, sharded["tolist"]  # per step
+    assert sharded["reads_per_step"] == plain["reads_per_step"] == {}
