@@ -166,6 +166,18 @@ def test_bad_expert_parallel_is_named(arch, ep, replicas, fragment):
     assert expert_names(model, stage, 1, replicas) == []
 
 
+def test_the_one_process_engine_refuses_sharded_experts():
+    """``pipeline.schedule: none`` trains in ``LocalEngine``, which holds every expert: a recipe asking for sharded
+    experts there is named, not silently run replicated."""
+    from hf_asyncpp.engine import LocalEngine
+    from hf_asyncpp.errors import RecipeError
+    from hf_asyncpp.topology import Topology
+
+    rec = _with_ep(make_recipe(MIXTRAL, "none", 1, 1, 1), 2)
+    with pytest.raises(RecipeError, match="pipeline.expert_parallel: 2 runs in the pipeline executor"):
+        LocalEngine(rec, build(rec), Topology(), log=lambda *a: None)
+
+
 def save_resume_worker(rank, world, recipe, batches, tmp):
     """4 steps straight with the experts over both replicas; 2 steps, a save, a fresh engine that loads it, 2 steps;
     and the same checkpoint resumed with every expert on every replica (expert_parallel 1)."""
