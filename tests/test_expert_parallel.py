@@ -106,12 +106,13 @@ def _pairs(specs):
 def test_two_stages_two_replicas_equal_the_run_without_expert_parallelism(tmp_path):
     """2 stages x 2 replicas, experts over both: Mixtral under 2BW with Muon and EF; Qwen3-MoE under GPipe with
     AdamW, activation checkpointing and ZeRO-1 (the replicated part sharded, each rank stepping its own experts), and
-    under ZB-H1 (the backward split in two: the all-to-alls' backward runs in the input half).
+    under ZB-H1 (the backward split in two: the all-to-alls' backward runs in the input half) with dense layers 0
+    and 1 (stage 0 has no expert: its groups, norm and forward-only rounds follow the others').
     Each rank holds half of every expert tensor; the export gathers them into a folder from_pretrained reads."""
     specs = [(MIXTRAL, "2bw", 2, 2, 2, "muon", True, 2, 2, {}),
              (QWEN3_MOE, "gpipe", 2, 2, 2, "adamw", False, 2, 2,
               {"training__gradient_checkpointing": True, "optimizer__shard_across_replicas": True}),
-             (QWEN3_MOE, "zbh1", 2, 2, 1, "muon", False, 2, 2, {})]
+             ({**QWEN3_MOE, "mlp_only_layers": [0, 1]}, "zbh1", 2, 2, 1, "muon", False, 2, 2, {})]
     runs = _pairs(specs)
     results = run_distributed(ep_worker, 4, runs, False, str(tmp_path))
     main = results[0]

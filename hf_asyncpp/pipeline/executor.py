@@ -164,11 +164,14 @@ class PipelineEngine:
             self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
         # every wait starts with the long budget (init_timeout_s, until the run's first STEP); after a STEP of a stream
         # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
+        # the groups are made collectively: decided by the recipe, the same on every rank, also on a stage without
+        # MoE layers (its norm then still sums over the norm group, as the other stages' does)
+        ep = rc.expert_parallel  # (expert_names checked that it divides the replicas)
         self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
                                   p2p_timeout=timedelta(seconds=rc.init_timeout_s),
-                                  sharded_norm=None if self.owner_of is None and not sharded
+                                  sharded_norm=None if self.owner_of is None and ep == 1
                                   else "global" if self.global_norm else "stage",
-                                  expert_parallel=rc.expert_parallel if sharded else 1)
+                                  expert_parallel=ep)
         self.experts = shard_experts(model, self.stage, sharded, self.groups.experts, topo.dp_rank) if sharded else None
         if recipe.training.compiles():
             compile_layers(self.stage.decoder_layers(), recipe.training.torch_compile_backend)

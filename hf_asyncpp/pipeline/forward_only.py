@@ -35,7 +35,7 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
     until it has run that many, its results dropped."""
     stage, p2p, topo = engine.stage, engine.p2p, engine.topo
     real = len(batches)  # the last stage reports these; the rest fill the rounds
-    if getattr(engine, "experts", None) is not None and rounds > real:
+    if engine.recipe.pipeline.expert_parallel > 1 and rounds > real:  # every stage: they feed each other
         batches = list(batches) + [batches[0] if batches else torch.zeros((1, 1), dtype=torch.long)] * (rounds - real)
     stage.eval()
     leaves = weights if weights is not None else engine.versions.compute_for(engine.versions.latest)

@@ -314,17 +314,17 @@ class Reducer:
         # per-tensor norms in the gradients' dtype (no float64 copy of any gradient), summed in float64
         sq = torch.stack(torch._foreach_norm(counted, 2)).double().pow(2).sum() if counted else \
             torch.zeros((), dtype=torch.float64, device=device)
-        if self.owner_of is not None or self.experts is not None:  # each replica has its part of the sum
+        if self.groups.norm is not None:  # ZeRO-1 or sharded experts: each replica has its part of the sum
             yield [dist.all_reduce(sq, group=self.groups.norm, async_op=True)]
         elif self.topo.num_stages > 1 and self.global_norm:
             yield [dist.all_reduce(sq, group=self.groups.pipe, async_op=True)]
         return grads, sq
 
     def _counts(self, name: str) -> bool:
-        """Whether this rank adds ``name``'s gradient to the norm's sum: with experts sharded (the sum then runs over
-        every replica) an expert on the first block, a replicated tensor on replica 0 (ZeRO-1: on its owner, the
-        only one holding its gradient)."""
-        if self.experts is None:
+        """Whether this rank adds ``name``'s gradient to the norm's sum: where the sum runs over the replicas too
+        (``Groups.norm``: ZeRO-1 or sharded experts) an expert on the first block, a replicated tensor on replica 0
+        (ZeRO-1: on its owner, the only one holding its gradient)."""
+        if self.groups.norm is None:
             return True
         if name in self.expert_names:
             return self.experts.counted
