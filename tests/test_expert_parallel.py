@@ -213,12 +213,14 @@ def save_resume_worker(rank, world, recipe, batches, tmp):
     return runs, saved
 
 
-def test_checkpoint_resumes_bit_for_bit_and_onto_another_expert_parallel_size(tmp_path):
+@pytest.mark.parametrize("zero", [False, True])
+def test_checkpoint_resumes_bit_for_bit_and_onto_another_expert_parallel_size(tmp_path, zero):
     """1 stage x 2 replicas, experts over both, 2BW with Muon and EF (two weight versions, momentum, EF buffers per
-    expert): a save after 2 steps holds every expert whole; resumed with the same expert_parallel the run continues
-    with the same losses and weights bit for bit, resumed with expert_parallel 1 within fp32 rounding."""
+    expert), and with ZeRO-1 (replica 1's own optimizer file, without its experts): a save after 2 steps holds every
+    expert whole; resumed with the same expert_parallel the run continues with the same losses and weights bit for
+    bit, resumed with expert_parallel 1 within fp32 rounding."""
     rec, replica, _, _ = scenario(MIXTRAL, "2bw", 1, 2, 2, "muon", True, dp=2, seed=3)
-    rec = _with_ep(rec, 2)
+    rec = _with_ep(rec, 2, optimizer__shard_across_replicas=zero)
     runs, saved = run_distributed(save_resume_worker, 2, rec, replica, str(tmp_path))[0]
     assert saved["model.layers.0.mlp.experts.gate_up_proj"][0] == 4  # every expert, in replica 0's file
     (straight, a), (resumed, b), (plain, c) = runs["straight"], runs["resumed"], runs["onto plain"]
