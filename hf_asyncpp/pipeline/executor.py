@@ -55,12 +55,12 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.staging import StagedFile, Stager
 from ..topology import Topology, local_device, make_groups, set_default_group_timeout
 from . import forward_only, stage_state
+from .experts import expert_names, shard_experts
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
 from .p2p import P2P, polls, ranks_on_this_node
 from .reducer import Reducer
 from .step_reports import StepReports
-from .experts import expert_names, shard_experts
 from .sharding import assign_owners, keep_owned
 from .versions import Hold, Versions, find_casts
 
