@@ -134,6 +134,10 @@ class LocalEngine:
 
     def __init__(self, recipe: Recipe, model: torch.nn.Module, topo: Topology, log=print):
         self.recipe, self.topo, self.device = recipe, topo, local_device()
+        if recipe.pipeline.expert_parallel > 1:  # the experts' shards and all-to-alls live in the pipeline executor
+            raise RecipeError(f"pipeline.expert_parallel: {recipe.pipeline.expert_parallel} runs in the pipeline "
+                              "executor; with pipeline.schedule: none set it to 1, or name a schedule (gpipe, 1f1b, "
+                              "2bw; one stage is allowed)")
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = model.to(self.device)

@@ -121,7 +121,7 @@ def _stage_engine(rank: int, world: int, recipe: dict):
 
     r = recipe_from_dict(recipe)
     torch.manual_seed(0)
-    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=world),
+    eng = PipelineEngine(r, build_model(r.model), Topology(rank=rank, world_size=world, num_stages=r.pipeline.num_stages),
                          log=lambda *a: None)
     p, g = r.pipeline, torch.Generator().manual_seed(0)
     return eng, lambda n: [torch.randint(0, eng.config.vocab_size, (p.num_microbatches, p.microbatch_size,

@@ -134,9 +134,15 @@ class Groups:
     # a group of its own, because the reducer's grad-norm all-reduce on ``pipe`` is issued between actions and would
     # otherwise interleave with them
     vocab: object = None
+    # expert parallelism (pipeline.expert_parallel > 1, ``expert_mesh``): "ep" carries the routed tokens' all-to-alls
+    # of the forward and backward, at fixed actions, and nothing else; "ep_replicas" (the replicas holding the same
+    # expert shard, when expert_parallel < replicas) the reducer's expert-gradient sums
+    experts: DeviceMesh | None = None
 
     def _collective(self) -> list:
-        return [g for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values())
+        ep = self.experts.get_all_groups() if self.experts is not None else []
+        return [g for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values(),
+                                               *ep)
                             if x is not None and x is not dist.GroupMember.NON_GROUP_MEMBER}.values()]
 
     def set_timeouts(self, timeout: timedelta, p2p: timedelta) -> None:
@@ -150,7 +156,9 @@ class Groups:
 
     def destroy(self) -> None:
         mesh = self.mesh.get_all_groups() if self.mesh is not None else []  # with dp = 1 its "dp" too
-        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values(), *self.p2p.values(),
+        mesh += self.experts.get_all_groups() if self.experts is not None else []
+        for g in {id(x): x for x in (self.dp, self.pipe, self.report, self.norm, self.vocab, *self.ties.values(),
+                                     *self.p2p.values(),
                                      *mesh) if x is not None}.values():
             dist.destroy_process_group(g)
 
@@ -169,30 +177,49 @@ def stage_mesh(topo: Topology, timeout: timedelta) -> DeviceMesh:
     for a dimension spanning every rank (one stage, or no data parallelism), which ``Groups.destroy`` would then tear
     down and whose collectives could interleave with the default group's, and would create its groups with the
     backend's default timeout instead of ``init_timeout_s``."""
-    backend = dist.get_backend()
-
-    def override():
-        if backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-        elif backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = False  # what new_group gives a NCCL group without options
-        else:
-            return backend
-        options._timeout = timeout  # the mesh passes it on as the group's timeout
-        return backend, options
     # one options object per dimension: a NCCL group keeps (and c10d writes its ranks into) the one it was made with
     return init_device_mesh(local_device().type, (topo.num_stages, topo.dp_size), mesh_dim_names=("pp", "dp"),
-                            backend_override={"pp": override(), "dp": override()})
+                            backend_override={"pp": _own_groups(timeout), "dp": _own_groups(timeout)})
+
+
+def _own_groups(timeout: timedelta):
+    """A mesh dimension's backend override: new groups on the default group's backend with ``timeout`` (never the
+    default group itself, see :func:`stage_mesh`)."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # what new_group gives a NCCL group without options
+    else:
+        return backend
+    options._timeout = timeout  # the mesh passes it on as the group's timeout
+    return backend, options
+
+
+def expert_mesh(topo: Topology, expert_parallel: int, timeout: timedelta) -> DeviceMesh:
+    """The expert-parallel mesh of shape (num_stages, dp_size // expert_parallel, expert_parallel, 1), dimensions
+    ("pp", "ep_replicas", "ep", "ep_tp"), in the same row-major rank order as :func:`stage_mesh`: a stage's replicas
+    split into consecutive blocks of ``expert_parallel`` (dp_rank = block * expert_parallel + ep_rank). ``mesh["ep"]``
+    is this rank's expert-parallel group (each holds a different shard; the tokens' all-to-alls run on it),
+    ``mesh["ep_replicas"]`` the replicas holding this rank's shard, ``mesh["ep_tp"]`` this rank alone: transformers'
+    ``EPImplementation`` takes the group of ranks sharing one batch as a mesh too, and here each replica has its own.
+    Every dimension gets groups of its own (``_own_groups``), never the data-parallel group, on which the reducer
+    issues its buckets at times that differ between replicas."""
+    dp = topo.dp_size
+    return init_device_mesh(local_device().type, (topo.num_stages, dp // expert_parallel, expert_parallel, 1),
+                            mesh_dim_names=("pp", "ep_replicas", "ep", "ep_tp"),
+                            backend_override={d: _own_groups(timeout) for d in ("pp", "ep_replicas", "ep", "ep_tp")})
 
 
 def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta | None = None,
-                sharded_norm: str | None = None, vocab_parallel: bool = False) -> Groups:
+                sharded_norm: str | None = None, vocab_parallel: bool = False, expert_parallel: int = 1) -> Groups:
     """``tied``: the sets of stages that hold copies of one tensor (``shared_tensors``' holders). One group per set and
     data-parallel replica sums their gradients. ``timeout``: the collectives' groups; ``p2p_timeout`` (default the
     same): the point-to-point groups (on NCCL their watchdog is what ends a rank whose neighbour went silent).
-    ``sharded_norm`` ("global" or "stage"): the optimizer state is sharded across replicas; make ``Groups.norm``.
-    ``vocab_parallel``: the output layer is cut over the stages; make ``Groups.vocab``."""
+    ``sharded_norm`` ("global" or "stage"): the optimizer state or the experts are sharded across replicas; make
+    ``Groups.norm``. ``vocab_parallel``: the output layer is cut over the stages; make ``Groups.vocab``.
+    ``expert_parallel`` > 1: make ``Groups.experts`` (:func:`expert_mesh`)."""
     g = Groups()
     p, dp = topo.num_stages, topo.dp_size
     g.mesh = stage_mesh(topo, timeout)
@@ -226,4 +253,6 @@ def make_groups(topo: Topology, tied, timeout: timedelta, p2p_timeout: timedelta
             grp = dist.new_group([s * dp + d for d in range(dp)], timeout=timeout)
             if s == topo.stage:
                 g.norm = grp
+    if expert_parallel > 1:
+        g.experts = expert_mesh(topo, expert_parallel, timeout)
     return g

@@ -79,11 +79,11 @@ TIERS = {
     "distributed": ("test_bf16_versions", "test_checkpointing", "test_compiled", "test_expert_parallel_memory",
                     "test_host_overhead", "test_nccl_order",
                     "test_recipes", "test_recv_wait", "test_reducer", "test_runtime", "test_runtime_families",
-                    "test_sharding", "test_stage_local", "test_vocab_parallel", "test_zero_bubble"),
+                    "test_sharding", "test_stage_local", "test_vocab_parallel", "test_zero_bubble", "test_expert_parallel"),
     "e2e": ("test_async_save", "test_cli_inputs", "test_cluster_launch", "test_data_path", "test_downstream", "test_gpu_bench",
             "test_launch", "test_lm_eval_parity", "test_lose_nothing", "test_memory_plan", "test_packaging",
             "test_paper_regime", "test_preflight", "test_reliability", "test_reliability_launch", "test_reliability_rest",
-            "test_resume_changes",
+            "test_resume_changes", "test_expert_parallel_launch",
             "test_hangs", "test_honest_outputs", "test_no_damage", "test_readme", "test_safety", "test_stop_signals",
             "test_trainer"),
 }

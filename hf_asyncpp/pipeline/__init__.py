@@ -8,6 +8,7 @@ records and the simulator; this is what executes them; ``plan/`` says what they 
 ``nccl_order``     NCCL's point-to-point ordering rule enforced on gloo: the test transport of CPU runs
 ``reducer``        the gradient reduction: asynchronous collectives issued at REDUCE, waited for at STEP
 ``sharding``       ZeRO-1 across a stage's data-parallel replicas
+``experts``        expert parallelism: each MoE layer's experts sharded over a stage's replicas, tokens by all-to-all
 ``step_reports``   per-step results delivered to the trainer without blocking a stage
 ``stage_state``    a stage's checkpoint files, by parameter name
 ``forward_only``   forward passes through the stages: held-out loss, the export read back

@@ -57,6 +57,7 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.staging import StagedFile, Stager
 from ..topology import Topology, local_device, make_groups, set_default_group_timeout
 from . import forward_only, stage_state
+from .experts import expert_names, shard_experts
 from .gpu_timer import DEVICE_TIMED, GpuTimer
 from .memtrack import checkpoint_input_hooks, is_weight_cast, stage_memory, storage_key, transfer_bytes
 from .p2p import P2P, polls, ranks_on_this_node
@@ -153,18 +154,40 @@ class PipelineEngine:
         if any(t.is_meta for t in stages[topo.stage].parameters()):  # ``model`` on the meta device: build our stage only
             materialise_stage(stages[topo.stage], model, recipe.model)
         self.stage = stages[topo.stage].to(self.device)  # only this stage's weights reach the device
-        if recipe.training.compiles():
-            compile_layers(self.stage.decoder_layers(), recipe.training.torch_compile_backend)
         del stages
         self.first, self.last = topo.first, topo.last
-        self.params = dict(self.stage.named_parameters())
-        # vocab_parallel: this stage's rows of the output layer (a parameter of its own, in its versions like any)
-        self.shard = self.stage.vocab.shard_name(topo.stage) if self.vocab_parallel else None
         tied: dict[tuple, list[str]] = {}  # per set of stages sharing tensors, this stage's names of them
         for holders, names in shared:
             if topo.stage in holders:
                 tied.setdefault(holders, []).append(names[holders.index(topo.stage)])
         self.tied_names = [n for names in tied.values() for n in names]
+        # expert parallelism: the stage's expert tensors sharded over blocks of replicas (pipeline/experts.py),
+        # before anything (optimizer, versions, compiled layers) holds them
+        sharded = expert_names(model, self.stage, rc.expert_parallel, topo.dp_size)
+        # a stage-local norm (pipedream without clipping) is not logged as grad_norm
+        self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
+        # ZeRO-1: this replica steps (and keeps optimizer state for) the replicated tensors it owns, the owners
+        # broadcast them; each rank steps its own experts
+        self.owner_of = None
+        if recipe.optimizer.shard_across_replicas and topo.dp_size > 1:
+            sizes = {n: q.numel() for n, q in self.stage.named_parameters() if n not in sharded}
+            self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
+        # every wait starts with the long budget (init_timeout_s, until the run's first STEP); after a STEP of a stream
+        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
+        # the groups are made collectively: decided by the recipe, the same on every rank, also on a stage without
+        # MoE layers (its norm then still sums over the norm group, as the other stages' does)
+        ep = rc.expert_parallel  # (expert_names checked that it divides the replicas)
+        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
+                                  p2p_timeout=timedelta(seconds=rc.init_timeout_s),
+                                  sharded_norm=None if self.owner_of is None and ep == 1
+                                  else "global" if self.global_norm else "stage",
+                                  vocab_parallel=self.vocab_parallel, expert_parallel=ep)
+        self.experts = shard_experts(model, self.stage, sharded, self.groups.experts, topo.dp_rank) if sharded else None
+        if recipe.training.compiles():
+            compile_layers(self.stage.decoder_layers(), recipe.training.torch_compile_backend)
+        self.params = dict(self.stage.named_parameters())
+        # vocab_parallel: this stage's rows of the output layer (a parameter of its own, in its versions like any)
+        self.shard = self.stage.vocab.shard_name(topo.stage) if self.vocab_parallel else None
         # a learned EF lambda per stage, and one per set of stages sharing tensors (a tied head's copies must take the
         # same update on every holder: their lambda is learned from the shared tensors alone, the same everywhere)
         own = [p for n, p in self.params.items() if n not in self.tied_names and p.requires_grad]
@@ -178,20 +201,8 @@ class PipelineEngine:
         self.optimizer = apply_delay_correction(build_optimizer(self.stage, recipe.optimizer, log=log), recipe.optimizer,
                                                 groups=lam_groups)
         self.scheduler = build_scheduler(self.optimizer, recipe.training)
-        # a stage-local norm (pipedream without clipping) is not logged as grad_norm
-        self.global_norm = self.schedule.reduce_scope(recipe.training.max_grad_norm) == "global"
-        # ZeRO-1: this replica steps (and keeps optimizer state for) the tensors it owns, the owners broadcast them
-        self.owner_of = None
-        if recipe.optimizer.shard_across_replicas and topo.dp_size > 1:
-            sizes = {n: q.numel() for n, q in self.params.items()}
-            self.owner_of = assign_owners(sizes, topo.dp_size, set(self.tied_names))
-        # every wait starts with the long budget (init_timeout_s, until the run's first STEP); after a STEP of a stream
-        # receives wait p2p_timeout_s for a neighbour, collectives collective_timeout_s (_use_timeouts)
-        self.groups = make_groups(topo, [holders for holders, _ in shared], timedelta(seconds=rc.init_timeout_s),
-                                  p2p_timeout=timedelta(seconds=rc.init_timeout_s),
-                                  sharded_norm=None if self.owner_of is None else "global" if self.global_norm else "stage",
-                                  vocab_parallel=self.vocab_parallel)
-        self.reducer = Reducer(self.groups, topo, tied, rc.init_timeout_s, self.global_norm, owner_of=self.owner_of)
+        self.reducer = Reducer(self.groups, topo, tied, rc.init_timeout_s, self.global_norm, owner_of=self.owner_of,
+                               experts=self.experts)
         self.p2p = P2P(topo, rc.init_timeout_s, self.device, self.groups.p2p,
                        poll=polls(rc.recv_wait, self.device, ranks_on_this_node(topo.world_size)))
         self.reports = StepReports(self.groups.report, topo.dp_size, rc.init_timeout_s,
@@ -561,7 +572,8 @@ class PipelineEngine:
         """ZeRO-1: each owner sends its tensors' new weights to the other replicas (in buckets, in the same order on
         each, at this STEP); a replica waits for them, and makes the version's bf16 copies, before its first use of
         it."""
-        received = self.reducer.broadcast_from_owners({n: prm.data for n, prm in self.params.items()})
+        received = self.reducer.broadcast_from_owners({n: prm.data for n, prm in self.params.items()
+                                                        if n in self.owner_of})
 
         def settle():
             received()
@@ -742,20 +754,24 @@ class PipelineEngine:
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Newest weights merged by name on the main process (collective: every rank calls it)."""
-        return stage_state.gather_weights(self.stage, self.topo)
+        return stage_state.gather_weights(self.stage, self.topo, self.experts)
 
     def export_shards(self, folder: Path) -> list[tuple[str, dict[str, int]]] | None:
         """Each stage (data-parallel rank 0) writes its own shard of the HF folder; only names and sizes travel."""
-        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder, self.groups.vocab)
+        return stage_state.write_export_shards(self.stage, self.config, self.topo, folder, self.groups.vocab,
+                                               self.experts)
 
     def checkpoint_files(self, stager: Stager) -> list[StagedFile]:
         """This rank's part of a checkpoint, staged (the pipeline must be drained): data-parallel rank 0 of each stage
         its weights, versions and optimizer state; under ZeRO-1 each further replica the optimizer state it owns,
-        written by itself, so a checkpoint never gathers a replica's state on another rank. Others: nothing."""
-        if self.topo.dp_rank == 0 or self.owner_of is not None:
+        written by itself, so a checkpoint never gathers a replica's state on another rank. With the experts sharded,
+        the first block of replicas gathers their slices (weights, versions, optimizer state) into replica 0's files,
+        one tensor at a time, so a checkpoint holds every expert whole. Others: nothing."""
+        if self.topo.dp_rank == 0 or self.owner_of is not None or (self.experts is not None and self.experts.block == 0):
             return stage_state.stage_files(stager, self.topo.stage, self.stage, self.optimizer, self.scheduler,
                                            self.versions, {"nonfinite_skipped": self.nonfinite_skipped},
-                                           replica=self.topo.dp_rank)
+                                           replica=self.topo.dp_rank, experts=self.experts,
+                                           zero=self.owner_of is not None)
         return []
 
     def save(self, tmp: Path) -> None:
@@ -769,10 +785,11 @@ class PipelineEngine:
         """Restore this stage from a checkpoint of any number of stages (matched by parameter name); on an unchanged
         split this rank reads only its own stage's files."""
         meta = stage_state.load_stage(path, self.stage, self.optimizer, self.scheduler, self.versions,
-                                       stage_index=self.topo.stage)
+                                       stage_index=self.topo.stage, experts=self.experts)
         self.nonfinite_skipped = meta["nonfinite_skipped"]
         if self.owner_of is not None:
-            keep_owned(self.optimizer, {q for n, q in self.params.items() if self.owner_of[n] == self.topo.dp_rank}, EF_KEY)
+            keep_owned(self.optimizer, {q for n, q in self.params.items()  # experts: every rank its own
+                                         if self.owner_of.get(n, self.topo.dp_rank) == self.topo.dp_rank}, EF_KEY)
 
 
 def gather_action_times(topo, seconds: dict, counts: dict) -> list[dict] | None:

@@ -27,13 +27,19 @@ from ..model.vocab_parallel import vocab_logits
 
 @torch.no_grad()
 def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor, torch.Tensor], None],
-                    weights: dict[str, torch.Tensor] | None = None) -> None:
+                    weights: dict[str, torch.Tensor] | None = None, rounds: int = 0) -> None:
     """Run each id batch ``(B, T)`` forward through the stages with the newest weights (or ``weights``: this stage's
     tensors by name); the last stage calls ``on_logits(index, logits, ids)`` for each. Every stage of a replica gets
     the same list (the ids reach only the first stage's modules and the last stage's callback). With the output
     layer cut over the stages (``vocab_parallel``) the last stage's forward gives the final hidden states, and every
-    stage's rows of the logits are gathered onto it (``vocab_logits``) before the callback."""
+    stage's rows of the logits are gathered onto it (``vocab_logits``) before the callback. ``rounds``: the most
+    batches any replica has; with the experts sharded (``pipeline.expert_parallel``) every forward's all-to-alls need
+    every replica of the block, so a replica with fewer runs its first batch again (or one token) until it has run
+    that many, its results dropped."""
     stage, p2p, topo = engine.stage, engine.p2p, engine.topo
+    real = len(batches)  # the last stage reports these; the rest fill the rounds
+    if engine.recipe.pipeline.expert_parallel > 1 and rounds > real:  # every stage: they feed each other
+        batches = list(batches) + [batches[0] if batches else torch.zeros((1, 1), dtype=torch.long)] * (rounds - real)
     stage.eval()
     leaves = weights if weights is not None else engine.versions.compute_for(engine.versions.latest)
     # before the first training step has chosen the weights held in bf16 (the evaluation of the untrained model), the
@@ -62,7 +68,8 @@ def forward_batches(engine, batches: list[torch.Tensor], on_logits: Callable[[in
                     out = vocab_logits(hidden, w, engine.groups.vocab, topo.rank_of(topo.num_stages - 1),
                                        stage.vocab.ranges[-1][1])
             if engine.last:
-                on_logits(i, out if torch.is_tensor(out) else out.logits, ids)
+                if i < real:
+                    on_logits(i, out if torch.is_tensor(out) else out.logits, ids)
         p2p.drain()
     finally:
         stage.train()
@@ -78,7 +85,9 @@ def eval_nll(engine, blocks: torch.Tensor, batch_size: int, weights: dict | None
         total[0] += nll_per_block(logits, ids).sum()
         total[1] += ids[:, 1:].numel()
 
-    forward_batches(engine, [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)], add, weights)
+    most = -(-len(blocks) // topo.dp_size)  # replica 0's blocks, the most any replica has
+    forward_batches(engine, [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)], add, weights,
+                    rounds=-(-most // batch_size))
     dist.all_reduce(total)
     return float(total[0]), int(total[1])
 
@@ -88,8 +97,11 @@ def read_export(engine, folder: Path) -> dict[str, torch.Tensor] | None:
     the stage's device; None on every rank when any stage cannot be read alone (a layout transformers converts on
     load, such as MoE experts saved one by one). Waits for the main process to finish the folder."""
     dist.barrier()  # the main process writes the index and the config after the stages' shards
+    experts = getattr(engine, "experts", None)
     try:
         weights = {n: t.to(engine.device, torch.float32) for n, t in read_stage_tensors(engine.stage, str(folder)).items()}
+        if experts is not None:  # the folder holds every expert: this rank's slice
+            weights.update({n: weights[n][experts.local_slice(n)] for n in experts.names if n in weights})
     except KeyError:
         weights = None
     readable = torch.tensor([0 if weights is None else 1], device=engine.device)
@@ -112,13 +124,15 @@ class StageScorer:
         (``request_batches``); replica r scores batches r, r + dp, ...; the last stages fill their requests' answers
         and a sum over all ranks gives everyone all of them."""
         topo = self.engine.topo
-        batches = request_batches(requests, batch_size, pad_id, length)[topo.dp_rank :: topo.dp_size]
+        every = request_batches(requests, batch_size, pad_id, length)
+        batches = every[topo.dp_rank :: topo.dp_size]
         answers = torch.zeros(len(requests), 2, dtype=torch.float64, device=self.engine.device)
 
         def fill(i, logits, _):
             chunk, _, lengths = batches[i]
             answers[chunk] = continuation_logprobs(logits, chunk, lengths, requests)
 
-        forward_batches(self.engine, [ids for _, ids, _ in batches], fill, self.weights)
+        forward_batches(self.engine, [ids for _, ids, _ in batches], fill, self.weights,
+                        rounds=-(-len(every) // topo.dp_size))
         dist.all_reduce(answers)
         return [(logprob, greedy == 1.0) for logprob, greedy in answers.tolist()]

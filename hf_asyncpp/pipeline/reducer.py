@@ -75,11 +75,16 @@ class Reducer:
     """Per step, in order: DP all-reduce in buckets, tied-gradient sums, the global grad-norm all-reduce."""
 
     def __init__(self, groups: Groups, topo: Topology, tied_names: dict[tuple, list[str]], timeout_s: float,
-                 global_norm: bool = True, bucket_mb: float = 25.0, owner_of: dict[str, int] | None = None):
+                 global_norm: bool = True, bucket_mb: float = 25.0, owner_of: dict[str, int] | None = None,
+                 experts=None):
         """``tied_names``: per set of stages sharing tensors (as in ``Groups.ties``), this stage's names of them, in
         the same order on each of those stages. ``owner_of`` (ZeRO-1, ``pipeline/sharding.py``): the replica owning
-        each name; each bucket (one owner's) is then reduced to its owner, and a step's result holds the owned
-        gradients only, their norm summed over the owners on ``Groups.norm``."""
+        each replicated name; each bucket (one owner's) is then reduced to its owner, and a step's result holds the
+        owned gradients only, their norm summed over the owners on ``Groups.norm``. ``experts``
+        (``pipeline/experts.ExpertShard``): this rank's expert shard; its gradients stay out of the data-parallel
+        buckets (they hold every replica's tokens of the block already): summed over the replicas holding the same
+        shard where there are several, divided by the replica count, and counted in the norm by the first block
+        (the norm's sum then runs on ``Groups.norm``, as under ZeRO-1)."""
         self.groups, self.topo, self.timeout = groups, topo, timedelta(seconds=timeout_s)
         self.tied_sets = {k: v for k, v in tied_names.items() if v}
         # a shared tensor's gradient counts once in the norm: on the lowest stage holding it
@@ -91,6 +96,8 @@ class Reducer:
         self.side = self.compute = None  # CUDA (NCCL): the reducer's side stream and the executor's compute stream
         self.early: _Early | None = None  # the step whose last backward is running or has run
         self.owner_of = owner_of if groups.dp is not None else None
+        self.experts = experts
+        self.expert_names = experts.names if experts is not None else frozenset()
 
     # ------------------------------------------------------------------ the executor's calls
     def arm(self, key: int, leaves: dict[str, torch.Tensor], final: tuple[str, ...] = ()) -> bool:
@@ -105,7 +112,7 @@ class Reducer:
             return False
         early = self.early = self._plan(key, leaves)
         for n, leaf in leaves.items():
-            if leaf.requires_grad and n not in final:
+            if leaf.requires_grad and n not in final and n in early.bucket_of:
                 early.handles.append(leaf.register_post_accumulate_grad_hook(
                     lambda t, n=n: self._accumulated(early, n)))
         for n in final:
@@ -114,7 +121,7 @@ class Reducer:
 
     def _plan(self, key: int, tensors: dict[str, torch.Tensor]) -> _Early:
         """Step ``key``'s data-parallel buckets, last parameters first (backward finishes them first)."""
-        names = list(tensors)[::-1]
+        names = [n for n in list(tensors)[::-1] if n not in self.expert_names]
         return _Early(key, tensors, self._buckets(names, tensors))
 
     def after_backward(self) -> None:
@@ -287,7 +294,9 @@ class Reducer:
             early.grad_of = grads.__getitem__  # what never got a gradient holds zeros there
             self._launch(early, cuda=stream_ordered, final=True)
             buckets = early.launched
-            yield [w for _, _, w in buckets]
+            experts = self._launch_experts(grads)
+            yield [w for _, _, w in buckets] + [w for _, _, w in experts if w is not None]
+            self._finish_experts(grads, experts)
             for bucket, flat, _ in buckets:
                 if self.owner_of is not None and self.owner_of[bucket[0]] != self.topo.dp_rank:
                     for n in bucket:  # another replica's: its sum is there, this copy is dropped
@@ -303,25 +312,67 @@ class Reducer:
                  for stages, tied in self.tied_sets.items() if stages in self.groups.ties for n in tied if n in grads]
         if works:  # in the same (sorted) order on every rank
             yield works
-        counted = [grads[n] for n in names if n in grads and not (self.topo.num_stages > 1 and n in self.not_counted)]
+        counted = [grads[n] for n in names if n in grads and not (self.topo.num_stages > 1 and n in self.not_counted)
+                   and self._counts(n)]
         # per-tensor norms in the gradients' dtype (no float64 copy of any gradient), summed in float64
         sq = torch.stack(torch._foreach_norm(counted, 2)).double().pow(2).sum() if counted else \
             torch.zeros((), dtype=torch.float64, device=device)
-        if self.owner_of is not None:  # each replica has its owned tensors' part of the sum
+        if self.groups.norm is not None:  # ZeRO-1 or sharded experts: each replica has its part of the sum
             yield [dist.all_reduce(sq, group=self.groups.norm, async_op=True)]
         elif self.topo.num_stages > 1 and self.global_norm:
             yield [dist.all_reduce(sq, group=self.groups.pipe, async_op=True)]
         return grads, sq
 
-    def _buckets(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[list[str]]:
+    def _counts(self, name: str) -> bool:
+        """Whether this rank adds ``name``'s gradient to the norm's sum: where the sum runs over the replicas too
+        (``Groups.norm``: ZeRO-1 or sharded experts) an expert on the first block, a replicated tensor on replica 0
+        (ZeRO-1: on its owner, the only one holding its gradient)."""
+        if self.groups.norm is None:
+            return True
+        if name in self.expert_names:
+            return self.experts.counted
+        return self.owner_of is not None or self.topo.dp_rank == 0
+
+    def _launch_experts(self, grads: dict[str, torch.Tensor]) -> list:
+        """The expert gradients' sums over the replicas holding the same shard (one all-reduce per bucket on the
+        group of those replicas; none when the block is every replica): [(names, flat or None, work)]."""
+        if self.experts is None:
+            return []
+        names = [n for n in list(grads)[::-1] if n in self.expert_names]
+        if self.experts.replica_group is None:
+            return [(names, None, None)] if names else []
+        out = []
+        for bucket in self._buckets(names, grads, by_owner=False):
+            flat = torch.cat([grads[n].reshape(-1) for n in bucket])
+            if flat.is_cuda and self.side is not None:
+                flat.record_stream(self.compute)  # made on the side stream, read by the optimizer on the compute one
+            out.append((bucket, flat, dist.all_reduce(flat, group=self.experts.replica_group, async_op=True)))
+        return out
+
+    def _finish_experts(self, grads: dict[str, torch.Tensor], launched: list) -> None:
+        """Each expert gradient divided by the replica count: the data-parallel mean (the sum of every replica's
+        tokens over the replica count), which the dense gradients get from their all-reduce."""
+        for bucket, flat, _ in launched:
+            if flat is None:
+                torch._foreach_div_([grads[n] for n in bucket], self.topo.dp_size)
+                continue
+            flat /= self.topo.dp_size
+            off = 0
+            for n in bucket:
+                k = grads[n].numel()
+                grads[n] = flat[off: off + k].view_as(grads[n])
+                off += k
+
+    def _buckets(self, names: list[str], grads: dict[str, torch.Tensor], by_owner: bool = True) -> list[list[str]]:
         """Consecutive gradients of one dtype, at most ``bucket_bytes`` each (a larger tensor is a bucket alone)."""
         out, cur, size = [], [], 0
         for n in names:
             g = grads[n]
             nbytes = g.numel() * g.element_size()
-            owner = self.owner_of[n] if self.owner_of is not None else 0
+            owned = by_owner and self.owner_of is not None
+            owner = self.owner_of[n] if owned else 0
             if cur and (size + nbytes > self.bucket_bytes or g.dtype != grads[cur[0]].dtype
-                        or (self.owner_of is not None and owner != self.owner_of[cur[0]])):
+                        or (owned and owner != self.owner_of[cur[0]])):
                 out.append(cur)
                 cur, size = [], 0
             cur.append(n)

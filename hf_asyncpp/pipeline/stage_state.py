@@ -24,6 +24,7 @@ from ..storage import checkpoint_io as ckpt
 from ..storage.names import (optimizer_of, optimizer_parts_of, stage_file, stage_optimizer_file,
                              stage_optimizer_part_file, stage_versions_file, stage_weight_files, versions_of)
 from ..storage.staging import StagedFile, Stager
+from .experts import gather_expert_slices, gather_expert_state, take_local_rows
 from .sharding import merge_optimizer_states
 from .versions import Versions
 
@@ -35,16 +36,27 @@ def param_names(stage: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def stage_files(stager: Stager, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
-                extra: dict, replica: int = 0) -> list[StagedFile]:
+                extra: dict, replica: int = 0, experts=None, zero: bool = False) -> list[StagedFile]:
     """This rank's files of the stage, staged in one copy (tensors several files share are copied once). Replica 0
     writes the weights, the older versions and the optimizer file; a further ``replica`` (ZeRO-1, whose optimizer
-    holds the state of the tensors it owns only) writes its optimizer state alone."""
+    holds the state of the tensors it owns only) writes its optimizer state alone. ``experts``
+    (``pipeline/experts.ExpertShard``, collective over the first block of replicas): replica 0's files hold every
+    expert whole (``gather_expert_state``), so the checkpoint is the same whatever ``expert_parallel`` wrote it and
+    resumes onto any; a further replica's optimizer file (ZeRO-1) leaves its experts out. Other replicas of the block
+    (without ZeRO-1) write nothing."""
     names = param_names(stage, optimizer)  # (a new list; the scheduler's state dict below: plain values, copied)
+    weights, older, osd = stage.state_dict(), versions.state(), optimizer.state_dict()
+    if experts is not None and experts.block == 0:
+        weights, older, osd = gather_expert_state(weights, older, osd, names, experts, EF_KEY,
+                                                  dst_rank=dist.get_rank() - replica)
     if replica:
+        if not zero:
+            return []
+        if experts is not None:  # its experts' state is in replica 0's file, whole
+            osd = _without(osd, {i for i, n in enumerate(names) if n in experts.names})
         return [StagedFile(stage_optimizer_part_file(stage_index, replica), "state",
-                           {"optimizer": stager.stage(optimizer.state_dict()), "param_names": names})]
-    older = versions.state()
-    staged = stager.stage({"weights": stage.state_dict(), "older": older, "optimizer": optimizer.state_dict()})
+                           {"optimizer": stager.stage(osd), "param_names": names})]
+    staged = stager.stage({"weights": weights, "older": older, "optimizer": osd})
     files = [StagedFile(stage_file(stage_index), "tensors", staged["weights"])]
     if older:
         files.append(StagedFile(stage_versions_file(stage_index), "tensors", staged["older"]))
@@ -52,6 +64,16 @@ def stage_files(stager: Stager, stage_index: int, stage: torch.nn.Module, optimi
         "optimizer": staged["optimizer"], "param_names": names, "scheduler": copy.deepcopy(scheduler.state_dict()),
         "latest_version": versions.latest, **extra}))
     return files
+
+
+def _without(optimizer_state: dict, indices: set[int]) -> dict:
+    """An optimizer state dict without the state (and Error-Feedback buffers) of the parameters at ``indices``."""
+    out = {**optimizer_state, "state": {i: st for i, st in optimizer_state["state"].items() if i not in indices}}
+    ef = optimizer_state.get(EF_KEY)
+    if ef:
+        out[EF_KEY] = {**ef, **{k: {i: t for i, t in (ef.get(k) or {}).items() if int(i) not in indices}
+                                for k in ("prev", "diffs", "lam_of") if k in ef}}
+    return out
 
 
 def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
@@ -63,7 +85,7 @@ def save_stage(tmp: Path, stage_index: int, stage: torch.nn.Module, optimizer, s
 
 
 def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, versions: Versions,
-               stage_index: int | None = None) -> dict:
+               stage_index: int | None = None, experts=None) -> dict:
     """Restore this stage from a checkpoint of any number of stages; returns the saved extra fields. The
     optimizer's hyperparameters and Error-Feedback lambda stay the recipe's (the optimizer was built from it).
 
@@ -108,6 +130,15 @@ def load_stage(path: Path, stage: torch.nn.Module, optimizer, scheduler, version
         missing = [k for k in mine if k not in weights]
     if missing:
         raise KeyError(f"{path}: the checkpoint has no {missing[:5]}; was it written for another model?")
+    if experts is not None:  # a checkpoint holds every expert whole: this rank's rows of each (expert_parallel)
+        full = {n: weights[n].shape[0] for n in experts.names}
+        weights = {k: take_local_rows(k, t, experts, full.get(k)) for k, t in weights.items()}
+        older = {k: take_local_rows(k.split("/", 1)[1], t, experts, full.get(k.split("/", 1)[1]))
+                 for k, t in older.items()}
+        by_name = {n: {key: take_local_rows(n, t, experts, full.get(n)) for key, t in st.items()}
+                   for n, st in by_name.items()}
+        ef_by_name = {n: {key: take_local_rows(n, t, experts, full.get(n)) for key, t in st.items()}
+                      for n, st in ef_by_name.items()}
     stage.load_state_dict({k: weights[k] for k in mine}, strict=True)
     sd = optimizer.state_dict()
     names = param_names(stage, optimizer)
@@ -184,27 +215,44 @@ def _recut(files: list[Path], names: list[str], weights: dict, older: dict, by_n
                 ef_by_name[n] = cut(efs, rows)
 
 
-def gather_weights(stage: torch.nn.Module, topo) -> dict[str, torch.Tensor] | None:
+def gather_weights(stage: torch.nn.Module, topo, experts=None) -> dict[str, torch.Tensor] | None:
     """Every stage's newest weights (from data-parallel rank 0) merged by name on the main process, None elsewhere
-    (collective). For tests and one-process consumers: a run's own exports and evaluations never gather."""
-    sd = {n: t.detach().cpu().clone() for n, t in stage.state_dict().items()} if topo.dp_rank == 0 else None
+    (collective). ``experts`` (``pipeline/experts.ExpertShard``): the expert tensors' slices of the first block's
+    ranks concatenated on dim 0. For tests and one-process consumers: a run's own exports and evaluations never
+    gather."""
+    mine = None
+    if topo.dp_rank == 0 or (experts is not None and experts.block == 0):
+        sd = {n: t.detach().cpu().clone() for n, t in stage.state_dict().items()
+              if topo.dp_rank == 0 or n in experts.names}
+        mine = (topo.stage, experts.rank if experts is not None else 0, sd)
     parts = [None] * topo.world_size if topo.is_main else None
-    dist.gather_object(sd, parts, dst=0)
+    dist.gather_object(mine, parts, dst=0)
     if not topo.is_main:
         return None
-    return merge_state_dicts([p for p in parts if p is not None])
+    stages: dict[int, dict] = {}
+    for s, rank, sd in sorted((p for p in parts if p is not None), key=lambda p: p[:2]):  # by stage, then block order
+        if s not in stages:
+            stages[s] = sd
+            continue
+        for n, t in sd.items():
+            stages[s][n] = torch.cat([stages[s][n], t])
+    return merge_state_dicts([stages[s] for s in sorted(stages)])
 
 
 def write_export_shards(stage: torch.nn.Module, config, topo, folder: Path,
-                        vocab_group=None) -> list[tuple[str, dict[str, int]]] | None:
+                        vocab_group=None, experts=None) -> list[tuple[str, dict[str, int]]] | None:
     """Each stage (data-parallel rank 0) writes its own shard of an HF folder; only the file names and the tensor
     names and sizes travel to the main process, which writes the index (collective). An output layer cut over the
     stages (``vocab_group``: replica 0's stages) is gathered onto the last stage, which writes it whole under the
-    model's name (the one tensor of the export that crosses ranks: the head's weight, once)."""
+    model's name (the one tensor of the export that crosses ranks: the head's weight, once). ``experts``: the first
+    block's expert slices are gathered to its rank 0 first, one tensor at a time, so the shard holds every expert, as
+    ``from_pretrained`` reads them."""
     mine = None
+    sd = stage.state_dict()
+    if experts is not None and experts.block == 0:
+        sd.update(gather_expert_slices(sd, experts, dst_rank=topo.stage * topo.dp_size))
     if topo.dp_rank == 0:
         name = shard_file(topo.stage, topo.num_stages)
-        sd = stage.state_dict()
         if getattr(stage, "vocab", None) is not None:
             own = stage.vocab.shard_name(topo.stage)
             rows = sd.pop(own).detach().cpu()
