@@ -988,8 +988,9 @@ def part2_worker(rank: int, world: int, payload: dict) -> dict:
     eng.close()
     if rank == 0:
         from hf_asyncpp.plan.memory import plan_memory
+        from hf_asyncpp.plan.vocab import resolve_vocab_parallel
 
-        _, plan, _ = plan_memory(r)
+        _, plan, _ = plan_memory(r, vocab_parallel=resolve_vocab_parallel(r)[0])
         out["plan"] = [{"weights": s.weights, "grads": s.grads, "optimizer": s.optimizer, "ef": s.ef,
                         "activations": s.activations, "total": s.total, "inflight": s.inflight, "layers": s.layers,
                         "params": s.params} for s in plan]

@@ -24,6 +24,7 @@ import torch
 
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.plan.memory import plan_memory
+from hf_asyncpp.plan.vocab import resolve_vocab_parallel
 from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS as TERMS, agreement
 from hf_asyncpp.testing import run_workers, stage_memory_report
 
@@ -85,7 +86,8 @@ def measure_per_param(rank: int, world: int, dp: int, after: bool) -> dict:
 
 
 def predicted(name: str) -> list[dict]:
-    _, mem, _ = plan_memory(recipe(name))
+    r = recipe(name)
+    _, mem, _ = plan_memory(r, vocab_parallel=resolve_vocab_parallel(r)[0])
     return [{t: getattr(m, t) for t in (*TERMS, "recompute", "reducer")} for m in mem]
 
 

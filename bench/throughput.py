@@ -304,8 +304,10 @@ def main():
     ours_mp = best[("ours", "2bw", p)]["tps"]
 
     from hf_asyncpp.plan.memory import plan_memory
+    from hf_asyncpp.plan.vocab import resolve_vocab_parallel
 
-    _, plan, _ = plan_memory(recipe("2bw", p, m))
+    r = recipe("2bw", p, m)
+    _, plan, _ = plan_memory(r, vocab_parallel=resolve_vocab_parallel(r)[0])
     limit = 2 * single
     t1 = best[("ours", "1f1b", m)]["tps"]
     goal = TARGETS[args.model]

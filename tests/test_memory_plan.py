@@ -11,6 +11,7 @@ from hf_asyncpp.cli.plan import main
 from hf_asyncpp.config.recipe import recipe_from_dict
 from hf_asyncpp.pipeline.memtrack import MEASURED_TERMS, agreement
 from hf_asyncpp.plan.memory import plan_memory
+from hf_asyncpp.plan.vocab import resolve_vocab_parallel
 from hf_asyncpp.testing import run_workers, stage_memory_report
 from support import record_errors
 
@@ -50,7 +51,8 @@ def recipe(name: str) -> dict:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_planned_memory_within_10_percent_of_measured(name):
-    _, planned, _ = plan_memory(recipe_from_dict(recipe(name)))
+    r = recipe_from_dict(recipe(name))
+    _, planned, _ = plan_memory(r, vocab_parallel=resolve_vocab_parallel(r)[0])  # as the executor runs it
     pred = [{t: getattr(m, t) for t in MEASURED_TERMS} for m in planned]
     got = run_workers(stage_memory_report, 2, recipe(name))
     for p, g in zip(pred, got):

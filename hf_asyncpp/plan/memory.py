@@ -301,7 +301,7 @@ def received_values_per_token(anatomy, layers: range, stage: int) -> float:
 
 def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
                 layers_per_stage: list[int] | None = None, dp: int = 1,
-                vocab_parallel: bool | None = None) -> tuple[object, list[StageMemory], object]:
+                vocab_parallel: bool = False) -> tuple[object, list[StageMemory], object]:
     """(partition plan, per-stage memory, simulation result of the recipe's schedule); ``dp``: data-parallel
     replicas of each stage (the reducer's buckets exist only with more than one). With a virtual-stage schedule
     (several stages per rank) ``num_stages`` counts ranks, the plan splits the model into ranks x stages_per_rank
@@ -309,16 +309,13 @@ def plan_memory(recipe: Recipe, num_stages: int | None = None, model=None,
     (stage, microbatch) pairs at the rank's peak, each of its own stage's size. ``pipeline.expert_parallel``
     (checked against ``dp`` and the model: ``check_expert_parallel``) shards the experts' state (module doc).
     ``vocab_parallel``: the vocabulary layers shared by every stage, one shard per rank, its VOCAB passes in the
-    schedule (their deeper warm-up counts in the in-flight microbatches); None: as the recipe runs
-    (``plan.vocab.resolve_vocab_parallel``, what the executor asks)."""
+    schedule (their deeper warm-up counts in the in-flight microbatches): what the recipe runs is
+    ``plan.vocab.resolve_vocab_parallel``'s answer, the executor's (the caller asks it: that module plans with this
+    one)."""
     p = num_stages or recipe.pipeline.num_stages
     sched = planned_schedule(recipe.pipeline.schedule)
     v = sched.stages_per_rank
     model = model or meta_model(recipe)
-    if vocab_parallel is None:
-        # imported here: plan/vocab.py simulates with this module's and search's helpers, which import this one
-        from .vocab import resolve_vocab_parallel
-        vocab_parallel = resolve_vocab_parallel(recipe, model, p)[0] if v == 1 else False
     ep = recipe.pipeline.expert_parallel
     check_expert_parallel(ep, dp, model.config)
     if layers_per_stage is None:
