@@ -3,7 +3,8 @@
 For each recipe and stage count, every schedule the executor runs (2BW, 1F1B, ZB-H1, GPipe) on the recipe's own
 partition, and the virtual-stage schedules the planner simulates (interleaved 1F1B, ZBV, DualPipeV: 2 stages per GPU
 on the model split into twice the stages, balanced by FLOPs; not in the executor yet): steady-state seconds per step
-simulated from the partition's FLOPs at ``--tflops`` (the difference of a 4-step and a 2-step window, so a window's
+simulated from the partition's FLOPs at ``--tflops`` (each backward charged its forward's replay where the recipe
+checkpoints its layers; the difference of a 4-step and a 2-step window, so a window's
 fill and drain, paid once per drain point, do not count; I and W half a backward each), the bubble, the fullest
 GPU's planned memory (a stage, or a rank's two stages) and whether it fits ``--gpu-memory``, the speed against 1F1B,
 and the speed at the same loss: a 2BW step is worth ``plan.search.DELAYED_STEP_WORTH`` of a synchronous one for the
@@ -23,7 +24,7 @@ import copy
 from hf_asyncpp.cli.plan import parse_bytes
 from hf_asyncpp.config.recipe import load_recipe
 from hf_asyncpp.plan.memory import _runnable_m, meta_model, plan_memory
-from hf_asyncpp.plan.search import (DELAYED_STEP_WORTH, PLANNED_SCHEDULES, STEP_WORTH_SOURCE, flops_costs,
+from hf_asyncpp.plan.search import (DELAYED_STEP_WORTH, PLANNED_SCHEDULES, STEP_WORTH_SOURCE, flops_costs, run_costs,
                                     steady_step_time, step_worth, why_not_planned)
 from hf_asyncpp.plan.vocab import why_not_vocab_parallel
 from hf_asyncpp.schedules.records import get_schedule
@@ -64,7 +65,8 @@ def _rows(base, model, p: int, dp: int, tflops: float, gpu_memory: str, vocab: b
         m = _runnable_m(sched, p, max(rec.pipeline.num_microbatches, 1))
         costs = flops_costs(plan, rec, tflops * 1e12)
         costs.vocab *= sched.stages_per_rank  # a rank's shard: 1 / ranks of the head (the plan's are per model stage)
-        costs = costs.per_rank(sched.stage_ranks(p))
+        # as the recipe runs the layers: with activation checkpointing every backward replays its forward
+        costs = run_costs(costs, rec).per_rank(sched.stage_ranks(p))
         step, bubble = steady_step_time(sched, p, m, costs, sched.reduce_scope(rec.training.max_grad_norm),
                                         vocab_parallel=vocab)
         # the global clip: every stage's STEP waits for the norm of all stages; against each stage on its own norm

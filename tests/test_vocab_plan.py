@@ -20,10 +20,16 @@ from hf_asyncpp.schedules.simulator import simulate
 TFLOPS = 300e12
 
 
+PAPER_LAYOUT = ["--pipeline.layers_per_stage=null", "--pipeline.num_microbatches=64", "--pipeline.microbatch_size=2",
+                "--training.gradient_checkpointing=true", "--pipeline.vocab_parallel=auto"]
+"""moe-10b as the targets were set on it (8 x 2, 64 microbatches of 2 x 4096, checkpointed layers), the split left to
+the FLOPs model both ways: the recipe itself now runs 1 x 4096 microbatches unchecked (its comment says why)."""
+
+
 @pytest.fixture(scope="module")
 def moe():
     """moe-10b with its split left to the planner (each way balanced on its own)."""
-    recipe = load_recipe("recipes/moe-10b.yaml", ["--pipeline.layers_per_stage=null"])
+    recipe = load_recipe("recipes/moe-10b.yaml", PAPER_LAYOUT)
     return recipe, meta_model(recipe)
 
 
@@ -105,12 +111,12 @@ def test_auto_shares_moe_10bs_vocabulary_layers_and_refuses_what_cannot(moe):
     on, why = decide_vocab_parallel(recipe, model, 8)
     assert on and why.startswith("on: 2bw on 8 stages simulates") and "s/step" in why
     assert resolve_vocab_parallel(recipe, model, 8)[0]
-    off = load_recipe("recipes/moe-10b.yaml", ["--pipeline.layers_per_stage=null", "--pipeline.vocab_parallel=false"])
+    off = load_recipe("recipes/moe-10b.yaml", [*PAPER_LAYOUT, "--pipeline.vocab_parallel=false"])
     assert resolve_vocab_parallel(off, model, 8) == (False, "off: pipeline.vocab_parallel is false")
     for overrides, reason in ((["--pipeline.schedule=pipedream", "--pipeline.num_microbatches=1"],
                                "updates the weights per microbatch"),
                               (["--pipeline.num_stages=1"], "one stage holds")):
-        other = load_recipe("recipes/moe-10b.yaml", ["--pipeline.layers_per_stage=null", *overrides])
+        other = load_recipe("recipes/moe-10b.yaml", [*PAPER_LAYOUT, *overrides])
         assert reason in why_not_vocab_parallel(other, model)
 
 
@@ -154,3 +160,17 @@ def test_the_layout_search_weighs_each_layout_both_ways(moe):
     whole, shared = (evaluate_plan(recipe, model, 8, 2, 64, 2, None, 80e9, TFLOPS, 25e9, vocab_parallel=vocab) for vocab in (False, True))
     assert shared.layers_per_stage == [4] * 8 and whole.layers_per_stage == [4, 4, 4, 4, 4, 4, 5, 3]
     assert shared.step_s < 0.95 * whole.step_s and shared.feasible
+
+
+def test_auto_keeps_the_head_on_the_last_stage_where_the_deeper_warm_up_does_not_fit(moe):
+    """``auto`` on a GPU asks the memory model too: moe-10b as its recipe runs it (1 x 4096 microbatches, no activation
+    checkpointing) simulates faster shared, but the VOCAB passes' deeper warm-up needs 90.9 GB on stage 0 against
+    68.4 GB with the head on the last stage: off on an 80 GB GPU, on where it fits (141 GB), on without a limit."""
+    _, model = moe
+    recipe = load_recipe("recipes/moe-10b.yaml", ["--pipeline.layers_per_stage=null"])
+    assert not recipe.training.gradient_checkpointing and recipe.pipeline.microbatch_size == 1
+    on, why = decide_vocab_parallel(recipe, model, device_bytes=80e9, replicas=2)
+    assert not on and "would need 90.9 GB (without: 68.4 GB)" in why, why
+    assert decide_vocab_parallel(recipe, model, device_bytes=141e9, replicas=2)[0]
+    assert decide_vocab_parallel(recipe, model)[0]
+    assert not resolve_vocab_parallel(recipe, model, device_bytes=80e9, replicas=2)[0]

@@ -120,7 +120,7 @@ def report(recipe, args, cap: float) -> int:
     dp = max(1, gpus // p)
     model = meta_model(recipe)
     try:
-        vocab, vocab_why = resolve_vocab_parallel(recipe, model, p)
+        vocab, vocab_why = resolve_vocab_parallel(recipe, model, p, device_bytes=cap, replicas=dp)
         plan, mem, _ = plan_memory(recipe, p, model=model, dp=dp, vocab_parallel=vocab)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -145,8 +145,10 @@ class PipelineEngine:
         if recipe.training.gradient_checkpointing:
             enable_activation_checkpointing(model)  # before partitioning: the stages' layers copy the flags
         # the output layer cut over the stages, each running a VOCAB pass per microbatch (model/vocab_parallel.py)
-        # (``auto``: where the planner's simulation says it pays; the same answer on every rank)
-        self.vocab_parallel = resolve_vocab_parallel(recipe, model)[0]
+        # (``auto``: where the planner's simulation says it pays and, on a GPU, its memory model says it fits; the same
+        # answer on every rank)
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        self.vocab_parallel = resolve_vocab_parallel(recipe, model, device_bytes=device_bytes, replicas=topo.dp_size)[0]
         stages = partition_model(model, p, rc.split, seq_len=recipe.data.seq_len,
                                  fused_loss=use_fused_loss(recipe.training.fused_loss, model),
                                  vocab_parallel=self.vocab_parallel)
