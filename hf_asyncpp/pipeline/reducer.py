@@ -303,11 +303,7 @@ class Reducer:
                         del grads[n]
                     continue
                 flat /= self.topo.dp_size
-                off = 0
-                for n in bucket:
-                    k = grads[n].numel()
-                    grads[n] = flat[off: off + k].view_as(grads[n])
-                    off += k
+                _unflatten(grads, bucket, flat)
         works = [dist.all_reduce(grads[n], group=self.groups.ties[stages], async_op=True)
                  for stages, tied in self.tied_sets.items() if stages in self.groups.ties for n in tied if n in grads]
         if works:  # in the same (sorted) order on every rank
@@ -357,11 +353,7 @@ class Reducer:
                 torch._foreach_div_([grads[n] for n in bucket], self.topo.dp_size)
                 continue
             flat /= self.topo.dp_size
-            off = 0
-            for n in bucket:
-                k = grads[n].numel()
-                grads[n] = flat[off: off + k].view_as(grads[n])
-                off += k
+            _unflatten(grads, bucket, flat)
 
     def _buckets(self, names: list[str], grads: dict[str, torch.Tensor], by_owner: bool = True) -> list[list[str]]:
         """Consecutive gradients of one dtype, at most ``bucket_bytes`` each (a larger tensor is a bucket alone)."""
@@ -378,3 +370,12 @@ class Reducer:
             cur.append(n)
             size += nbytes
         return out + ([cur] if cur else [])
+
+
+def _unflatten(grads: dict[str, torch.Tensor], bucket: list[str], flat: torch.Tensor) -> None:
+    """The reduced gradients of ``bucket`` as views of its flat buffer, in the order they were concatenated."""
+    off = 0
+    for n in bucket:
+        k = grads[n].numel()
+        grads[n] = flat[off: off + k].view_as(grads[n])
+        off += k
