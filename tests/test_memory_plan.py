@@ -58,13 +58,14 @@ def test_planned_memory_with_sharded_experts_within_10_percent_of_measured():
     d["model"]["config"] = {**MOE, "num_hidden_layers": 2}  # 4 ranks on the machine's cores: the smallest split
     d["pipeline"]["expert_parallel"] = 2
     r = recipe_from_dict(d)
-    _, planned, _ = plan_memory(r, dp=2, vocab_parallel=resolve_vocab_parallel(r, replicas=2)[0])
+    vocab = resolve_vocab_parallel(r, replicas=2)[0]  # as the executor runs it
+    _, planned, _ = plan_memory(r, dp=2, vocab_parallel=vocab)
     got = run_workers(stage_memory_report, 4, d, 2)
     for rank, g in enumerate(got):  # rank = stage x 2 + replica
         p = {t: getattr(planned[rank // 2], t) for t in MEASURED_TERMS}
         assert abs(agreement(p, g) - 1) < 0.10, (rank, p, g)
     d["pipeline"]["expert_parallel"] = 1
-    whole = plan_memory(recipe_from_dict(d), dp=2, vocab_parallel=False)[1]
+    whole = plan_memory(recipe_from_dict(d), dp=2, vocab_parallel=vocab)[1]
     assert all(x.params_per_gpu < y.params_per_gpu for x, y in zip(planned, whole))
     assert all(x.weights < y.weights and x.optimizer < y.optimizer for x, y in zip(planned, whole))
 
