@@ -19,6 +19,8 @@ Speed on a 2-core CPU (docs/benchmarks/speed.md)
                                                                                   python -m bench.schedules
     schedule_anchors  our 2BW, 1F1B and ZB-H1 beside torch.distributed.pipelining's own schedules, measured
                                                                                   python -m bench.schedule_anchors
+    vocab_parallel    a head-heavy model trained with the vocabulary layers on the last stage and shared by every
+                      stage, side by side: the ratio                              python -m bench.vocab_parallel
 What one part costs (docs/benchmarks/parts.md)
     partition_overhead  a chain of stages against the plain model: work and time  python -m bench.partition_overhead
     optimizer_step    the optimizer step against forward + backward per stage, Muon against AdamW
