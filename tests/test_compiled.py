@@ -10,7 +10,7 @@ counters (``model.build.compile_counts``):
   more at its first evaluation (no grad), dense and mixture-of-experts alike (the router capture adds no guard per
   layer), then none: no graph break, no recompile, no frame left to run eagerly at the recompile limit;
 - compiled runs give the eager runs' losses, norms and weights bit for bit (2BW with Muon + EF, an MoE with its
-  router aux loss, activation checkpointing).
+  router aux loss, activation checkpointing, the output layer shared by the stages).
 """
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ from support import LLAMA, MIXTRAL, SEQ, build, make_batches, make_recipe
 # 3 layers a stage: its first layer, and two that must share one graph (a guard per layer index would split them)
 RUNS = {"dense 2bw muon+ef": ({**LLAMA, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "muon", True, False),
         "moe 2bw aux": ({**MIXTRAL, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "adamw", False, False),
-        "moe 1f1b aux checkpointed": ({**MIXTRAL, "num_hidden_layers": 6}, "1f1b", 2, 2, 2, "muon", False, True)}
+        "moe 1f1b aux checkpointed": ({**MIXTRAL, "num_hidden_layers": 6}, "1f1b", 2, 2, 2, "muon", False, True),
+        "moe 2bw aux vocab shared": ({**MIXTRAL, "num_hidden_layers": 6}, "2bw", 2, 2, 2, "muon", True, False)}
+VOCAB_SHARED = {"moe 2bw aux vocab shared"}
+"""Runs with the output layer cut over the stages (``pipeline.vocab_parallel``): the VOCAB passes run eagerly beside
+the compiled layers, and the last stage's compiled layers end at the final norm."""
 
 
 def _variant(recipe, compiled: bool, checkpointing: bool = False):
@@ -95,8 +99,8 @@ def _identical(a, b, name):
 def test_compiled_stages_compile_few_graphs_and_train_as_eager(tmp_path):
     blocks = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(7))
     jobs = []
-    for i, (*spec, ckpt) in enumerate(RUNS.values()):
-        rec = make_recipe(*spec)
+    for i, (name, (*spec, ckpt)) in enumerate(RUNS.items()):
+        rec = make_recipe(*spec, vocab=name in VOCAB_SHARED)
         batches = make_batches(4, spec[3], spec[4], seed=600 + i)
         jobs += [(_variant(rec, False, ckpt), batches, blocks, 0), (_variant(rec, True, ckpt), batches, blocks, 0)]
     # the dense run again without its evaluations: an evaluation reads the newest version's bf16 copies first (under
